@@ -1,0 +1,23 @@
+"""Exceptions for mistakes a user can make. The CLI prints these as one clear message, without a traceback."""
+
+from __future__ import annotations
+
+
+class BubblespecError(Exception):
+    """Base class of errors caused by user input (configs, model paths, plugin names, drafts)."""
+
+
+class ModelLoadError(BubblespecError, ValueError):
+    """A model folder is missing, incomplete or of an unsupported architecture."""
+
+
+class PluginNotFoundError(BubblespecError, LookupError):
+    """A plugin name that no installed entry point provides."""
+
+
+class DraftError(BubblespecError, ValueError):
+    """A malformed draft: token ids outside the vocabulary, or a key of the wrong type."""
+
+
+class RequestError(BubblespecError, ValueError):
+    """A generation request the engine cannot serve (prompt too long, ids outside the vocabulary, ...)."""

@@ -1,0 +1,106 @@
+"""Loop-based reference implementations of :mod:`bubblespec.sampling`, written for reading, not speed.
+
+Plain Python integers and floats, one scalar at a time, following DESIGN.md §4 literally. The tests check the
+vectorised functions against these on random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from bubblespec import sampling as _vectorised
+
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_gumbel(seed: tuple[int, int], position: int, token: int) -> float:
+    """G(k, i, v) for one key seed, one response position and one token id."""
+    key = hash32(seed[0] ^ hash32(seed[1] ^ _vectorised._KEY_SALT))
+    stream = hash32(key ^ hash32((position + _vectorised._POSITION_SALT) & _MASK32))
+    stream2 = hash32(stream ^ _vectorised._SECOND_WORD_SALT)
+    high = hash32(stream ^ hash32(token ^ _vectorised._VOCAB_SALT_HI))
+    low = hash32(stream2 ^ hash32(token ^ _vectorised._VOCAB_SALT_LO))
+    uniform = ((high >> 6) * (1 << 26) + (low >> 6) + 0.5) / float(1 << 52)
+    return -math.log(-math.log(uniform))
+
+
+def mask_logits(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """``mask(z / T)`` for one position: temperature, top-k, then top-p."""
+    if temperature == 0:
+        return [float(z) for z in logits]
+    scores = [float(z) / temperature for z in logits]
+    vocab = len(scores)
+    if 0 < top_k < vocab:
+        kth_largest = sorted(scores, reverse=True)[top_k - 1]
+        scores = [s if s >= kth_largest else -math.inf for s in scores]
+    if top_p < 1.0:
+        probs = _softmax(scores)
+        order = sorted(range(vocab), key=lambda v: -probs[v])  # stable: ties keep the lower id first
+        preceding = 0.0
+        for v in order:
+            if preceding >= top_p:
+                scores[v] = -math.inf
+            preceding += probs[v]
+    return scores
+
+
+def keyed_sample(
+    logits: Sequence[float], seed: tuple[int, int], position: int, temperature: float, top_k: int, top_p: float
+) -> tuple[int, float]:
+    """The keyed sample at one position and its log-probability."""
+    scores = mask_logits(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        token = max(range(len(scores)), key=lambda v: (scores[v], -v))
+    else:
+        token = max(range(len(scores)), key=lambda v: scores[v] + keyed_gumbel(seed, position, v))
+    return token, _log_softmax(scores)[token]
+
+
+def count_accepted(sampled: Sequence[int], draft: Sequence[int]) -> int:
+    """Leading draft tokens equal to the verifier's samples."""
+    accepted = 0
+    for sample, proposal in zip(sampled, draft, strict=False):
+        if sample != proposal:
+            break
+        accepted += 1
+    return accepted
+
+
+def one_hot_verify(
+    probs_per_position: Sequence[Sequence[float]], draft: Sequence[int], rng: random.Random
+) -> list[int]:
+    """One-hot verification of ``draft`` against exact per-position distributions: the emitted tokens.
+
+    ``probs_per_position[j]`` is the verifier's distribution at the position of ``draft[j]`` given the draft
+    prefix; it has one more entry than ``draft`` (the bonus position).
+    """
+    emitted = []
+    for j, probs in enumerate(probs_per_position):
+        token = rng.choices(range(len(probs)), weights=probs)[0]
+        emitted.append(token)
+        if j >= len(draft) or token != draft[j]:
+            break
+    return emitted
+
+
+def _softmax(scores: Sequence[float]) -> list[float]:
+    top = max(scores)
+    weights = [math.exp(s - top) if s != -math.inf else 0.0 for s in scores]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _log_softmax(scores: Sequence[float]) -> list[float]:
+    top = max(scores)
+    log_total = top + math.log(sum(math.exp(s - top) for s in scores if s != -math.inf))
+    return [s - log_total for s in scores]

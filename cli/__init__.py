@@ -1,0 +1,1 @@
+"""The ``bubblespec`` command line."""

@@ -1,0 +1,1 @@
+"""Bubble policies, sharding policies and draft alignment (registered as ``bubblespec.policies`` entry points)."""

@@ -1,0 +1,76 @@
+"""Shared fixtures: small random Llama/Qwen2 checkpoints written in Hugging Face format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+VOCAB = 40
+EOS = 2
+
+
+def write_checkpoint(
+    folder: Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    vocab_size: int = VOCAB,
+    context: int = 256,
+    weight_scale: float = 0.5,
+) -> Path:
+    """A random decoder saved as config.json + model.safetensors. Weights are scaled so that its next-token
+    distributions are neither flat nor one-hot, which makes sampling and verification non-trivial."""
+    from bubblespec.backends.torch_model import DecoderConfig
+    from safetensors.torch import save_file
+
+    hf_config = {
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    config = DecoderConfig.from_hf(hf_config, "fixture")
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in config.parameter_shapes().items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        else:
+            fan_in = shape[-1]
+            weights[name] = torch.randn(shape, generator=generator) * weight_scale * fan_in**-0.5 * 4
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_llama_path(tmp_path_factory) -> Path:
+    """A different random model of the same shape: its drafts are mostly wrong."""
+    return write_checkpoint(tmp_path_factory.mktemp("llama-other"), "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=2)

@@ -1,0 +1,338 @@
+"""The built-in torch engine: exactness of speculative decoding, batching, preemption, weights and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from bubblespec.backends.torch_engine import TorchEngine, TorchEngineConfig
+from bubblespec.backends.torch_model import KVCache
+
+from bubblespec import sampling_reference as reference
+from bubblespec.errors import DraftError, ModelLoadError, RequestError
+from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+
+from .conftest import EOS, VOCAB, write_checkpoint
+
+
+def _requests(num: int, seed: int = 0, max_new_tokens: int = 60, **sampling) -> list[GenerationRequest]:
+    """Requests with prompts of 1-15 tokens and mixed response budgets."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num):
+        prompt = tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 15)))
+        params = SamplingParams(max_new_tokens=rng.randint(max_new_tokens // 4, max_new_tokens), **sampling)
+        requests.append(GenerationRequest(prompt, RolloutKey(seed, 0, f"prompt-{i}", i % 3), params))
+    return requests
+
+
+def _with_drafts(requests, drafts_by_index) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(r.prompt_token_ids, r.key, r.sampling, drafts_by_index.get(i)) for i, r in enumerate(requests)
+    ]
+
+
+def _draft(request: GenerationRequest, tokens) -> Draft:
+    return Draft(request.key, tuple(tokens), policy_version=0)
+
+
+def _naive_decode(engine: TorchEngine, request: GenerationRequest) -> list[int]:
+    """Reference decoding: recompute the whole sequence every step (no cache reuse, batch of one) and pick each
+    token with the loop reference of keyed sampling."""
+    params, tokens = request.sampling, []
+    while len(tokens) < params.max_new_tokens:
+        sequence = torch.tensor([list(request.prompt_token_ids) + tokens])
+        positions = torch.arange(sequence.shape[1])[None]
+        cache = KVCache(engine.model_config, 1, sequence.shape[1], engine.model.dtype, "cpu")
+        logits = engine.model.forward(sequence, positions, cache, positions[:, -1:])[0, -1]
+        token, _ = reference.keyed_sample(
+            logits.tolist(), request.key.noise_seed(), len(tokens), params.temperature, params.top_k, params.top_p
+        )
+        tokens.append(token)
+        if token == EOS:
+            break
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engine64(llama_path) -> TorchEngine:
+    return TorchEngine.from_pretrained(llama_path, dtype="float64", max_batch_size=8)
+
+
+def test_logits_match_transformers(llama_path, qwen2_path):
+    transformers = pytest.importorskip("transformers")
+    for path in (llama_path, qwen2_path):
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        engine = TorchEngine.from_pretrained(path, dtype="float64")
+        tokens = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(11).repeat(3, 1)
+        cache = KVCache(engine.model_config, 3, 11, torch.float64, "cpu")
+        ours = engine.model.forward(tokens, positions, cache, positions)
+        with torch.no_grad():
+            theirs = hf_model(tokens).logits
+        # Hugging Face computes rotary angles in float32, hence not 1e-12.
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_batched_engine_equals_naive_decoding(engine64):
+    requests = _requests(6, seed=1, max_new_tokens=30, temperature=0.9, top_k=20, top_p=0.95)
+    results = engine64.generate(requests)
+    for request, result in zip(requests, results, strict=True):
+        assert result.token_ids == _naive_decode(engine64, request)
+
+
+def test_logprobs_are_those_of_the_sampling_distribution(engine64):
+    request = _requests(1, seed=2, max_new_tokens=12, temperature=0.8, top_k=10)[0]
+    result = engine64.generate([request])[0]
+    prefix = list(request.prompt_token_ids)
+    for i, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+        sequence = torch.tensor([prefix + result.token_ids[:i]])
+        positions = torch.arange(sequence.shape[1])[None]
+        cache = KVCache(engine64.model_config, 1, sequence.shape[1], torch.float64, "cpu")
+        logits = engine64.model.forward(sequence, positions, cache, positions[:, -1:])[0, -1].tolist()
+        expected_token, expected_logprob = reference.keyed_sample(logits, request.key.noise_seed(), i, 0.8, 10, 1.0)
+        assert token == expected_token
+        assert logprob == pytest.approx(expected_logprob, abs=1e-9)
+
+
+def test_foreign_model_drafts_give_identical_outputs_in_float64(engine64, other_llama_path):
+    """Coupled drafts from a different model: more than 1,000 generated tokens, all identical."""
+    requests = _requests(48, seed=3, max_new_tokens=80)
+    drafter = TorchEngine.from_pretrained(other_llama_path, dtype="float64", max_batch_size=48)
+    drafts = {
+        i: _draft(r, d.token_ids) for i, (r, d) in enumerate(zip(requests, drafter.generate(requests), strict=True))
+    }
+    plain = engine64.generate(requests)
+    speculative = engine64.generate(_with_drafts(requests, drafts))
+    assert sum(len(r.token_ids) for r in plain) >= 1000
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    for a, b in zip(plain, speculative, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+        assert a.finish_reason == b.finish_reason
+    assert sum(r.stats.verify_steps for r in speculative) > 0
+
+
+def test_float32_mismatch_rate_is_measured_and_small(llama_path):
+    """float32: verification over a chunk rounds differently from one-token decoding, so a near-tie may flip a
+    token. Measure how often outputs differ at all, with drafts from a slightly perturbed model."""
+    engine = TorchEngine.from_pretrained(llama_path, dtype="float32", max_batch_size=64)
+    requests = _requests(64, seed=4, max_new_tokens=80)
+    plain = engine.generate(requests)
+    drafts = {i: _draft(r, p.token_ids) for i, (r, p) in enumerate(zip(requests, plain, strict=True))}
+    generator = torch.Generator().manual_seed(0)
+    perturbed = {n: w * (1 + 1e-3 * torch.randn(w.shape, generator=generator)) for n, w in engine.model.weights.items()}
+    engine.update_weights(perturbed, version=1)
+    plain_new = engine.generate(requests)
+    speculative = engine.generate(_with_drafts(requests, drafts))
+    mismatched = sum(a.token_ids != b.token_ids for a, b in zip(plain_new, speculative, strict=True))
+    print(f"float32 mismatch rate: {mismatched}/{len(requests)} responses")
+    assert mismatched / len(requests) <= 0.05
+
+
+@pytest.mark.parametrize("kind", ["random", "empty", "too_long", "other_key", "truncated"])
+def test_garbage_drafts_never_change_outputs(engine64, kind):
+    requests = _requests(10, seed=5, max_new_tokens=40)
+    plain = engine64.generate(requests)
+    rng = random.Random(kind)
+    drafts = {}
+    for i, (request, result) in enumerate(zip(requests, plain, strict=True)):
+        if kind == "random":
+            tokens = [rng.randrange(VOCAB) for _ in range(40)]
+        elif kind == "empty":
+            tokens = []
+        elif kind == "too_long":
+            tokens = result.token_ids[:-1] + [rng.randrange(VOCAB) for _ in range(200)]
+        elif kind == "other_key":
+            tokens = plain[(i + 1) % len(plain)].token_ids
+        else:
+            tokens = result.token_ids[: len(result.token_ids) // 2]
+        drafts[i] = _draft(request, tokens)
+    speculative = engine64.generate(_with_drafts(requests, drafts))
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    assert all(len(r.token_ids) <= q.sampling.max_new_tokens for r, q in zip(speculative, requests, strict=True))
+
+
+def test_own_drafts_are_accepted_in_one_verify_step_each(engine64):
+    requests = _requests(8, seed=6, max_new_tokens=14)
+    plain = engine64.generate(requests)
+    drafts = {i: _draft(r, p.token_ids) for i, (r, p) in enumerate(zip(requests, plain, strict=True))}
+    speculative = engine64.generate(_with_drafts(requests, drafts))
+    for result in speculative:
+        assert result.stats.decode_steps == 1
+        assert result.stats.draft_tokens_accepted == result.stats.draft_tokens_proposed
+
+
+def test_outputs_do_not_depend_on_batch_composition(llama_path):
+    requests = _requests(12, seed=7, max_new_tokens=40, temperature=1.1)
+    big = TorchEngine.from_pretrained(llama_path, dtype="float64", max_batch_size=12).generate(requests)
+    small = TorchEngine.from_pretrained(llama_path, dtype="float64", max_batch_size=3)
+    alone = [small.generate([r])[0] for r in requests[:4]]
+    shuffled = small.generate(requests[::-1])[::-1]
+    assert [r.token_ids for r in shuffled] == [r.token_ids for r in big]
+    assert [r.token_ids for r in alone] == [r.token_ids for r in big[:4]]
+
+
+class _StopAfter:
+    """A stop signal that becomes set once the engine has run ``passes`` more forward passes."""
+
+    def __init__(self, engine: TorchEngine, passes: int) -> None:
+        self.engine, self.target = engine, engine.num_forward_passes + passes
+        self.set_at: int | None = None
+
+    def is_set(self) -> bool:
+        if self.set_at is None and self.engine.num_forward_passes >= self.target:
+            self.set_at = self.engine.num_forward_passes
+        return self.set_at is not None
+
+
+def test_preemption_returns_partial_results_within_one_forward_pass(engine64):
+    requests = _requests(16, seed=8, max_new_tokens=60)  # 16 requests, 8 slots: some never start
+    full = engine64.generate(requests)
+    stop = _StopAfter(engine64, passes=5)
+    partial = engine64.generate(requests, stop=stop)
+    assert engine64.num_forward_passes - stop.set_at == 0  # no pass after the signal was seen
+    assert any(r.finish_reason == "preempted" for r in partial)
+    for whole, part in zip(full, partial, strict=True):
+        assert whole.token_ids[: len(part.token_ids)] == part.token_ids
+        assert part.finish_reason in ("preempted", whole.finish_reason)
+
+
+def test_stop_ids_eos_and_max_new_tokens(engine64):
+    request = _requests(1, seed=9, max_new_tokens=50)[0]
+    free = GenerationRequest(request.prompt_token_ids, request.key, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    tokens = engine64.generate([free])[0].token_ids
+    assert len(tokens) == 50
+    stop_token = tokens[10]
+    stopped = GenerationRequest(
+        request.prompt_token_ids,
+        request.key,
+        SamplingParams(max_new_tokens=50, ignore_eos=True, stop_token_ids=(stop_token,)),
+    )
+    result = engine64.generate([stopped])[0]
+    assert result.finish_reason == "stop"
+    assert result.token_ids == tokens[: tokens.index(stop_token) + 1]
+    short = GenerationRequest(request.prompt_token_ids, request.key, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    result = engine64.generate([short])[0]
+    assert (result.token_ids, result.finish_reason) == (tokens[:7], "length")
+
+
+def test_generation_stops_at_the_context_length(tmp_path):
+    engine = TorchEngine.from_pretrained(write_checkpoint(tmp_path / "m", context=24), dtype="float64")
+    request = GenerationRequest(tuple(range(3, 13)), RolloutKey(0, 0, "p", 0), SamplingParams(ignore_eos=True))
+    result = engine.generate([request])[0]
+    assert (len(result.token_ids), result.finish_reason) == (14, "length")
+
+
+def test_update_weights_switches_to_the_new_policy(llama_path, other_llama_path):
+    requests = _requests(6, seed=10, max_new_tokens=30)
+    engine = TorchEngine.from_pretrained(llama_path, dtype="float64")
+    other = TorchEngine.from_pretrained(other_llama_path, dtype="float64")
+    before = engine.generate(requests)
+    engine.update_weights(other.model.weights, version=3)
+    assert engine.policy_version == 3
+    after = engine.generate(requests)
+    assert [r.token_ids for r in after] == [r.token_ids for r in other.generate(requests)]
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    with pytest.raises(ValueError, match="unknown weight names"):
+        engine.update_weights({"model.nonsense": torch.zeros(1)}, version=4)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({"model.norm.weight": torch.zeros(3)}, version=4)
+
+
+def test_bfloat16_generates(llama_path):
+    engine = TorchEngine.from_pretrained(llama_path, dtype="bfloat16")
+    results = engine.generate(_requests(4, seed=11, max_new_tokens=20))
+    assert all(len(r.token_ids) > 0 for r in results)
+
+
+def test_one_hot_verification_runs_and_accepts_own_drafts(llama_path):
+    engine = TorchEngine.from_pretrained(llama_path, dtype="float64", verification="one_hot")
+    requests = _requests(8, seed=12, max_new_tokens=30)
+    plain = engine.generate(requests)
+    assert all(0 < len(r.token_ids) <= q.sampling.max_new_tokens for r, q in zip(plain, requests, strict=True))
+    greedy = [
+        GenerationRequest(r.prompt_token_ids, r.key, SamplingParams(temperature=0, max_new_tokens=20)) for r in requests
+    ]
+    greedy_plain = engine.generate(greedy)
+    drafts = {i: _draft(r, p.token_ids) for i, (r, p) in enumerate(zip(greedy, greedy_plain, strict=True))}
+    greedy_spec = engine.generate(_with_drafts(greedy, drafts))
+    assert [r.token_ids for r in greedy_spec] == [r.token_ids for r in greedy_plain]
+    assert all(r.stats.decode_steps <= 2 for r in greedy_spec)
+
+
+def test_out_of_vocabulary_drafts_are_refused(engine64):
+    request = _requests(1)[0]
+    for bad in ([VOCAB], [-1], [3, 4, VOCAB + 100]):
+        with pytest.raises(DraftError, match=rf"token ids must be integers in \[0, {VOCAB}\)"):
+            engine64.generate(_with_drafts([request], {0: _draft(request, bad)}))
+    with pytest.raises(TypeError, match="RolloutKey"):
+        Draft(("not", "a", "key"), (1, 2), policy_version=0)
+
+
+def test_bad_requests_are_refused_with_the_value(engine64):
+    key = RolloutKey(0, 0, "p", 0)
+    with pytest.raises(RequestError, match="outside"):
+        engine64.generate([GenerationRequest((3, VOCAB), key)])
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine64.generate([GenerationRequest((), key)])
+    with pytest.raises(RequestError, match="256 tokens"):
+        engine64.generate([GenerationRequest(tuple([3] * 300), key)])
+
+
+def test_bad_model_paths_and_settings_are_refused(tmp_path, llama_path):
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        TorchEngine.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        TorchEngine.from_pretrained(tmp_path)
+    unsupported = tmp_path / "gpt2"
+    shutil.copytree(llama_path, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported.*llama, qwen2"):
+        TorchEngine.from_pretrained(unsupported)
+    with pytest.raises(ValueError, match="dtype"):
+        TorchEngineConfig(model_path=str(llama_path), dtype="float16")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        TorchEngineConfig(model_path=str(llama_path), max_batch_size=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RequestError, match="no CUDA device"):
+            TorchEngine.from_pretrained(llama_path, device="cuda")
+
+
+def test_one_hot_engine_with_drafts_matches_the_exact_sequence_distribution(tmp_path):
+    """The engine's one-hot verification against exact enumeration on a 4-token vocabulary."""
+    path = write_checkpoint(tmp_path / "tiny-vocab", vocab_size=4, seed=5, weight_scale=0.3)
+    engine = TorchEngine.from_pretrained(path, dtype="float64", verification="one_hot", max_batch_size=1024)
+    prompt, length, trials = (1, 3), 3, 12_000
+    params = SamplingParams(temperature=1.0, max_new_tokens=length, ignore_eos=True)
+    draft_tokens = (3, 3, 0)
+    requests = [
+        GenerationRequest(prompt, key := RolloutKey(0, 0, "p", i), params, Draft(key, draft_tokens, 0))
+        for i in range(trials)
+    ]
+    counts: dict[tuple[int, ...], int] = {}
+    for result in engine.generate(requests):
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    assert sum(r for r in counts.values()) == trials
+
+    def probs(prefix: list[int]) -> list[float]:
+        sequence = torch.tensor([list(prompt) + prefix])
+        positions = torch.arange(sequence.shape[1])[None]
+        cache = KVCache(engine.model_config, 1, sequence.shape[1], torch.float64, "cpu")
+        return torch.softmax(engine.model.forward(sequence, positions, cache, positions[:, -1:])[0, -1], -1).tolist()
+
+    exact = {}
+    for sequence in itertools.product(range(4), repeat=length):
+        probability = 1.0
+        for i in range(length):
+            probability *= probs(list(sequence[:i]))[sequence[i]]
+        exact[sequence] = probability
+    total_variation = 0.5 * sum(abs(counts.get(s, 0) / trials - p) for s, p in exact.items())
+    chi_square = sum((counts.get(s, 0) - trials * p) ** 2 / (trials * p) for s, p in exact.items() if trials * p > 5)
+    assert total_variation < 0.04
+    assert chi_square < 110  # about 63 degrees of freedom: p ~ 2e-4
+    assert counts.get(draft_tokens, 0) / trials < 0.5  # the draft was not simply accepted
