@@ -12,7 +12,7 @@ proposes the draft's tokens at the following positions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,6 +25,7 @@ from bubblespec.drafts import validate_draft
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import (
     FinishReason,
+    ForwardPass,
     GenerationRequest,
     GenerationResult,
     RequestStats,
@@ -132,7 +133,12 @@ class TorchEngine:
         self._cache = None
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest], stop: StopSignal | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        stop: StopSignal | None = None,
+        on_forward: Callable[[ForwardPass], None] | None = None,
+    ) -> list[GenerationResult]:
         sequences = [self._admit(i, request) for i, request in enumerate(requests)]
         results: list[GenerationResult | None] = [None] * len(sequences)
         if not sequences:
@@ -147,7 +153,7 @@ class TorchEngine:
                 break
             while waiting and len(active) < cache.keys.shape[1]:
                 active.append(waiting.pop())
-            finished = self._step(active, cache)
+            finished = self._step(active, cache, on_forward)
             for slot in sorted(finished, reverse=True):
                 sequence, reason = active[slot], finished[slot]
                 results[sequence.index] = _result(sequence, reason)
@@ -193,7 +199,7 @@ class TorchEngine:
             self._cache = cache
         return cache
 
-    def _step(self, active: list[_Sequence], cache: KVCache) -> dict[int, FinishReason]:
+    def _step(self, active: list[_Sequence], cache: KVCache, on_forward) -> dict[int, FinishReason]:
         """One forward pass over every active sequence; returns {slot: finish reason} of those that finished."""
         batch = len(active)
         drafts = [s.draft_chunk(self.config.max_draft_tokens_per_step) for s in active]
@@ -214,6 +220,8 @@ class TorchEngine:
         response_positions = torch.tensor([len(s.tokens) for s in active])[:, None] + torch.arange(width)
         logits = self.model.forward(tokens.to(self.device), positions.to(self.device), cache, select.to(self.device))
         self.num_forward_passes += 1
+        if on_forward is not None:
+            on_forward(_forward_pass(active, chunks))
         sampled, logprobs = self._sample(active, logits, response_positions)
         num_draft = torch.tensor([len(d) for d in drafts])
         accepted = sampling.count_accepted(sampled, draft_tokens.to(sampled.device), num_draft.to(sampled.device))
@@ -251,6 +259,17 @@ class TorchEngine:
             sequence.logprobs += emitted_logprobs[: len(emitted)]
             sequence.pending = [emitted[-1]]
         return finished
+
+
+def _forward_pass(active: list[_Sequence], chunks: list[list[int]]) -> ForwardPass:
+    fed = [len(chunk) for chunk in chunks]
+    starts = [s.cache_length for s in active]
+    return ForwardPass(
+        num_sequences=len(active),
+        num_tokens=sum(fed),
+        context_tokens=sum(start + n for start, n in zip(starts, fed, strict=True)),
+        attention_pairs=sum(n * start + n * (n + 1) // 2 for start, n in zip(starts, fed, strict=True)),
+    )
 
 
 def _finish(sequence: _Sequence, emitted: list[int]) -> tuple[list[int], FinishReason | None]:

@@ -192,6 +192,19 @@ class DecoderModel:
             self._fused.append(fused)
         return weights
 
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        """The leaf tensors (fused matrices included), set to require gradients, for an optimizer."""
+        fused_views = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+        leaves = [t for n, t in self.weights.items() if n.split(".")[-2] not in fused_views]
+        for fused in self._fused:
+            leaves += [t for t in fused.values() if t is not None]
+        return [t.requires_grad_() for t in leaves]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached copies of every weight by Hugging Face name."""
+        return {name: tensor.detach().clone() for name, tensor in self.weights.items()}
+
+    @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = False) -> None:
         """Copies ``weights`` (Hugging Face names) into the model; unknown names or wrong shapes are refused."""
         expected = self.config.parameter_shapes()
@@ -210,17 +223,26 @@ class DecoderModel:
             self.weights[name].copy_(tensor.detach())
 
     def forward(
-        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache, select_BW: torch.Tensor
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        cache: KVCache | None = None,
+        select_BW: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Feeds ``tokens_BT`` at ``positions_BT`` into cache slots ``[0, B)`` and returns logits [B, W, V] of
-        the chunk indices ``select_BW`` (the positions whose next token is to be sampled)."""
+        """Logits [B, W, V] at chunk indices ``select_BW`` (all indices when None).
+
+        With a cache, ``tokens_BT`` are fed at ``positions_BT`` into cache slots ``[0, B)`` and attend to
+        everything cached before them. Without one (training), each row is a whole sequence from position 0,
+        right-padded, attending causally within itself.
+        """
         w, cfg = self.weights, self.config
         batch, length = tokens_BT.shape
-        span = int(positions_BT.max()) + 1  # attend to cache positions [0, span)
         cos_BT1D, sin_BT1D = self._rope(positions_BT)
-        slots_BT = torch.arange(batch, device=self.device)[:, None].expand(batch, length)
-        # A query attends every cache position at or before its own: the causal mask by absolute position.
-        mask_B1TS = (torch.arange(span, device=self.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
+        if cache is not None:
+            span = int(positions_BT.max()) + 1  # attend to cache positions [0, span)
+            slots_BT = torch.arange(batch, device=self.device)[:, None].expand(batch, length)
+            # A query attends every cache position at or before its own: the causal mask by absolute position.
+            mask_B1TS = (torch.arange(span, device=self.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
         qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         hidden_BTH = F.embedding(tokens_BT, w["model.embed_tokens.weight"])
         for i in range(cfg.num_layers):
@@ -230,22 +252,36 @@ class DecoderModel:
             q, k, v = F.linear(x_BTH, fused["qkv"], fused["qkv_bias"]).split(qkv_sizes, dim=-1)
             q_BTND = _rotate(q.view(batch, length, cfg.num_heads, cfg.head_dim), cos_BT1D, sin_BT1D)
             k_BTND = _rotate(k.view(batch, length, cfg.num_kv_heads, cfg.head_dim), cos_BT1D, sin_BT1D)
-            cache.keys[i, slots_BT, :, positions_BT] = k_BTND
-            cache.values[i, slots_BT, :, positions_BT] = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
-            attention_BNTD = F.scaled_dot_product_attention(
-                q_BTND.transpose(1, 2),
-                cache.keys[i, :batch, :, :span],
-                cache.values[i, :batch, :, :span],
-                attn_mask=mask_B1TS,
-                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-            )
+            v_BTND = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+            gqa = cfg.num_heads != cfg.num_kv_heads
+            if cache is None:
+                attention_BNTD = F.scaled_dot_product_attention(
+                    q_BTND.transpose(1, 2),
+                    k_BTND.transpose(1, 2),
+                    v_BTND.transpose(1, 2),
+                    is_causal=True,
+                    enable_gqa=gqa,
+                )
+            else:
+                cache.keys[i, slots_BT, :, positions_BT] = k_BTND
+                cache.values[i, slots_BT, :, positions_BT] = v_BTND
+                attention_BNTD = F.scaled_dot_product_attention(
+                    q_BTND.transpose(1, 2),
+                    cache.keys[i, :batch, :, :span],
+                    cache.values[i, :batch, :, :span],
+                    attn_mask=mask_B1TS,
+                    enable_gqa=gqa,
+                )
             attention_BTH = attention_BNTD.transpose(1, 2).reshape(batch, length, -1)
             hidden_BTH = hidden_BTH + F.linear(attention_BTH, w[p + "self_attn.o_proj.weight"])
             x_BTH = self._rms_norm(hidden_BTH, w[p + "post_attention_layernorm.weight"])
             gate, up = F.linear(x_BTH, fused["gate_up"]).chunk(2, dim=-1)
             gate = F.silu(gate) * up
             hidden_BTH = hidden_BTH + F.linear(gate, w[p + "mlp.down_proj.weight"])
-        selected_BWH = torch.gather(hidden_BTH, 1, select_BW[:, :, None].expand(-1, -1, hidden_BTH.shape[-1]))
+        if select_BW is None:
+            selected_BWH = hidden_BTH
+        else:
+            selected_BWH = torch.gather(hidden_BTH, 1, select_BW[:, :, None].expand(-1, -1, hidden_BTH.shape[-1]))
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         return F.linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
 

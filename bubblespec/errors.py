@@ -21,3 +21,7 @@ class DraftError(BubblespecError, ValueError):
 
 class RequestError(BubblespecError, ValueError):
     """A generation request the engine cannot serve (prompt too long, ids outside the vocabulary, ...)."""
+
+
+class ConfigError(BubblespecError, ValueError):
+    """A run config that does not parse or validate; the message lists every problem with its field path."""

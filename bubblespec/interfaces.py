@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -135,6 +135,19 @@ class GenerationResult:
     stats: RequestStats
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardPass:
+    """What one engine forward pass computed, for cost models and metrics (see :mod:`bubblespec.clocks`)."""
+
+    num_sequences: int
+    num_tokens: int
+    """Tokens fed (prompt, last sampled token and draft tokens), padding excluded."""
+    context_tokens: int
+    """Cache positions read, summed over sequences (each sequence's context after this pass)."""
+    attention_pairs: int
+    """(query, context position) pairs attended, summed over sequences."""
+
+
 @runtime_checkable
 class StopSignal(Protocol):
     """Anything with ``is_set()``, e.g. ``threading.Event``: checked before every forward pass."""
@@ -158,8 +171,14 @@ class GenerationEngine(Protocol):
     def policy_version(self) -> int: ...
 
     def generate(
-        self, requests: Sequence[GenerationRequest], stop: StopSignal | None = None
-    ) -> list[GenerationResult]: ...
+        self,
+        requests: Sequence[GenerationRequest],
+        stop: StopSignal | None = None,
+        on_forward: Callable[[ForwardPass], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generates every request. ``stop`` is checked before each forward pass; ``on_forward`` is called after
+        each one (virtual clocks and metrics use it)."""
+        ...
 
     def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None: ...
 

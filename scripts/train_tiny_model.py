@@ -1,0 +1,260 @@
+"""Build the arithmetic task's tokenizer and pre-train the tiny Llama model that ships with bubblespec.
+
+    PYTHONPATH=. python scripts/train_tiny_model.py            # writes bubblespec/tasks/assets/tiny-arith
+
+Teacher forcing on reference responses (loss on response tokens and ``<eos>`` only), AdamW, a few minutes on
+two CPU cores. Training is deliberately short: the model should solve only part of the task, so that
+reinforcement learning has something to learn. The run is a pure function of ``--seed`` and the other flags.
+At the end it prints greedy and temperature-1 accuracy on 256 unseen prompts (``ArithmeticTask(seed=12345)``)
+and the length distribution of the reference responses. Needs ``transformers`` (a dev dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from bubblespec.tasks.arithmetic import (
+    BOS_TOKEN,
+    CONTEXT_LENGTH,
+    EOS_TOKEN,
+    MAX_DIGITS,
+    PAD_TOKEN,
+    UNK_TOKEN,
+    ArithmeticTask,
+    build_tokenizer,
+    sample_operands,
+)
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (prompt and padding)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ArithmeticTask.model_path())
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=1200, help="optimizer steps (the accuracy knob)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--eval-seed", type=int, default=12345)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def tiny_llama_config(task: ArithmeticTask) -> LlamaConfig:
+    """A ~0.8M-parameter Llama with grouped-query attention (4 query heads share 2 key-value heads)."""
+    return LlamaConfig(
+        vocab_size=task.vocab_size,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        max_position_embeddings=CONTEXT_LENGTH,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=task.bos_token_id,
+        eos_token_id=task.eos_token_id,
+        pad_token_id=task.pad_token_id,
+    )
+
+
+def training_batches(task: ArithmeticTask, rng: random.Random, batch_size: int, batches_per_pool: int = 16):
+    """Endless (input_ids_BT, attention_mask_BT, labels_BT) batches of fresh problems.
+
+    Problems are drawn a pool at a time and sorted by length before batching, so that long-tailed lengths do
+    not make every batch as long as its longest member.
+    """
+    while True:
+        pool = [task.make_prompt(*sample_operands(rng), uid="train") for _ in range(batch_size * batches_per_pool)]
+        examples = sorted(((p.token_ids, task.reference_response_ids(p)) for p in pool), key=_total_length)
+        chunks = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield collate(chunk, task.pad_token_id)
+
+
+def _total_length(example: tuple[tuple[int, ...], list[int]]) -> int:
+    return len(example[0]) + len(example[1])
+
+
+def collate(examples, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + response sequences; labels only on the response (``<eos>`` included)."""
+    max_length = max(_total_length(e) for e in examples)
+    input_ids_BT = torch.full((len(examples), max_length), pad_token_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(examples), max_length), dtype=torch.long)
+    labels_BT = torch.full((len(examples), max_length), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt_ids, response_ids) in enumerate(examples):
+        sequence = [*prompt_ids, *response_ids]
+        input_ids_BT[row, : len(sequence)] = torch.tensor(sequence)
+        attention_mask_BT[row, : len(sequence)] = 1
+        labels_BT[row, len(prompt_ids) : len(sequence)] = torch.tensor(response_ids)
+    return input_ids_BT, attention_mask_BT, labels_BT
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def train(model: LlamaForCausalLM, task: ArithmeticTask, args: argparse.Namespace) -> None:
+    """Teacher-forced pre-training on reference responses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    batches = training_batches(task, random.Random(f"train\x1f{args.seed}"), args.batch_size)
+    model.train()
+    start, running_loss = time.perf_counter(), 0.0
+    for step in range(args.steps):
+        input_ids_BT, attention_mask_BT, labels_BT = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running_loss += loss.item()
+        if (step + 1) % 100 == 0:
+            elapsed = time.perf_counter() - start
+            print(
+                f"step {step + 1:5d}  loss {running_loss / 100:.4f}  lr {learning_rate(step, args):.2e}  "
+                f"{elapsed:6.0f}s",
+                flush=True,
+            )
+            running_loss = 0.0
+    model.eval()
+
+
+@torch.no_grad()
+def generate_responses(model, task: ArithmeticTask, prompts, do_sample: bool, batch_size: int = 64):
+    """Response ids (up to and including ``<eos>``) for each prompt, with ``model.generate``."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].token_ids))
+    responses: list[list[int]] = [[] for _ in prompts]
+    for first in range(0, len(order), batch_size):
+        indices = order[first : first + batch_size]
+        max_prompt = max(len(prompts[i].token_ids) for i in indices)
+        input_ids_BT = torch.full((len(indices), max_prompt), task.pad_token_id, dtype=torch.long)
+        attention_mask_BT = torch.zeros_like(input_ids_BT)
+        for row, i in enumerate(indices):  # left padding, so every response starts at column max_prompt
+            ids = prompts[i].token_ids
+            input_ids_BT[row, max_prompt - len(ids) :] = torch.tensor(ids)
+            attention_mask_BT[row, max_prompt - len(ids) :] = 1
+        sampling = (
+            {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
+        )
+        output_BT = model.generate(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            max_new_tokens=task.max_new_tokens,
+            eos_token_id=task.eos_token_id,
+            pad_token_id=task.pad_token_id,
+            **sampling,
+        )
+        for row, i in enumerate(indices):
+            responses[i] = _until_eos(output_BT[row, max_prompt:].tolist(), task.eos_token_id)
+    return responses
+
+
+def _until_eos(token_ids: list[int], eos_token_id: int) -> list[int]:
+    return token_ids[: token_ids.index(eos_token_id) + 1] if eos_token_id in token_ids else token_ids
+
+
+def report_accuracy(name: str, task: ArithmeticTask, prompts, responses) -> None:
+    """Overall accuracy, and accuracy by the number of digits of the longer operand."""
+    rewards = [task(p, r) for p, r in zip(prompts, responses, strict=True)]
+    lengths = sorted(map(len, responses))
+    print(
+        f"{name}: accuracy {statistics.fmean(rewards):.3f} on {len(prompts)} prompts; "
+        f"response tokens median {statistics.median(lengths)}, max {lengths[-1]}"
+    )
+    buckets = [(1, 3), (4, 6), (7, 10), (11, MAX_DIGITS)]
+    by_bucket: dict[tuple[int, int], list[float]] = {bucket: [] for bucket in buckets}
+    for prompt, reward in zip(prompts, rewards, strict=True):
+        num_digits = max(len(operand) for operand in prompt.text.rstrip("=").split("+"))
+        by_bucket[next(b for b in buckets if b[0] <= num_digits <= b[1])].append(reward)
+    print(
+        "  by digits of the longer operand: "
+        + ", ".join(
+            f"{low}-{high}: {statistics.fmean(rs):.2f} (n={len(rs)})" for (low, high), rs in by_bucket.items() if rs
+        )
+    )
+
+
+def report_reference_lengths(task: ArithmeticTask, num_prompts: int = 2000) -> None:
+    """Length distribution (tokens, ``<eos>`` included) of reference responses of the evaluation source."""
+    prompts = ArithmeticTask(seed=task.seed, prompts_per_step=num_prompts).batch(0)
+    lengths = sorted(len(task.reference_response_ids(p)) for p in prompts)
+    p95 = lengths[math.ceil(0.95 * len(lengths)) - 1]
+    print(
+        f"reference response tokens over {num_prompts} prompts: median {statistics.median(lengths)}, "
+        f"p95 {p95}, max {lengths[-1]} (bound {task.max_new_tokens})"
+    )
+
+
+def save(model: LlamaForCausalLM, task: ArithmeticTask, out: Path) -> None:
+    """Model (float32 safetensors), generation config and a tokenizer loadable by ``tokenizers`` and
+    ``transformers`` (4.x and 5.x)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.bos_token_id = task.bos_token_id
+    model.generation_config.eos_token_id = task.eos_token_id
+    model.generation_config.pad_token_id = task.pad_token_id
+    model.generation_config.max_new_tokens = task.max_new_tokens
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only; it ships as package data
+    add_top_level_rope_theta(out / "config.json")
+    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(), model_max_length=CONTEXT_LENGTH, **special
+    )
+    hf_tokenizer.save_pretrained(out)
+    # transformers 5 writes its own class name; the base fast-tokenizer class loads in both 4.x and 5.x.
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+
+
+def add_top_level_rope_theta(config_path: Path) -> None:
+    """transformers 5 keeps ``rope_theta`` inside ``rope_parameters``; readers written for 4.x (and engines
+    that read config.json by hand) look for it at the top level, so write it in both places."""
+    config = json.loads(config_path.read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    task = ArithmeticTask(seed=args.eval_seed, prompts_per_step=args.eval_prompts)
+    model = LlamaForCausalLM(tiny_llama_config(task)).to(torch.float32)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
+    start = time.perf_counter()
+    train(model, task, args)
+    print(f"training took {time.perf_counter() - start:.0f}s", flush=True)
+    save(model, task, args.out)
+    print(f"saved to {args.out}")
+
+    prompts = task.batch(0)  # ArithmeticTask(seed=eval_seed): not the training stream
+    report_accuracy("greedy", task, prompts, generate_responses(model, task, prompts, do_sample=False))
+    torch.manual_seed(args.seed)
+    report_accuracy("temperature 1.0", task, prompts, generate_responses(model, task, prompts, do_sample=True))
+    report_reference_lengths(task)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The command line and plugin discovery."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from bubblespec import plugins
+from bubblespec.cli.main import app
+from bubblespec.errors import PluginNotFoundError
+
+runner = CliRunner()
+
+
+def test_help_imports_no_heavy_modules():
+    code = (
+        "import sys; from bubblespec.cli.main import app; from typer.testing import CliRunner; "
+        "result = CliRunner().invoke(app, ['--help']); assert result.exit_code == 0, result.output; "
+        "heavy = [m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plugins_lists_the_builtins_by_kind():
+    result = runner.invoke(app, ["plugins"])
+    assert result.exit_code == 0, result.output
+    assert "torch" in result.output and "TorchEngine" in result.output
+    assert "arithmetic" in result.output
+
+
+def test_loading_plugins():
+    from bubblespec.backends.torch_engine import TorchEngine
+
+    assert plugins.load("backends", "torch") is TorchEngine
+    with pytest.raises(PluginNotFoundError, match=r"unknown backends plugin 'nope'; available: .*torch"):
+        plugins.load("backends", "nope")
+    with pytest.raises(PluginNotFoundError, match="kinds: backends, draft_stores, policies, tasks"):
+        plugins.available("engines")
+
+
+def test_unknown_bench_target_is_a_clear_error():
+    result = runner.invoke(app, ["bench", "nonsense"])
+    assert result.exit_code == 2
+    assert "unknown benchmark target 'nonsense'; available: engine" in result.output
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_writes_every_reported_number(tmp_path):
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "engine", "--quick", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for name in ("hf_generate_tokens_per_s", "engine_tokens_per_s", "speedup_with_draft"):
+        assert set(report[name]) == {"1", "16"} and all(v > 0 for v in report[name].values())
+    assert report["decode_steps_with_draft"] < report["decode_steps_no_draft"]
+    assert 0 < report["decode_step_reduction"] < 1
+    assert report["acceptance_length_mean"] > 1
+    assert report["float64_identical"] is True
+    assert 0 <= report["float32_mismatch_rate"] <= 1
+    assert report["policy_update"]["max_relative_weight_change"] > 0
