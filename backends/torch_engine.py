@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
 from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import sampling
+from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
 from bubblespec.drafts import validate_draft
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import (

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bubblespec.backends.torch_engine import TorchEngine
 
+from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
 from bubblespec.tasks.arithmetic import ArithmeticTask
 

@@ -38,19 +38,58 @@ def user_errors(command):
 @user_errors
 def plugins() -> None:
     """List the installed plugins (engine backends, draft stores, policies, tasks) by kind."""
-    from rich.console import Console
-    from rich.table import Table
-
     from bubblespec.plugins import KINDS, available
 
-    table = Table("kind", "name", "provided by")
     for kind in KINDS:
+        typer.secho(kind, bold=True)
         found = available(kind)
-        if not found:
-            table.add_row(kind, "-", "(none installed)")
+        width = max((len(name) for name in found), default=0)
         for name, entry_point in found.items():
-            table.add_row(kind, name, entry_point.value)
-    Console().print(table)
+            typer.echo(f"  {name:<{width}}  {entry_point.value}")
+        if not found:
+            typer.echo("  (none installed)")
+
+
+@app.command()
+@user_errors
+def validate(
+    config_path: Annotated[Path, typer.Argument(help="A run config (YAML).", metavar="CONFIG")],
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+) -> None:
+    """Check a run config: print it resolved (defaults filled in), or every error with its field path."""
+    import yaml
+
+    from bubblespec.config import load_config
+
+    config = load_config(config_path, overrides or [])
+    typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
+
+
+@app.command()
+@user_errors
+def run(
+    config_path: Annotated[Path | None, typer.Argument(help="A run config (YAML).", metavar="CONFIG")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this run directory.")] = None,
+) -> None:
+    """Run synchronous RL with bubble-time drafting, as the config says."""
+    from bubblespec.config import load_config
+    from bubblespec.launch import run as run_config
+    from bubblespec.run_dir import RunDirectory
+
+    if resume is not None:
+        if config_path is not None or overrides:
+            raise typer.BadParameter("--resume takes the config saved in the run directory; give no CONFIG or --set")
+        config = RunDirectory(resume).load_config()
+    elif config_path is None:
+        raise typer.BadParameter("give a CONFIG file, or --resume RUN_DIR")
+    else:
+        config = load_config(config_path, overrides or [])
+    from bubblespec.progress import StepPrinter
+
+    with StepPrinter(config) as printer:
+        summary = run_config(config, resume_dir=resume, on_step=printer.step)
+        printer.summary(summary, resume or config.run_dir)
 
 
 @app.command()

@@ -24,8 +24,9 @@ def write_checkpoint(
 ) -> Path:
     """A random decoder saved as config.json + model.safetensors. Weights are scaled so that its next-token
     distributions are neither flat nor one-hot, which makes sampling and verification non-trivial."""
-    from bubblespec.backends.torch_model import DecoderConfig
     from safetensors.torch import save_file
+
+    from bubblespec.backends.torch_model import DecoderConfig
 
     hf_config = {
         "model_type": model_type,

@@ -1,0 +1,111 @@
+"""Clocks (DESIGN.md §6). ``wall`` is real time. ``virtual`` charges every engine forward pass by a cost model so
+that a cluster can be simulated deterministically on a small machine: the tokens, acceptance and decode steps
+are real, only time is modelled.
+
+A cost profile is a roofline: ``fixed + max(bytes moved / bandwidth, flops / peak)`` per forward pass, where
+bytes are the weights plus the KV cache read, and flops are the matrix products of every fed token plus
+attention over every (query, context) pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bubblespec.interfaces import ForwardPass
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    name: str
+    description: str
+    fixed_s: float
+    """Per forward pass: launch, scheduling and sampling overhead."""
+    weight_bytes: float
+    kv_bytes_per_context_token: float
+    flops_per_token: float
+    attention_flops_per_pair: float
+    bandwidth_bytes_per_s: float
+    flops_per_s: float
+    train_flops_per_token: float
+    """Forward + backward flops per trained token (about 3x the forward)."""
+    train_fixed_s: float
+    weight_sync_s: float
+    """Seconds to broadcast new weights to every rank."""
+
+    def forward_seconds(self, forward: ForwardPass) -> float:
+        memory = (self.weight_bytes + self.kv_bytes_per_context_token * forward.context_tokens) / (
+            self.bandwidth_bytes_per_s
+        )
+        compute = (
+            self.flops_per_token * forward.num_tokens + self.attention_flops_per_pair * forward.attention_pairs
+        ) / self.flops_per_s
+        return self.fixed_s + max(memory, compute)
+
+    def train_seconds(self, num_tokens: int, num_workers: int) -> float:
+        return self.train_fixed_s + self.train_flops_per_token * num_tokens / (self.flops_per_s * num_workers)
+
+
+def _h100_7b() -> CostProfile:
+    """A Qwen2.5-7B-shaped model (7.6e9 parameters, 28 layers, 4 KV heads of 128, hidden 3584) in bfloat16 on one
+    H100 SXM (3.35 TB/s HBM, 989 TFLOP/s dense bf16), at 70% of peak bandwidth and 50% of peak flops."""
+    parameters, layers, kv_dim, hidden = 7.6e9, 28, 4 * 128, 3584
+    return CostProfile(
+        name="h100-7b",
+        description=_h100_7b.__doc__.strip(),
+        fixed_s=1.5e-3,
+        weight_bytes=2 * parameters,
+        kv_bytes_per_context_token=2 * layers * kv_dim * 2,  # keys and values, bf16
+        flops_per_token=2 * parameters,
+        attention_flops_per_pair=4 * layers * hidden,  # q.k and p.v per (query, context) pair
+        bandwidth_bytes_per_s=0.7 * 3.35e12,
+        flops_per_s=0.5 * 989e12,
+        train_flops_per_token=6 * parameters,
+        train_fixed_s=0.5,
+        weight_sync_s=2 * parameters / 50e9,  # over a 50 GB/s interconnect
+    )
+
+
+def _cpu_tiny() -> CostProfile:
+    """The built-in torch engine on the shipped tiny model, one thread of a shared x86 CPU core, fitted to
+    timed forward passes (``python benchmarks/calibrate_cpu.py``). The CPU engine is overhead bound, so the
+    profile is linear: a fixed cost per pass plus a cost per token and per attended (query, context) pair."""
+    return CostProfile(
+        name="cpu-tiny",
+        description=_cpu_tiny.__doc__.strip(),
+        fixed_s=1.2e-3,
+        weight_bytes=0.0,
+        kv_bytes_per_context_token=0.0,
+        flops_per_token=25e-6,
+        attention_flops_per_pair=2e-8,
+        bandwidth_bytes_per_s=1.0,
+        flops_per_s=1.0,
+        train_flops_per_token=150e-6,
+        train_fixed_s=0.02,
+        weight_sync_s=0.005,
+    )
+
+
+PROFILES = {profile.name: profile for profile in (_h100_7b(), _cpu_tiny())}
+
+
+class VirtualTimeline:
+    """One rank's virtual time: advanced by each forward pass it runs (pass it as ``on_forward``)."""
+
+    def __init__(self, profile: CostProfile, start: float = 0.0) -> None:
+        self.profile = profile
+        self.now = start
+        self.forward_passes = 0
+
+    def __call__(self, forward: ForwardPass) -> None:
+        self.now += self.profile.forward_seconds(forward)
+        self.forward_passes += 1
+
+
+class DeadlineStop:
+    """A stop signal that is set once ``timeline`` has reached ``deadline``: the virtual barrier."""
+
+    def __init__(self, timeline: VirtualTimeline, deadline: float) -> None:
+        self.timeline, self.deadline = timeline, deadline
+
+    def is_set(self) -> bool:
+        return self.timeline.now >= self.deadline

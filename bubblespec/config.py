@@ -1,0 +1,217 @@
+"""The run configuration: one pydantic model loaded from YAML, each component taking its own section.
+
+Every field has a type with its constraints and a docstring; unknown keys are errors. Plugin names (backend,
+draft store, policies, task) are checked against what is installed. ``bubblespec validate config.yaml`` prints
+the resolved config or every error with its field path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from bubblespec.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+def _installed(kind: str, name: str, role: str | None = None) -> str:
+    """Validator helper: ``name`` must be an installed plugin of ``kind`` (and of ``role``, for policies)."""
+    from bubblespec import plugins
+
+    found = plugins.available(kind)
+    if role is not None:
+        found = {n: ep for n, ep in found.items() if getattr(plugins.load(kind, n), "role", None) == role}
+    if name not in found:
+        label = f"{role} policy" if role else kind.rstrip("s").replace("_", " ")
+        raise ValueError(f"unknown {label} {name!r}; available: {', '.join(found) or 'none installed'}")
+    return name
+
+
+class TaskConfig(Section):
+    name: str = "arithmetic"
+    """Task plugin (entry point group ``bubblespec.tasks``): the prompt source and reward function."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Distinct prompts in each step's rollout batch."""
+    samples_per_prompt: int = Field(4, ge=1)
+    """Responses per prompt (the GRPO group size)."""
+    seed: int = 0
+    """Seed of the task's prompt stream; batch(step) is a pure function of it."""
+
+    @field_validator("name")
+    @classmethod
+    def _task_installed(cls, name: str) -> str:
+        return _installed("tasks", name)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A local Hugging Face model folder; empty means the model the task ships with."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """Weights and activations of rollout engines and trainer (float64: bit-identical speculation)."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    top_k: int = Field(0, ge=0)
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Keep the smallest set of tokens with this much probability; 1 keeps all."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Longest response; empty means the task's recommendation."""
+
+
+class RolloutConfig(Section):
+    backend: str = "torch"
+    """Engine backend plugin (entry point group ``bubblespec.backends``)."""
+    num_ranks: int = Field(2, ge=1)
+    """Data-parallel rollout ranks (one engine each)."""
+    threads_per_rank: int = Field(1, ge=1)
+    """torch threads per rank; more than cores / ranks oversubscribes the CPU and is much slower."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences one engine decodes together."""
+    max_draft_tokens_per_step: int = Field(16, ge=1)
+    """Draft tokens one sequence verifies per forward pass."""
+    verification: Literal["coupled", "one_hot"] = "coupled"
+    """coupled: keyed sampling, identical outputs with and without drafts; one_hot: exact in distribution."""
+    sampling: SamplingConfig = SamplingConfig()
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_installed(cls, name: str) -> str:
+        return _installed("backends", name)
+
+
+class SpeculationConfig(Section):
+    enabled: bool = True
+    """Draft the next step in the bubble and verify those drafts; off gives plain synchronous RL."""
+    draft_store: str = "memory"
+    """Draft store plugin (entry point group ``bubblespec.draft_stores``)."""
+    bubble_policy: str = "coverage-first"
+    """Which keys an idle rank drafts first (a bubble policy plugin)."""
+    sharding_policy: str = "round-robin"
+    """How a step's requests are split across ranks (a sharding policy plugin)."""
+    draft_during_training: bool = False
+    """Also draft while the trainer runs. Only right when rollout ranks and trainer use separate hardware:
+    then the training phase is a bubble for the ranks too."""
+
+    @field_validator("draft_store")
+    @classmethod
+    def _store_installed(cls, name: str) -> str:
+        return _installed("draft_stores", name)
+
+    @field_validator("bubble_policy")
+    @classmethod
+    def _bubble_policy_installed(cls, name: str) -> str:
+        return _installed("policies", name, role="bubble")
+
+    @field_validator("sharding_policy")
+    @classmethod
+    def _sharding_policy_installed(cls, name: str) -> str:
+        return _installed("policies", name, role="sharding")
+
+
+class TrainerConfig(Section):
+    learning_rate: float = Field(3e-4, gt=0)
+    """Adam learning rate."""
+    num_workers: int = Field(1, ge=1)
+    """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
+    clip_epsilon: float = Field(0.2, gt=0)
+    """PPO/GRPO ratio clipping."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Gradient-norm clipping; empty disables it."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer runs."""
+
+
+class ClockConfig(Section):
+    kind: Literal["wall", "virtual"] = "wall"
+    """wall: real time and real concurrency. virtual: every forward pass is charged by a cost model and the
+    cluster is simulated deterministically (tokens, acceptance and decode steps stay real)."""
+    profile: Literal["cpu-tiny", "h100-7b"] = "cpu-tiny"
+    """Cost model of the virtual clock: calibrated on this CPU engine, or a 7B model on one H100-class GPU."""
+
+
+class RayConfig(Section):
+    address: str | None = None
+    """An existing Ray cluster ("auto" or "ray://host:port"); empty starts a local Ray and stops it at the end."""
+    http_proxy: bool = False
+    """Start Ray Serve's HTTP proxy (only needed to reach ranks over HTTP)."""
+
+
+class RunConfig(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of the run; its directory is ``output_dir/name``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 0
+    """Run seed: part of every rollout key, so it fixes every sample."""
+    num_steps: int = Field(10, ge=1)
+    """Synchronous RL steps."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Write a checkpoint every N steps (and after the last)."""
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    clock: ClockConfig = ClockConfig()
+    ray: RayConfig = RayConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Applies ``a.b=c`` overrides (values parsed as YAML scalars) to a nested dict."""
+    for override in overrides:
+        path, sep, raw = override.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"override {override!r} must look like section.field=value")
+        node = data
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {override!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Reads a YAML config (safely), applies overrides and validates; every problem becomes a ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return validate(apply_overrides(data, overrides or []), source=str(path))
+
+
+def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: {error.error_count()} error(s)"]
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        given = problem.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"  {where}: {problem['msg']}{shown}")
+    return "\n".join(lines)

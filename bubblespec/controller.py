@@ -1,0 +1,190 @@
+"""The synchronous RL loop with bubble-time drafting (DESIGN.md §5).
+
+    for step t:
+        requests of B_t (+ drafts from the store) --shard--> ranks generate with pi_t, verifying drafts
+        idle ranks draft the keys of B_t+1 (bubble policy order) with pi_t until the barrier
+        train on the samples of step t (never on drafts) --> pi_t+1 --> weights to every rank
+
+The controller is the same for every clock and cluster: rank pools and trainers are passed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from bubblespec.config import RunConfig
+from bubblespec.interfaces import BubblePolicy, DraftStore, GenerationResult, Prompt, RolloutKey, SamplingParams
+from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+from bubblespec.run_dir import RunDirectory
+from bubblespec.trainer import TrainSample
+
+
+class RankPool(Protocol):
+    num_ranks: int
+
+    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome: ...
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
+        ...
+
+
+class Trainer(Protocol):
+    def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
+        """One optimizer step: (metrics, new weights, seconds it took)."""
+        ...
+
+    def checkpoint_state(self) -> dict: ...
+
+    def load_checkpoint_state(self, state: dict) -> None: ...
+
+
+@dataclass
+class Components:
+    """What the controller drives; built by :mod:`bubblespec.launch` for the configured clock and cluster."""
+
+    task: object  # PromptSource + RewardFn
+    ranks: RankPool
+    trainer: Trainer
+    store: DraftStore
+    bubble_policy: BubblePolicy
+    sharding_policy: object
+    sampling: SamplingParams
+
+
+class Controller:
+    def __init__(
+        self,
+        config: RunConfig,
+        parts: Components,
+        run_dir: RunDirectory,
+        on_step: Callable[[dict], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.parts = parts
+        self.run_dir = run_dir
+        self.on_step = on_step or (lambda record: None)
+
+    def run(self, start_step: int = 0) -> list[dict]:
+        records = []
+        for step in range(start_step, self.config.num_steps):
+            record = self.step(step)
+            records.append(record)
+            last = step == self.config.num_steps - 1
+            if (step + 1) % self.config.checkpoint_every == 0 or last:
+                self._checkpoint(step)
+            self.on_step(record)
+        return records
+
+    def step(self, step: int) -> dict:
+        cfg, parts = self.config, self.parts
+        prompts = parts.task.batch(step)
+        requests = step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, parts.sampling)
+        speculate = cfg.speculation.enabled
+        drafts = parts.store.get([r.key for r in requests]) if speculate else {}
+        requests = attach_drafts(requests, drafts)
+        predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
+        shards = parts.sharding_policy.shard(requests, parts.ranks.num_ranks, predicted)
+        plan = self._plan(step + 1) if speculate else DraftPlan([])
+
+        outcome = parts.ranks.rollout(shards, plan)
+        if speculate:
+            parts.store.put(outcome.drafts)
+            parts.store.drop_steps_before(step + 1)  # this step's drafts are used up
+
+        by_key = {result.key: result for result in outcome.results}
+        results = [by_key[r.key] for r in requests]  # request order, whatever the sharding
+        rewards = self._rewards(prompts, results)
+        samples = [
+            TrainSample(tuple(req.prompt_token_ids), tuple(res.token_ids), i // cfg.task.samples_per_prompt, reward)
+            for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
+        ]
+        train_metrics, weights, train_seconds = parts.trainer.train(samples)
+        if speculate and cfg.speculation.draft_during_training and plan:
+            late_drafts, _ = parts.ranks.draft(plan, train_seconds)
+            parts.store.put(late_drafts)
+            outcome.drafts += late_drafts
+        sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
+        record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
+        record["rollout_digest"] = rollout_digest(results)
+        self.run_dir.append_step(record)
+        self._latest_weights = weights
+        return record
+
+    def _plan(self, next_step: int) -> DraftPlan:
+        """The keys of the next step in bubble-policy order; empty if the source cannot say or the run ends."""
+        cfg, parts = self.config, self.parts
+        if next_step >= cfg.num_steps:
+            return DraftPlan([])
+        prompts = parts.task.peek(next_step)
+        if prompts is None:
+            return DraftPlan([])
+        requests = step_requests(prompts, cfg.seed, next_step, cfg.task.samples_per_prompt, parts.sampling)
+        predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # before any draft: prompt length
+        order = parts.bubble_policy.order([r.key for r in requests], predicted)
+        by_key = {r.key: r for r in requests}
+        return DraftPlan([by_key[k] for k in order], parts.ranks.num_ranks, cfg.rollout.max_batch_size)
+
+    def _rewards(self, prompts: list[Prompt], results: list[GenerationResult]) -> list[float]:
+        by_uid = {p.uid: p for p in prompts}
+        return [float(self.parts.task(by_uid[r.key.prompt_uid], r.token_ids)) for r in results]
+
+    def _checkpoint(self, step: int) -> None:
+        store = self.parts.store
+        pending = list(store.get(self._next_keys(step + 1)).values()) if self.config.speculation.enabled else []
+        self.run_dir.save_checkpoint(
+            step,
+            weights=self._latest_weights,
+            trainer_state=self.parts.trainer.checkpoint_state(),
+            drafts=pending,
+            state={"num_steps": self.config.num_steps, "time": time.time()},
+        )
+
+    def _next_keys(self, step: int) -> list[RolloutKey]:
+        if step >= self.config.num_steps:
+            return []
+        prompts = self.parts.task.peek(step) or []
+        cfg = self.config
+        return [r.key for r in step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, self.parts.sampling)]
+
+
+def rollout_digest(results: list[GenerationResult]) -> str:
+    """A fingerprint of a step's rollouts (keys and tokens, in request order): equal digests, equal rollouts."""
+    digest = hashlib.sha256()
+    for result in results:
+        key = result.key
+        digest.update(f"{key.run_seed}/{key.step}/{key.prompt_uid}/{key.sample_index}:".encode())
+        digest.update(",".join(map(str, result.token_ids)).encode() + b";")
+    return digest.hexdigest()
+
+
+def _step_record(step, outcome: RolloutOutcome, rewards, train_metrics, train_seconds, sync_seconds) -> dict:
+    ranks = [r.as_dict() for r in outcome.ranks]
+    generated = sum(r["shard_tokens"] for r in ranks)
+    bubble = sum(r["bubble_seconds"] for r in ranks)
+    return {
+        "step": step,
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "num_samples": len(rewards),
+        "generated_tokens": generated,
+        "decode_steps": sum(r["decode_steps"] for r in ranks),
+        "verify_steps": sum(r["verify_steps"] for r in ranks),
+        "forward_passes_max_rank": max(r["forward_passes"] for r in ranks),
+        "draft_tokens_proposed": sum(r["draft_tokens_proposed"] for r in ranks),
+        "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
+        "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(rewards), 1),
+        "bubble_seconds": bubble,
+        "bubble_utilization": sum(r["drafting_seconds"] for r in ranks) / bubble if bubble > 0 else 0.0,
+        "drafts_made": len(outcome.drafts),
+        "rollout_tokens_per_second": generated / outcome.seconds if outcome.seconds > 0 else 0.0,
+        "phase_seconds": {"rollout": outcome.seconds, "train": train_seconds, "weight_sync": sync_seconds},
+        "barrier_seconds": outcome.barrier_seconds,
+        "train": train_metrics,
+        "rewards_checksum": sum(r * (i + 1) for i, r in enumerate(rewards)),
+        "ranks": ranks,
+        "timelines": outcome.timelines,
+    }

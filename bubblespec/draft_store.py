@@ -1,0 +1,94 @@
+"""Draft stores: drafts by rollout key, with the policy version that produced them.
+
+``memory`` keeps them in the controller's process; ``ray`` keeps them in a Ray actor so that ranks on other
+nodes can put and get drafts directly. Both refuse malformed drafts, cap their size (oldest steps are evicted
+first) and drop a step's drafts once it has been used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from bubblespec.drafts import validate_draft
+from bubblespec.interfaces import Draft, RolloutKey
+
+
+class InMemoryDraftStore:
+    """A dict of drafts in this process, capped at ``max_tokens`` draft tokens in all."""
+
+    def __init__(self, vocab_size: int, max_tokens: int = 50_000_000) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self._drafts: OrderedDict[RolloutKey, Draft] = OrderedDict()
+        self._num_tokens = 0
+        self.num_evicted = 0
+
+    def put(self, drafts: Sequence[Draft]) -> None:
+        for draft in drafts:
+            validate_draft(draft, self.vocab_size)
+        for draft in drafts:
+            self._remove(draft.key)
+            self._drafts[draft.key] = draft
+            self._num_tokens += len(draft.token_ids)
+        while self._num_tokens > self.max_tokens and self._drafts:
+            self._remove(next(iter(self._drafts)))  # first in, first out: drafts arrive in step order
+            self.num_evicted += 1
+
+    def get(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
+        return {key: self._drafts[key] for key in keys if key in self._drafts}
+
+    def drop(self, keys: Sequence[RolloutKey]) -> None:
+        for key in keys:
+            self._remove(key)
+
+    def drop_steps_before(self, step: int) -> None:
+        self.drop([key for key in self._drafts if key.step < step])
+
+    def __len__(self) -> int:
+        return len(self._drafts)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def _remove(self, key: RolloutKey) -> None:
+        draft = self._drafts.pop(key, None)
+        if draft is not None:
+            self._num_tokens -= len(draft.token_ids)
+
+
+class RayDraftStore:
+    """The same store inside a Ray actor; this object is a thin, picklable client that any node can use."""
+
+    def __init__(self, vocab_size: int, max_tokens: int = 50_000_000) -> None:
+        import ray
+
+        actor_class = ray.remote(num_cpus=0)(InMemoryDraftStore)
+        self._actor = actor_class.remote(vocab_size, max_tokens)
+        self.vocab_size = vocab_size
+
+    def put(self, drafts: Sequence[Draft]) -> None:
+        # Validate here too, so the caller gets the error, not the actor's log.
+        for draft in drafts:
+            validate_draft(draft, self.vocab_size)
+        self._call("put", list(drafts))
+
+    def get(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
+        return self._call("get", list(keys))
+
+    def drop(self, keys: Sequence[RolloutKey]) -> None:
+        self._call("drop", list(keys))
+
+    def drop_steps_before(self, step: int) -> None:
+        self._call("drop_steps_before", step)
+
+    def __len__(self) -> int:
+        return self._call("__len__")
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self._actor, method).remote(*args))

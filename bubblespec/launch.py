@@ -1,0 +1,168 @@
+"""Builds the parts of a run from its config and runs it: ``bubblespec run`` in a function.
+
+The virtual clock runs every rank and the trainer in this process (a deterministic simulation of the
+cluster); the wall clock runs rollout ranks as Ray Serve deployments and the trainer on Ray Train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bubblespec import plugins
+from bubblespec.clocks import PROFILES
+from bubblespec.config import RunConfig
+from bubblespec.controller import Components, Controller
+from bubblespec.errors import ConfigError
+from bubblespec.interfaces import SamplingParams
+from bubblespec.rollout import VirtualRankPool
+from bubblespec.run_dir import RunDirectory
+from bubblespec.trainer import GRPOLearner, TrainSample
+
+
+def model_path(config: RunConfig, task) -> str:
+    if config.model.path:
+        return config.model.path
+    shipped = getattr(task, "model_path", None)
+    if shipped is None:
+        raise ConfigError(f"task {config.task.name!r} ships no model; set model.path to a Hugging Face model folder")
+    return str(shipped())
+
+
+def make_task(config: RunConfig):
+    task_class = plugins.load("tasks", config.task.name)
+    return task_class(seed=config.task.seed, prompts_per_step=config.task.prompts_per_step)
+
+
+def sampling_params(config: RunConfig, task) -> SamplingParams:
+    sampling = config.rollout.sampling
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        max_new_tokens=sampling.max_new_tokens or task.max_new_tokens,
+    )
+
+
+def engine_settings(config: RunConfig, path: str) -> dict:
+    rollout = config.rollout
+    return {
+        "model_path": path,
+        "dtype": config.model.dtype,
+        "max_batch_size": rollout.max_batch_size,
+        "max_draft_tokens_per_step": rollout.max_draft_tokens_per_step,
+        "verification": rollout.verification,
+        "num_threads": rollout.threads_per_rank,
+    }
+
+
+class LocalTrainer:
+    """The GRPO learner in this process; time is the profile's (virtual clock)."""
+
+    def __init__(self, config: RunConfig, path: str, seconds: Callable[[int], float]) -> None:
+        self.learner = GRPOLearner(path, config.model.dtype, config.trainer, config.rollout.sampling.temperature)
+        self.seconds = seconds
+
+    def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
+        metrics = self.learner.step(samples)
+        return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"])
+
+    def checkpoint_state(self) -> dict:
+        return {"optimizer": self.learner.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """``state``: a checkpoint's trainer state plus its ``weights``."""
+        self.learner.model.load_weights(state["weights"], strict=True)
+        self.learner.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_virtual(config: RunConfig) -> Components:
+    task = make_task(config)
+    path = model_path(config, task)
+    backend = plugins.load("backends", config.rollout.backend)
+    engine = backend.from_pretrained(**engine_settings(config, path))
+    profile = PROFILES[config.clock.profile]
+    trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))
+    store = plugins.load("draft_stores", config.speculation.draft_store)(vocab_size=engine.vocab_size)
+    return Components(
+        task=task,
+        ranks=VirtualRankPool(engine, config.rollout.num_ranks, profile),
+        trainer=trainer,
+        store=store,
+        bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
+        sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
+        sampling=sampling_params(config, task),
+    )
+
+
+def run(
+    config: RunConfig,
+    resume_dir: Path | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> dict:
+    """Runs (or resumes) a whole run; returns its summary."""
+    if config.clock.kind == "wall":
+        from bubblespec.ray_cluster import build_on_ray
+
+        context = build_on_ray(config)
+    else:
+        context = contextlib.nullcontext(build_virtual(config))
+    with context as parts:
+        run_dir = RunDirectory(resume_dir or config.run_dir)
+        start = 0
+        if resume_dir is None:
+            run_dir.create(config)
+        else:
+            start = _restore(run_dir, parts)
+        started = time.perf_counter()
+        controller = Controller(config, parts, run_dir, on_step)
+        controller.run(start_step=start)
+        summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
+        run_dir.write_summary(summary)
+        return summary
+
+
+def _restore(run_dir: RunDirectory, parts: Components) -> int:
+    """Loads the latest checkpoint into the parts; returns the step to continue from."""
+    checkpoint = run_dir.latest_checkpoint()
+    if checkpoint is None:
+        run_dir.truncate_steps(-1)
+        return 0
+    weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
+    step = int(state["step"])
+    parts.trainer.load_checkpoint_state(trainer_state | {"weights": weights})
+    parts.ranks.update_weights(weights, version=step + 1)
+    parts.store.put(drafts)
+    run_dir.truncate_steps(step)
+    return step + 1
+
+
+def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict:
+    if not steps:
+        return {"num_steps": 0}
+    rollout = sum(s["phase_seconds"]["rollout"] for s in steps)
+    tokens = sum(s["generated_tokens"] for s in steps)
+    decode = sum(s["decode_steps"] for s in steps)
+    verify = sum(s["verify_steps"] for s in steps)
+    accepted = sum(s["draft_tokens_accepted"] for s in steps)
+    bubble = sum(s["bubble_seconds"] for s in steps)
+    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in steps)
+    return {
+        "name": config.name,
+        "clock": config.clock.kind,
+        "speculation": config.speculation.enabled,
+        "num_steps": len(steps),
+        "reward_first": steps[0]["reward_mean"],
+        "reward_last": steps[-1]["reward_mean"],
+        "rewards": [s["reward_mean"] for s in steps],
+        "generated_tokens": tokens,
+        "decode_steps": decode,
+        "acceptance_length_mean": (accepted + verify) / verify if verify else 0.0,
+        "draft_coverage_mean": sum(s["draft_coverage"] for s in steps) / len(steps),
+        "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
+        "rollout_seconds": rollout,
+        "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
+        "wall_seconds": wall_seconds,
+    }

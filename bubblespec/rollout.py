@@ -1,0 +1,187 @@
+"""One step's rollout across ranks, with bubble-time drafting of the next step (DESIGN.md §5).
+
+The pieces every rank pool shares live here: the requests of a step, the drafting plan, and the per-rank
+record of what happened. :class:`VirtualRankPool` runs every rank in this process on the virtual clock; the
+Ray Serve pool (:mod:`bubblespec.serve_ranks`) runs them for real.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from bubblespec.clocks import CostProfile, DeadlineStop, VirtualTimeline
+from bubblespec.interfaces import (
+    Draft,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    Prompt,
+    RolloutKey,
+    SamplingParams,
+)
+
+
+def step_requests(
+    prompts: Sequence[Prompt], run_seed: int, step: int, samples_per_prompt: int, sampling: SamplingParams
+) -> list[GenerationRequest]:
+    """Every request of one step, in a fixed order: prompt by prompt, sample by sample."""
+    return [
+        GenerationRequest(tuple(prompt.token_ids), RolloutKey(run_seed, step, prompt.uid, sample), sampling)
+        for prompt in prompts
+        for sample in range(samples_per_prompt)
+    ]
+
+
+def attach_drafts(requests: Sequence[GenerationRequest], drafts: dict[RolloutKey, Draft]) -> list[GenerationRequest]:
+    return [GenerationRequest(r.prompt_token_ids, r.key, r.sampling, drafts.get(r.key)) for r in requests]
+
+
+def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
+    """Drafts from (possibly partial) responses of the drafting policy; empty ones are dropped."""
+    return [Draft(r.key, tuple(r.token_ids), policy_version) for r in results if r.token_ids]
+
+
+@dataclass
+class RankRecord:
+    """What one rank did in one step (a row of the run's per-step JSONL)."""
+
+    rank: int
+    num_requests: int = 0
+    shard_tokens: int = 0
+    forward_passes: int = 0
+    decode_steps: int = 0
+    verify_steps: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    requests_with_draft: int = 0
+    generation_seconds: float = 0.0
+    bubble_seconds: float = 0.0
+    drafting_seconds: float = 0.0
+    draft_requests: int = 0
+    draft_tokens_produced: int = 0
+    preemption_latency_seconds: float = 0.0
+
+    def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
+        self.num_requests += len(results)
+        self.requests_with_draft += sum(had_draft)
+        for result in results:
+            self.shard_tokens += len(result.token_ids)
+            self.decode_steps += result.stats.decode_steps
+            self.verify_steps += result.stats.verify_steps
+            self.draft_tokens_proposed += result.stats.draft_tokens_proposed
+            self.draft_tokens_accepted += result.stats.draft_tokens_accepted
+
+    @property
+    def draft_coverage(self) -> float:
+        return self.requests_with_draft / self.num_requests if self.num_requests else 0.0
+
+    @property
+    def bubble_utilization(self) -> float:
+        return min(self.drafting_seconds / self.bubble_seconds, 1.0) if self.bubble_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"draft_coverage": self.draft_coverage, "bubble_utilization": self.bubble_utilization}
+
+
+@dataclass
+class RolloutOutcome:
+    results: list[GenerationResult]
+    """One per request, in any order."""
+    drafts: list[Draft]
+    """Drafts made in the bubble for the next step."""
+    ranks: list[RankRecord]
+    seconds: float
+    """Rollout phase length: until the last rank finished its shard and every rank stopped drafting."""
+    barrier_seconds: float = 0.0
+    """When the last rank finished its shard."""
+    timelines: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    """Per rank: (activity, start, end) with activity in generate, draft, idle; seconds from phase start."""
+
+
+class DraftPlan:
+    """The keys of the next step to draft, in bubble-policy order, handed out in chunks to idle ranks.
+
+    A chunk is an equal share of the plan per rank (at most ``max_batch_size`` keys), so that the first rank to
+    fall idle does not take every key and leave the others nothing to draft."""
+
+    def __init__(self, requests: Sequence[GenerationRequest], num_ranks: int = 1, max_batch_size: int = 64) -> None:
+        self._requests = list(requests)
+        self._next = 0
+        self.chunk_size = max(1, min(max_batch_size, -(-len(self._requests) // num_ranks)))
+
+    def take(self) -> list[GenerationRequest]:
+        chunk = self._requests[self._next : self._next + self.chunk_size]
+        self._next += len(chunk)
+        return chunk
+
+    def __bool__(self) -> bool:
+        return self._next < len(self._requests)
+
+
+class VirtualRankPool:
+    """All ranks in this process on virtual time. Ranks hold identical weights, so one engine serves them all
+    in turn; each rank's timeline is advanced by the cost of the forward passes it ran."""
+
+    def __init__(self, engine: GenerationEngine, num_ranks: int, profile: CostProfile) -> None:
+        self.engine = engine
+        self.num_ranks = num_ranks
+        self.profile = profile
+
+    def update_weights(self, state_dict, version: int) -> float:
+        self.engine.update_weights(state_dict, version)
+        return self.profile.weight_sync_s
+
+    def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
+        timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
+        records = [RankRecord(rank) for rank in range(self.num_ranks)]
+        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
+        results: dict[RolloutKey, GenerationResult] = {}
+        for rank, shard in enumerate(shards):
+            shard_results = self.engine.generate(shard, on_forward=timelines[rank])
+            records[rank].add_results(shard_results, [r.draft is not None for r in shard])
+            records[rank].generation_seconds = timelines[rank].now
+            records[rank].forward_passes = timelines[rank].forward_passes
+            activity[rank].append(("generate", 0.0, timelines[rank].now))
+            results |= {r.key: r for r in shard_results}
+        barrier = max(t.now for t in timelines)
+        drafts = self._draft_in_bubbles(plan, timelines, records, activity, barrier)
+        end = max(max(t.now for t in timelines), barrier)
+        for rank, timeline in enumerate(timelines):
+            records[rank].bubble_seconds = barrier - records[rank].generation_seconds
+            records[rank].preemption_latency_seconds = max(timeline.now - barrier, 0.0)
+            if timeline.now < end:
+                activity[rank].append(("idle", timeline.now, end))
+        return RolloutOutcome(list(results.values()), drafts, records, end, barrier, activity)
+
+    def draft(self, plan: DraftPlan, seconds: float) -> tuple[list[Draft], list[RankRecord]]:
+        """Every rank drafts the rest of ``plan`` for ``seconds`` (the training phase, when rollout ranks and
+        trainer are on separate hardware)."""
+        timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
+        records = [RankRecord(rank) for rank in range(self.num_ranks)]
+        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
+        drafts = self._draft_in_bubbles(plan, timelines, records, activity, seconds)
+        return drafts, records
+
+    def _draft_in_bubbles(self, plan, timelines, records, activity, barrier) -> list[Draft]:
+        """The earliest idle rank takes the next chunk of the plan; a chunk still running at the barrier is
+        stopped after the forward pass that crosses it, and its partial responses are kept as drafts."""
+        drafts: list[Draft] = []
+        idle = [(t.now, rank) for rank, t in enumerate(timelines) if t.now < barrier]
+        heapq.heapify(idle)
+        while idle and plan:
+            start, rank = heapq.heappop(idle)
+            chunk = plan.take()
+            timeline = timelines[rank]
+            chunk_results = self.engine.generate(chunk, stop=DeadlineStop(timeline, barrier), on_forward=timeline)
+            made = drafts_from(chunk_results, self.engine.policy_version)
+            drafts += made
+            record = records[rank]
+            record.drafting_seconds += min(timeline.now, barrier) - start
+            record.draft_requests += len(made)
+            record.draft_tokens_produced += sum(len(d.token_ids) for d in made)
+            activity[rank].append(("draft", start, timeline.now))
+            if timeline.now < barrier:
+                heapq.heappush(idle, (timeline.now, rank))
+        return drafts

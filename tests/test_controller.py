@@ -1,0 +1,160 @@
+"""The synchronous RL loop on the virtual clock (no Ray): exactness, policies, resume and config errors."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from bubblespec.config import load_config, validate
+from bubblespec.errors import ConfigError
+from bubblespec.launch import run
+from bubblespec.run_dir import CheckpointError, RunDirectory
+
+SMALL = {
+    "num_steps": 3,
+    "checkpoint_every": 10,
+    "model": {"dtype": "float64"},
+    "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
+    "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
+    "clock": {"kind": "virtual", "profile": "h100-7b"},
+    "trainer": {"learning_rate": 1e-3},
+}
+
+
+def _config(tmp_path, name: str, **changes) -> object:
+    data = {key: dict(value) if isinstance(value, dict) else value for key, value in SMALL.items()}
+    for section, value in changes.items():
+        if isinstance(value, dict):
+            data[section] = data.get(section, {}) | value
+        else:
+            data[section] = value
+    return validate(data | {"name": name, "output_dir": str(tmp_path)})
+
+
+def _run(tmp_path, name: str, **changes) -> tuple[list[dict], dict]:
+    config = _config(tmp_path, name, **changes)
+    run(config)
+    run_dir = RunDirectory(config.run_dir)
+    weights = load_file(str(run_dir.latest_checkpoint() / "weights.safetensors"))
+    return run_dir.read_steps(), weights
+
+
+def _rollouts(steps: list[dict]) -> list[tuple]:
+    return [(s["step"], s["rollout_digest"], s["reward_mean"]) for s in steps]
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Speculation off: the plain synchronous run everything else must reproduce."""
+    return _run(tmp_path_factory.mktemp("runs"), "plain", speculation={"enabled": False})
+
+
+def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
+    plain_steps, plain_weights = baseline
+    steps, weights = _run(tmp_path, "spec", speculation={"enabled": True})
+    assert _rollouts(steps) == _rollouts(plain_steps)
+    assert _same_weights(weights, plain_weights)
+    # and speculation really happened: drafts were verified from step 1 on
+    assert all(s["draft_tokens_accepted"] > 0 for s in steps[1:])
+    assert sum(s["decode_steps"] for s in steps) < sum(s["decode_steps"] for s in plain_steps)
+    assert steps[0]["draft_coverage"] == 0 and steps[1]["draft_coverage"] > 0
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rollout": {"num_ranks": 3}},
+        {"speculation": {"sharding_policy": "length-balanced"}},
+        {"speculation": {"bubble_policy": "longest-first", "draft_during_training": True}},
+        {"rollout": {"num_ranks": 1, "max_batch_size": 3, "max_draft_tokens_per_step": 5}},
+    ],
+)
+def test_ranks_sharding_and_bubble_policy_change_no_rollout(tmp_path, baseline, changes):
+    plain_steps, plain_weights = baseline
+    changes = changes | {"speculation": {"enabled": True} | changes.get("speculation", {})}
+    steps, weights = _run(tmp_path, "variant", **changes)
+    assert _rollouts(steps) == _rollouts(plain_steps)
+    assert _same_weights(weights, plain_weights)
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2)
+    config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_step_2(record):
+        if record["step"] == 2:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(config, on_step=crash_after_step_2)
+    run_dir = RunDirectory(config.run_dir)
+    assert [s["step"] for s in run_dir.read_steps()] == [0, 1, 2]  # step 2 was logged, not checkpointed
+    run(run_dir.load_config(), resume_dir=config.run_dir)
+    resumed = run_dir.read_steps()
+    assert [s["step"] for s in resumed] == [0, 1, 2, 3]
+    strip = ("timelines", "wall")
+    assert [_without(s, strip) for s in resumed] == [_without(s, strip) for s in uninterrupted]
+    assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
+
+
+def _without(record: dict, keys) -> dict:
+    return {k: v for k, v in record.items() if k not in keys}
+
+
+def test_a_corrupt_checkpoint_is_a_clear_error_not_a_restart(tmp_path):
+    config = _config(tmp_path, "corrupt", num_steps=2, checkpoint_every=1)
+    run(config)
+    checkpoint = RunDirectory(config.run_dir).latest_checkpoint()
+    (checkpoint / "weights.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="weights.safetensors"):
+        run(config, resume_dir=config.run_dir)
+    (checkpoint / "trainer.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing trainer.pt"):
+        run(config, resume_dir=config.run_dir)
+
+
+def test_an_existing_run_directory_is_not_overwritten(tmp_path):
+    config = _config(tmp_path, "twice", num_steps=1)
+    run(config)
+    with pytest.raises(ConfigError, match="already exists; resume it"):
+        run(config)
+
+
+def test_config_errors_name_the_field_and_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.backend: .*unknown backend 'nope'; available: torch"):
+        validate({"rollout": {"backend": "nope"}})
+    with pytest.raises(ConfigError, match=r"speculation.bubble_policy: .*available: coverage-first, longest-first"):
+        validate({"speculation": {"bubble_policy": "round-robin"}})
+    with pytest.raises(ConfigError, match=r"rollout.num_ranks: Input should be a valid integer.*'two'"):
+        validate({"rollout": {"num_ranks": "two"}})
+    with pytest.raises(ConfigError, match=r"trainer.learning_rte: Extra inputs are not permitted"):
+        validate({"trainer": {"learning_rte": 0.1}})
+    with pytest.raises(ConfigError, match=r"rollout.sampling.top_p: Input should be less than or equal to 1"):
+        validate({"rollout": {"sampling": {"top_p": 2}}})
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("rollout: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad_yaml)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    good_yaml = tmp_path / "good.yaml"
+    good_yaml.write_text("num_steps: 2\n")
+    with pytest.raises(ConfigError, match="must look like section.field=value"):
+        load_config(good_yaml, ["no-equals-sign"])
+    assert load_config(good_yaml, ["rollout.num_ranks=3"]).rollout.num_ranks == 3
+
+
+def test_every_shipped_example_parses():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+    assert examples
+    for example in examples:
+        load_config(example)
