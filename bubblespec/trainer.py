@@ -59,11 +59,17 @@ class GRPOLearner:
         self.temperature = temperature if temperature > 0 else 1.0
         self.all_reduce = all_reduce
 
-    def step(self, samples: Sequence[TrainSample], num_samples_total: int | None = None) -> dict[str, float]:
-        """One optimizer step on ``samples``. With data parallelism each worker passes its own slice and the
-        total batch size, so that the all-reduced gradient is the gradient of the whole batch's loss."""
+    def step(
+        self,
+        samples: Sequence[TrainSample],
+        advantages: Sequence[float] | None = None,
+        num_samples_total: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on ``samples``. With data parallelism each worker passes its own slice, the
+        advantages computed over the whole batch (groups may straddle workers) and the total batch size, so
+        that the all-reduced gradient is the gradient of the whole batch's loss."""
         total = num_samples_total or len(samples)
-        advantages = group_advantages(samples)
+        advantages = group_advantages(samples) if advantages is None else list(advantages)
         tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
         self.optimizer.zero_grad(set_to_none=False)
         loss = torch.zeros((), dtype=self.model.dtype)

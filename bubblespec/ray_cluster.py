@@ -1,0 +1,97 @@
+"""The wall-clock run on Ray: a local Ray (or the configured cluster), rank deployments on Ray Serve, the trainer
+on Ray Train, and everything torn down again at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+from bubblespec import plugins
+from bubblespec.config import RunConfig
+from bubblespec.controller import Components
+from bubblespec.errors import BubblespecError
+
+RAY_DEFAULTS = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    # Ray Train's defaults are tuned for long jobs; a shorter health check makes start and stop snappy.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+
+
+@contextlib.contextmanager
+def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[None]:
+    """Connects to ``ray.address`` or starts a local Ray; stops what it started."""
+    for name, value in RAY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    import ray
+
+    if ray.is_initialized():  # e.g. a test's session-wide cluster: use it, leave it running
+        yield
+        return
+    try:
+        if config.ray.address:
+            ray.init(address=config.ray.address, logging_level=logging.WARNING, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
+        where = config.ray.address or "a local Ray"
+        raise BubblespecError(f"cannot start or reach {where} (ray.address): {error}") from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def build_on_ray(config: RunConfig) -> Iterator[Components]:
+    from ray import serve
+
+    from bubblespec.launch import engine_settings, make_task, model_path, sampling_params
+    from bubblespec.ray_train import RayTrainer
+    from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
+
+    task = make_task(config)
+    path = model_path(config, task)
+    plugins.load("backends", config.rollout.backend)  # fail here, with the plugin error, not inside a replica
+    rollout, trainer_cfg = config.rollout, config.trainer
+    threads = rollout.num_ranks * rollout.threads_per_rank
+    # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
+    needed = threads + trainer_cfg.num_workers
+    with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)):
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        serve.start(
+            proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
+            logging_config={"log_level": "WARNING"},
+        )
+        trainer = None
+        try:
+            settings = engine_settings(config, path)
+            handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, float(rollout.threads_per_rank))
+            storage = config.run_dir / "ray_train"
+            trainer = RayTrainer(config, path, storage, cpus_per_worker=1.0)
+            store_class = plugins.load("draft_stores", config.speculation.draft_store)
+            vocab_size = _vocab_size(path)
+            yield Components(
+                task=task,
+                ranks=ServeRankPool(handles),
+                trainer=trainer,
+                store=store_class(vocab_size=vocab_size),
+                bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
+                sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
+                sampling=sampling_params(config, task),
+            )
+        finally:
+            if trainer is not None:
+                trainer.close()
+            serve.shutdown()
+
+
+def _vocab_size(path: str) -> int:
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])

@@ -1,0 +1,152 @@
+"""Rollout ranks as Ray Serve deployments: one single-replica application per data-parallel rank, addressed by
+rank, with the HTTP proxy off. The controller drives them through DeploymentHandles (wall clock).
+
+A rank that finishes its shard is handed chunks of the next step's drafting plan; when the last rank finishes
+(the barrier) every rank is told to stop, and each in-flight draft call returns after its current forward pass
+with partial drafts. Stopping uses a step number rather than a flag to clear, so a stop can never be lost to a
+draft call that starts late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from bubblespec.interfaces import GenerationRequest, GenerationResult
+from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafts_from
+
+
+class RankReplica:
+    """The body of one rank's deployment: an engine from the configured backend plugin."""
+
+    def __init__(self, rank: int, backend: str, engine_settings: dict) -> None:
+        import torch
+
+        from bubblespec import plugins
+
+        torch.set_num_threads(engine_settings.get("num_threads") or 1)
+        self.rank = rank
+        self.engine = plugins.load("backends", backend).from_pretrained(**engine_settings)
+        self.stopped_step = -1
+
+    def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], int]:
+        passes = getattr(self.engine, "num_forward_passes", 0)
+        results = self.engine.generate(requests)
+        return results, getattr(self.engine, "num_forward_passes", 0) - passes
+
+    def draft(self, requests: list[GenerationRequest], step: int) -> list[GenerationResult]:
+        return self.engine.generate(requests, stop=_StepStop(self, step))
+
+    def stop(self, step: int) -> None:
+        self.stopped_step = max(self.stopped_step, step)
+
+    def update_weights(self, state: dict, version: int) -> int:
+        import torch
+
+        self.engine.update_weights({name: torch.from_numpy(array.copy()) for name, array in state.items()}, version)
+        return version
+
+
+class _StepStop:
+    def __init__(self, replica: RankReplica, step: int) -> None:
+        self.replica, self.step = replica, step
+
+    def is_set(self) -> bool:
+        return self.replica.stopped_step >= self.step
+
+
+def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, cpus_per_rank: float) -> list:
+    """Deploys one application ``bubblespec-rank-<r>`` per rank; returns their handles in rank order."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options={"num_cpus": cpus_per_rank})(
+        RankReplica
+    )
+    targets = [
+        RunTarget(deployment.bind(rank, backend, engine_settings), name=f"bubblespec-rank-{rank}", route_prefix=None)
+        for rank in range(num_ranks)
+    ]
+    return list(serve.run_many(targets))
+
+
+class ServeRankPool:
+    """All ranks for real, in wall-clock time."""
+
+    def __init__(self, handles: Sequence) -> None:
+        self.handles = list(handles)
+        self.num_ranks = len(self.handles)
+        self.version = 0
+        self._step = 0
+
+    def update_weights(self, state_dict, version: int) -> float:
+        import ray
+
+        start = time.perf_counter()
+        reference = ray.put({name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()})
+        for response in [handle.update_weights.remote(reference, version) for handle in self.handles]:
+            response.result()
+        self.version = version
+        return time.perf_counter() - start
+
+    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
+        self._step += 1
+        return asyncio.run(self._rollout(shards, plan, self._step))
+
+    def draft(self, plan: DraftPlan, seconds: float):
+        raise NotImplementedError("draft_during_training is only simulated on the virtual clock so far")
+
+    async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
+        start = time.perf_counter()
+        records = [RankRecord(rank) for rank in range(self.num_ranks)]
+        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
+        generating = {
+            asyncio.ensure_future(_awaited(handle.generate.remote(list(shard)))): rank
+            for rank, (handle, shard) in enumerate(zip(self.handles, shards, strict=True))
+        }
+        drafting: dict[asyncio.Future, tuple[int, float]] = {}
+        results: list[GenerationResult] = []
+        drafts = []
+        barrier = None
+        pending = set(generating)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            now = time.perf_counter() - start
+            for future in done:
+                if future in generating:
+                    rank = generating[future]
+                    shard_results, passes = future.result()
+                    results += shard_results
+                    shard = shards[rank]
+                    records[rank].add_results(shard_results, [r.draft is not None for r in shard])
+                    records[rank].generation_seconds = now
+                    records[rank].forward_passes = passes
+                    activity[rank].append(("generate", 0.0, now))
+                else:
+                    rank, began = drafting.pop(future)
+                    made = drafts_from(future.result(), policy_version=self.version)
+                    drafts += made
+                    records[rank].draft_requests += len(made)
+                    records[rank].draft_tokens_produced += sum(len(d.token_ids) for d in made)
+                    records[rank].drafting_seconds += (min(now, barrier) if barrier else now) - began
+                    activity[rank].append(("draft", began, now))
+                    if barrier is not None:
+                        records[rank].preemption_latency_seconds = now - barrier
+                if barrier is None and plan:
+                    chunk = plan.take()
+                    if chunk:
+                        future_draft = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
+                        drafting[future_draft] = (rank, now)
+                        pending.add(future_draft)
+            if barrier is None and not any(f in generating for f in pending):
+                barrier = now  # when the last shard came back
+                await asyncio.gather(*[_awaited(h.stop.remote(step)) for h in self.handles])
+        end = time.perf_counter() - start
+        for record in records:
+            record.bubble_seconds = barrier - record.generation_seconds
+        return RolloutOutcome(results, drafts, records, end, barrier, activity)
+
+
+async def _awaited(response):
+    return await response
