@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
-from bubblespec.drafts import validate_draft
+from bubblespec.drafts import realign, validate_draft
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import (
     FinishReason,
@@ -51,6 +51,9 @@ class TorchEngineConfig(BaseModel):
     verification: Literal["coupled", "one_hot"] = "coupled"
     """"coupled": keyed sampling, outputs identical with and without drafts. "one_hot": the engine's own RNG,
     outputs exact in distribution only (for comparison with engines that cannot take keyed noise)."""
+    draft_alignment: Literal["position", "suffix"] = "suffix"
+    """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first
+    re-align it by matching the response's latest tokens ("suffix", falling back to position)."""
     one_hot_seed: int = 0
     """Seed of the RNG that one-hot verification samples with."""
     num_threads: int | None = Field(None, ge=1)
@@ -71,14 +74,26 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
 
+    draft_offset: int = 0  # the draft token proposed for response position i is draft[i + draft_offset]
+
     def draft_chunk(self, limit: int) -> list[int]:
-        """Draft tokens proposed for the next positions, aligned by response position."""
+        """Draft tokens proposed for the next positions."""
         draft = self.request.draft
         if draft is None or limit <= 0:
             return []
         room = self.max_new_tokens - len(self.tokens) - 1  # one sampled token always follows the draft tokens
-        start = len(self.tokens)
+        start = len(self.tokens) + self.draft_offset
+        if start < 0:
+            return []
         return list(draft.token_ids[start : start + min(limit, room)])
+
+    def after_mismatch(self, alignment: str) -> None:
+        """Positional alignment keeps proposing the draft's tokens at the following positions; suffix alignment
+        first looks for where the response's latest tokens continue in the draft (falling back to position)."""
+        if alignment == "suffix" and self.request.draft is not None:
+            found = realign(self.tokens, self.request.draft.token_ids, self.draft_offset)
+            if found is not None:
+                self.draft_offset = found
 
 
 class TorchEngine:
@@ -258,6 +273,8 @@ class TorchEngine:
             sequence.tokens += emitted
             sequence.logprobs += emitted_logprobs[: len(emitted)]
             sequence.pending = [emitted[-1]]
+            if num_accepted < len(drafts[slot]):
+                sequence.after_mismatch(self.config.draft_alignment)
         return finished
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 from bubblespec.errors import DraftError
 from bubblespec.interfaces import Draft, RolloutKey
@@ -25,3 +26,24 @@ def validate_draft(draft: object, vocab_size: int) -> Draft:
                 f"token ids must be integers in [0, {vocab_size})"
             )
     return draft
+
+
+def realign(
+    tokens: Sequence[int], draft: Sequence[int], offset: int, match_length: int = 6, window: int = 16
+) -> int | None:
+    """Re-aligns a draft after a mismatch: the offset ``o`` (draft index = response position + o) nearest to
+    ``offset`` at which the last ``match_length`` response tokens end in the draft; None if no window matches.
+
+    A policy step often inserts or deletes a token (a carry, a word) and leaves the rest of the response as the
+    draft had it, one position off; the suffix match finds where the draft continues. Only speed depends on it:
+    the verifier decides every token.
+    """
+    length = len(tokens)
+    if length < match_length:
+        return None
+    suffix = list(tokens[length - match_length :])
+    for delta in sorted(range(-window, window + 1), key=abs):
+        end = length + offset + delta
+        if match_length <= end <= len(draft) and list(draft[end - match_length : end]) == suffix:
+            return offset + delta
+    return None

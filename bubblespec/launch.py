@@ -15,7 +15,7 @@ from bubblespec import plugins
 from bubblespec.clocks import PROFILES
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
-from bubblespec.errors import ConfigError
+from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
@@ -23,8 +23,14 @@ from bubblespec.trainer import GRPOLearner, TrainSample
 
 
 def model_path(config: RunConfig, task) -> str:
+    """The model folder to load: model.path, or the task's shipped model; checked before anything starts."""
     if config.model.path:
-        return config.model.path
+        folder = Path(config.model.path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(
+                f"model.path {config.model.path!r} is not a Hugging Face model folder (no config.json there)"
+            )
+        return str(folder)
     shipped = getattr(task, "model_path", None)
     if shipped is None:
         raise ConfigError(f"task {config.task.name!r} ships no model; set model.path to a Hugging Face model folder")

@@ -96,26 +96,36 @@ def run(
 @user_errors
 def bench(
     target: Annotated[
-        str, typer.Argument(help='What to benchmark: "engine" (the built-in engine on the shipped model).')
+        str,
+        typer.Argument(
+            help='"engine" (the built-in engine on the shipped model) or a run CONFIG to run with speculation '
+            "off and on, side by side.",
+            metavar="engine|CONFIG",
+        ),
     ],
-    json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write the results as JSON to this file.")
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG only).")] = None,
+    output_dir: Annotated[
+        Path | None, typer.Option(help="Keep both runs' directories here (CONFIG only; default: discarded).")
     ] = None,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads for every engine compared.")] = 1,
-    repeats: Annotated[
-        int, typer.Option(min=1, help="Timed repetitions per measurement (the median is reported).")
-    ] = 3,
-    quick: Annotated[bool, typer.Option(help="Fewer prompts and repetitions: a smoke run, not a measurement.")] = False,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
+    quick: Annotated[bool, typer.Option(help="A smoke run, not a measurement (engine only).")] = False,
 ) -> None:
     """Measure speed side by side in one run and print a table."""
-    if target != "engine":
-        from bubblespec.errors import BubblespecError
+    if target == "engine":
+        from bubblespec.cli.bench_engine import EngineBenchSettings, print_report, run_engine_bench
 
-        raise BubblespecError(f"unknown benchmark target {target!r}; available: engine")
-    from bubblespec.cli.bench_engine import EngineBenchSettings, print_report, run_engine_bench
+        report = run_engine_bench(EngineBenchSettings(threads=threads, repeats=1 if quick else repeats, quick=quick))
+    else:
+        from bubblespec.cli.bench_run import print_report, run_side_by_side
+        from bubblespec.config import load_config
 
-    settings = EngineBenchSettings(threads=threads, repeats=1 if quick else repeats, quick=quick)
-    report = run_engine_bench(settings)
+        if not Path(target).is_file():
+            from bubblespec.errors import ConfigError
+
+            raise ConfigError(f"benchmark target {target!r} is neither 'engine' nor an existing config file")
+        report = run_side_by_side(load_config(target, overrides or []), output_dir)
     print_report(report)
     if json_path is not None:
         import json

@@ -46,7 +46,7 @@ def test_loading_plugins():
 def test_unknown_bench_target_is_a_clear_error():
     result = runner.invoke(app, ["bench", "nonsense"])
     assert result.exit_code == 2
-    assert "unknown benchmark target 'nonsense'; available: engine" in result.output
+    assert "benchmark target 'nonsense' is neither 'engine' nor an existing config file" in result.output
 
 
 @pytest.mark.slow
@@ -63,3 +63,29 @@ def test_bench_engine_quick_writes_every_reported_number(tmp_path):
     assert report["float64_identical"] is True
     assert 0 <= report["float32_mismatch_rate"] <= 1
     assert report["policy_update"]["max_relative_weight_change"] > 0
+
+
+def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("num_steps: 3\nrollout:\n  num_ranks: 4\n")
+    result = runner.invoke(app, ["validate", str(good), "--set", "trainer.learning_rate=0.001"])
+    assert result.exit_code == 0, result.output
+    assert "num_ranks: 4" in result.output and "learning_rate: 0.001" in result.output
+    assert "bubble_policy: coverage-first" in result.output  # defaults are filled in
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  num_ranks: zero\n  backend: nope\nunknown_section: 1\n")
+    result = runner.invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2
+    for expected in ("3 error(s)", "rollout.num_ranks", "rollout.backend", "unknown_section"):
+        assert expected in result.output
+
+
+def test_run_with_a_missing_model_fails_cleanly_and_writes_nothing(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'runs'}\nmodel:\n  path: {tmp_path / 'no-such-model'}\nclock:\n  kind: virtual\n")
+    result = runner.invoke(app, ["run", str(config)])
+    assert result.exit_code == 2
+    assert "no-such-model" in result.output and "no config.json" in result.output
+    assert not (tmp_path / "runs").exists()
+    result = runner.invoke(app, ["run", "--resume", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2 and "not a run directory" in result.output

@@ -336,3 +336,15 @@ def test_one_hot_engine_with_drafts_matches_the_exact_sequence_distribution(tmp_
     assert total_variation < 0.04
     assert chi_square < 110  # about 63 degrees of freedom: p ~ 2e-4
     assert counts.get(draft_tokens, 0) / trials < 0.5  # the draft was not simply accepted
+
+
+def test_realign_finds_where_the_draft_continues():
+    from bubblespec.drafts import realign
+
+    draft = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    # the response inserted one token (4) before the draft's 8: the draft continues one position earlier
+    response = [5, 6, 7, 4, 8, 9, 10, 11, 12]
+    offset = realign(response, draft, offset=0, match_length=4)
+    assert offset == -1 and draft[len(response) + offset] == 13
+    assert realign([1, 1, 1, 1], draft, offset=0, match_length=4) is None
+    assert realign([5, 6], draft, offset=0, match_length=4) is None

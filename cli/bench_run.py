@@ -1,0 +1,132 @@
+"""``bubblespec bench CONFIG``: the same run with speculation off and on, side by side.
+
+Both runs use the same keys, so their rollouts, rewards and weights must be identical; what may differ is the
+number of decode steps and the time the rollout phase takes. Throughput is rollout tokens per second of the
+rollout phase, on the config's clock (virtual seconds of the cost profile, or real seconds on Ray).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from bubblespec.config import RunConfig
+
+
+def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
+    speculation = config.speculation.model_copy(update={"enabled": enabled})
+    name = f"{config.name}-speculation-{'on' if enabled else 'off'}"
+    return config.model_copy(update={"speculation": speculation, "name": name, "output_dir": str(output_dir)})
+
+
+def run_side_by_side(config: RunConfig, output_dir: Path | None = None) -> dict:
+    from safetensors.torch import load_file
+
+    from bubblespec.launch import run
+    from bubblespec.run_dir import RunDirectory
+
+    scratch = output_dir is None
+    output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-bench-")) if scratch else output_dir
+    try:
+        steps, weights, summaries = {}, {}, {}
+        for enabled in (False, True):
+            variant = _variant(config, enabled, output_dir)
+            summaries[enabled] = run(variant)
+            run_dir = RunDirectory(variant.run_dir)
+            steps[enabled] = run_dir.read_steps()
+            weights[enabled] = load_file(str(run_dir.latest_checkpoint() / "weights.safetensors"))
+    finally:
+        if scratch:
+            shutil.rmtree(output_dir, ignore_errors=True)
+    per_step = [_compare(off, on) for off, on in zip(steps[False], steps[True], strict=True)]
+    report = {
+        "config": config.name,
+        "clock": config.clock.kind,
+        "profile": config.clock.profile if config.clock.kind == "virtual" else None,
+        "num_ranks": config.rollout.num_ranks,
+        "per_step": per_step,
+        "overall": _aggregate(steps[False], steps[True], config.clock.kind),
+        "from_step_2": _aggregate(steps[False][1:], steps[True][1:], config.clock.kind),
+        "identical_rollouts": all(s["identical_rollouts"] for s in per_step),
+        "identical_weights": weights[False].keys() == weights[True].keys()
+        and all((weights[False][k] == weights[True][k]).all() for k in weights[False]),
+        "wall_seconds": {"off": summaries[False]["wall_seconds"], "on": summaries[True]["wall_seconds"]},
+    }
+    return report
+
+
+def _compare(off: dict, on: dict) -> dict:
+    return {
+        "step": on["step"],
+        "decode_steps_off": off["decode_steps"],
+        "decode_steps_on": on["decode_steps"],
+        "decode_step_reduction": 1 - on["decode_steps"] / off["decode_steps"] if off["decode_steps"] else 0.0,
+        "acceptance_length_mean": _acceptance(on["draft_tokens_accepted"], on["verify_steps"]),
+        "bubble_utilization": on["bubble_utilization"],
+        "draft_coverage": on["draft_coverage"],
+        "rollout_seconds_off": off["phase_seconds"]["rollout"],
+        "rollout_seconds_on": on["phase_seconds"]["rollout"],
+        "throughput_ratio": off["phase_seconds"]["rollout"] / on["phase_seconds"]["rollout"],
+        "identical_rollouts": off["rollout_digest"] == on["rollout_digest"] and off["reward_mean"] == on["reward_mean"],
+    }
+
+
+def _acceptance(accepted: int, verify_steps: int) -> float:
+    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0
+
+
+def _aggregate(off: list[dict], on: list[dict], clock: str) -> dict:
+    if not on:
+        return {}
+    decode_off = sum(s["decode_steps"] for s in off)
+    decode_on = sum(s["decode_steps"] for s in on)
+    # The last step has no next step to draft for, so its bubble cannot be used: leave it out.
+    draftable = [s for s in on if s["drafts_made"] > 0 or s is not on[-1]]
+    bubble = sum(s["bubble_seconds"] for s in draftable)
+    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in draftable)
+    tokens = sum(s["generated_tokens"] for s in on)
+    seconds_off = sum(s["phase_seconds"]["rollout"] for s in off)
+    seconds_on = sum(s["phase_seconds"]["rollout"] for s in on)
+    ratio = (tokens / seconds_on) / (tokens / seconds_off)
+    return {
+        "decode_step_reduction": 1 - decode_on / decode_off,
+        "acceptance_length_mean": _acceptance(
+            sum(s["draft_tokens_accepted"] for s in on), sum(s["verify_steps"] for s in on)
+        ),
+        "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
+        "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
+        "throughput_ratio_virtual": ratio if clock == "virtual" else None,
+        "throughput_ratio_wall": ratio if clock == "wall" else None,
+    }
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"{report['config']}: speculation off vs on ({report['clock']} clock)")
+    for column in ("step", "decode steps off -> on", "reduction", "acceptance", "coverage", "bubble use",
+                   "rollout s off -> on", "throughput", "identical"):
+        table.add_column(column, justify="right")
+    for s in report["per_step"]:
+        table.add_row(
+            str(s["step"]),
+            f"{s['decode_steps_off']} -> {s['decode_steps_on']}",
+            f"{s['decode_step_reduction']:.1%}",
+            f"{s['acceptance_length_mean']:.2f}",
+            f"{s['draft_coverage']:.2f}",
+            f"{s['bubble_utilization']:.2f}",
+            f"{s['rollout_seconds_off']:.3f} -> {s['rollout_seconds_on']:.3f}",
+            f"{s['throughput_ratio']:.2f}x",
+            "yes" if s["identical_rollouts"] else "NO",
+        )
+    console.print(table)
+    for label in ("overall", "from_step_2"):
+        console.print(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in report[label].items()))
+    console.print(f"identical_rollouts={report['identical_rollouts']}  identical_weights={report['identical_weights']}")
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
