@@ -11,6 +11,7 @@ The controller is the same for every clock and cluster: rank pools and trainers 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from bubblespec.interfaces import BubblePolicy, DraftStore, GenerationResult, Pr
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
+
+logger = logging.getLogger(__name__)
 
 
 class RankPool(Protocol):
@@ -68,6 +71,7 @@ class Controller:
         self.parts = parts
         self.run_dir = run_dir
         self.on_step = on_step or (lambda record: None)
+        self._warned_unpeekable = False
 
     def run(self, start_step: int = 0) -> list[dict]:
         records = []
@@ -122,6 +126,14 @@ class Controller:
             return DraftPlan([])
         prompts = parts.task.peek(next_step)
         if prompts is None:
+            if not self._warned_unpeekable:
+                logger.warning(
+                    "task %r cannot say the prompts of step %d in advance (peek returned None): the bubble "
+                    "stays idle and steps run without drafts",
+                    cfg.task.name,
+                    next_step,
+                )
+                self._warned_unpeekable = True
             return DraftPlan([])
         requests = step_requests(prompts, cfg.seed, next_step, cfg.task.samples_per_prompt, parts.sampling)
         predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # before any draft: prompt length

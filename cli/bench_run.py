@@ -107,8 +107,17 @@ def print_report(report: dict) -> None:
 
     console = Console()
     table = Table(title=f"{report['config']}: speculation off vs on ({report['clock']} clock)")
-    for column in ("step", "decode steps off -> on", "reduction", "acceptance", "coverage", "bubble use",
-                   "rollout s off -> on", "throughput", "identical"):
+    for column in (
+        "step",
+        "decode steps off -> on",
+        "reduction",
+        "acceptance",
+        "coverage",
+        "bubble use",
+        "rollout s off -> on",
+        "throughput",
+        "identical",
+    ):
         table.add_column(column, justify="right")
     for s in report["per_step"]:
         table.add_row(

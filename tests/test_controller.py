@@ -158,3 +158,28 @@ def test_every_shipped_example_parses():
     assert examples
     for example in examples:
         load_config(example)
+
+
+def test_a_task_that_cannot_peek_runs_without_drafts_and_says_so(tmp_path, baseline, monkeypatch, caplog):
+    from bubblespec.tasks.arithmetic import ArithmeticTask
+
+    monkeypatch.setattr(ArithmeticTask, "peek", lambda self, step: None)
+    steps, weights = _run(tmp_path, "no-peek", speculation={"enabled": True})
+    assert "cannot say the prompts of step 1 in advance" in caplog.text
+    assert all(s["draft_coverage"] == 0 for s in steps)
+    assert _rollouts(steps) == _rollouts(baseline[0])
+
+
+def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
+    """Invariant 5 on the virtual clock: a rank's drafting ends at most one forward pass after the barrier."""
+    from bubblespec.clocks import PROFILES
+
+    steps, _ = _run(tmp_path, "preempt", speculation={"enabled": True}, rollout={"num_ranks": 4})
+    profile = PROFILES["h100-7b"]
+    # the most a single forward pass of these sizes can cost: 16 sequences x 17 tokens at 256 positions
+    from bubblespec.interfaces import ForwardPass
+
+    longest_pass = profile.forward_seconds(ForwardPass(16, 16 * 17, 16 * 256, 16 * 17 * 256))
+    latencies = [r["preemption_latency_seconds"] for s in steps for r in s["ranks"]]
+    assert any(latency > 0 for latency in latencies)  # drafting really was cut off at the barrier
+    assert max(latencies) <= longest_pass
