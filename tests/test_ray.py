@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from bubblespec.config import validate
@@ -24,7 +25,10 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
         "trainer": {"learning_rate": 1e-3},
     }
-    wall = validate(base | {"name": "wall", "clock": {"kind": "wall"}})
+    # Two data-parallel trainer workers (gloo all-reduce) on Ray; one in-process learner in the simulation.
+    wall = validate(
+        base | {"name": "wall", "clock": {"kind": "wall"}, "trainer": {"learning_rate": 1e-3, "num_workers": 2}}
+    )
     virtual = validate(base | {"name": "virtual", "clock": {"kind": "virtual"}})
     summary = run(wall)
     run(virtual)
@@ -34,7 +38,8 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     assert [s["reward_mean"] for s in wall_steps] == [s["reward_mean"] for s in virtual_steps]
     wall_weights = load_file(str(wall_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(virtual_dir.latest_checkpoint() / "weights.safetensors"))
-    assert all((wall_weights[k] == virtual_weights[k]).all() for k in virtual_weights)
+    # Summing two workers' gradients rounds differently from one backward pass over the whole batch.
+    assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
     assert summary["clock"] == "wall" and summary["rollout_seconds"] > 0
     for step in wall_steps:
         assert all(rank["generation_seconds"] > 0 for rank in step["ranks"])
