@@ -97,6 +97,9 @@ class SpeculationConfig(Section):
     """Which keys an idle rank drafts first (a bubble policy plugin)."""
     sharding_policy: str = "round-robin"
     """How a step's requests are split across ranks (a sharding policy plugin)."""
+    lookahead_steps: int = Field(1, ge=1, le=4)
+    """Steps ahead to draft for: 1 drafts step t+1 only; 2 also drafts step t+2 (with the same, older policy,
+    so with lower acceptance) once every key of step t+1 has been handed out, so idle ranks keep working."""
     draft_during_training: bool = False
     """Also draft while the trainer runs. Only right when rollout ranks and trainer use separate hardware:
     then the training phase is a bubble for the ranks too."""
@@ -156,6 +159,11 @@ class RunConfig(Section):
     """Synchronous RL steps."""
     checkpoint_every: int = Field(5, ge=1)
     """Write a checkpoint every N steps (and after the last)."""
+    eval_every: int = Field(0, ge=0)
+    """Score the policy on a fixed held-out prompt set every N steps (and after the last); 0 turns it off. The
+    training reward of a step depends on which prompts the step drew, so this is the curve to read."""
+    eval_prompts: int = Field(128, ge=1)
+    """Held-out prompts (from the task with another seed), one keyed sample each, the same keys every time."""
     task: TaskConfig = TaskConfig()
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()

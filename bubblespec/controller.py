@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bubblespec.config import RunConfig
-from bubblespec.interfaces import BubblePolicy, DraftStore, GenerationResult, Prompt, RolloutKey, SamplingParams
+from bubblespec.interfaces import BubblePolicy, DraftStore, GenerationResult, Prompt, SamplingParams
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
@@ -33,6 +33,10 @@ class RankPool(Protocol):
 
     def update_weights(self, state_dict, version: int) -> float:
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
+        ...
+
+    def evaluate(self, requests) -> list[GenerationResult]:
+        """Generates held-out requests with the current weights (no drafts, not timed)."""
         ...
 
 
@@ -57,6 +61,7 @@ class Components:
     bubble_policy: BubblePolicy
     sharding_policy: object
     sampling: SamplingParams
+    eval_task: object = None  # the task with a held-out seed, for RunConfig.eval_every
 
 
 class Controller:
@@ -93,7 +98,7 @@ class Controller:
         requests = attach_drafts(requests, drafts)
         predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
         shards = parts.sharding_policy.shard(requests, parts.ranks.num_ranks, predicted)
-        plan = self._plan(step + 1) if speculate else DraftPlan([])
+        plan = self._plan(step) if speculate else DraftPlan([])
 
         outcome = parts.ranks.rollout(shards, plan)
         if speculate:
@@ -115,31 +120,51 @@ class Controller:
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
         record["rollout_digest"] = rollout_digest(results)
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
+            record["eval_reward"] = self._evaluate()
         self.run_dir.append_step(record)
         self._latest_weights = weights
         return record
 
-    def _plan(self, next_step: int) -> DraftPlan:
-        """The keys of the next step in bubble-policy order; empty if the source cannot say or the run ends."""
+    def _plan(self, step: int) -> DraftPlan:
+        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps, each
+        step's keys in bubble-policy order and the nearest step first."""
         cfg, parts = self.config, self.parts
-        if next_step >= cfg.num_steps:
-            return DraftPlan([])
-        prompts = parts.task.peek(next_step)
+        ordered = []
+        for future_step in range(step + 1, step + 1 + cfg.speculation.lookahead_steps):
+            requests = self._future_requests(future_step)
+            predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # before any draft: prompt length
+            by_key = {r.key: r for r in requests}
+            ordered += [by_key[k] for k in parts.bubble_policy.order(list(by_key), predicted)]
+        return DraftPlan(ordered, parts.ranks.num_ranks, cfg.rollout.max_batch_size)
+
+    def _future_requests(self, future_step: int) -> list:
+        """The requests of a later step, or none if the run ends first or the task cannot say its prompts."""
+        cfg, parts = self.config, self.parts
+        if future_step >= cfg.num_steps:
+            return []
+        prompts = parts.task.peek(future_step)
         if prompts is None:
             if not self._warned_unpeekable:
                 logger.warning(
                     "task %r cannot say the prompts of step %d in advance (peek returned None): the bubble "
                     "stays idle and steps run without drafts",
                     cfg.task.name,
-                    next_step,
+                    future_step,
                 )
                 self._warned_unpeekable = True
-            return DraftPlan([])
-        requests = step_requests(prompts, cfg.seed, next_step, cfg.task.samples_per_prompt, parts.sampling)
-        predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # before any draft: prompt length
-        order = parts.bubble_policy.order([r.key for r in requests], predicted)
-        by_key = {r.key: r for r in requests}
-        return DraftPlan([by_key[k] for k in order], parts.ranks.num_ranks, cfg.rollout.max_batch_size)
+            return []
+        return step_requests(prompts, cfg.seed, future_step, cfg.task.samples_per_prompt, parts.sampling)
+
+    def _evaluate(self) -> float:
+        """Mean reward of the current weights (after this step's update) on the held-out prompts."""
+        parts, cfg = self.parts, self.config
+        held_out = parts.eval_task.batch(0)[: cfg.eval_prompts]
+        requests = step_requests(held_out, cfg.seed, -1, 1, parts.sampling)  # step -1: keys no rollout uses
+        by_key = {r.key: r for r in parts.ranks.evaluate(requests)}
+        return sum(parts.task(p, by_key[r.key].token_ids) for p, r in zip(held_out, requests, strict=True)) / len(
+            requests
+        )
 
     def _rewards(self, prompts: list[Prompt], results: list[GenerationResult]) -> list[float]:
         by_uid = {p.uid: p for p in prompts}
@@ -147,7 +172,12 @@ class Controller:
 
     def _checkpoint(self, step: int) -> None:
         store = self.parts.store
-        pending = list(store.get(self._next_keys(step + 1)).values()) if self.config.speculation.enabled else []
+        future_keys = [
+            r.key
+            for future_step in range(step + 1, step + 1 + self.config.speculation.lookahead_steps)
+            for r in self._future_requests(future_step)
+        ]
+        pending = list(store.get(future_keys).values()) if self.config.speculation.enabled else []
         self.run_dir.save_checkpoint(
             step,
             weights=self._latest_weights,
@@ -155,13 +185,6 @@ class Controller:
             drafts=pending,
             state={"num_steps": self.config.num_steps, "time": time.time()},
         )
-
-    def _next_keys(self, step: int) -> list[RolloutKey]:
-        if step >= self.config.num_steps:
-            return []
-        prompts = self.parts.task.peek(step) or []
-        cfg = self.config
-        return [r.key for r in step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, self.parts.sampling)]
 
 
 def rollout_digest(results: list[GenerationResult]) -> str:

@@ -37,8 +37,11 @@ def model_path(config: RunConfig, task) -> str:
     return str(shipped())
 
 
-def make_task(config: RunConfig):
+def make_task(config: RunConfig, held_out: bool = False):
+    """The configured task; ``held_out`` gives the same task with another seed (disjoint prompts) for eval."""
     task_class = plugins.load("tasks", config.task.name)
+    if held_out:
+        return task_class(seed=config.task.seed + 1_000_003, prompts_per_step=config.eval_prompts)
     return task_class(seed=config.task.seed, prompts_per_step=config.task.prompts_per_step)
 
 
@@ -100,6 +103,7 @@ def build_virtual(config: RunConfig) -> Components:
         bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
         sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
         sampling=sampling_params(config, task),
+        eval_task=make_task(config, held_out=True),
     )
 
 
@@ -170,5 +174,6 @@ def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict
         "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
         "rollout_seconds": rollout,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
+        "eval_rewards": {s["step"]: s["eval_reward"] for s in steps if "eval_reward" in s},
         "wall_seconds": wall_seconds,
     }

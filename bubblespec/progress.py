@@ -31,6 +31,7 @@ class StepPrinter:
             f"decode steps {record['decode_steps']:>6}  coverage {record['draft_coverage']:.2f}  "
             f"bubble use {record['bubble_utilization']:.2f}  rollout {phases['rollout']:.2f}s  "
             f"train {phases['train']:.2f}s  sync {phases['weight_sync']:.2f}s"
+            + (f"  eval reward {record['eval_reward']:.3f}" if "eval_reward" in record else "")
         )
         self._live.update(self._rank_table(record))
 
@@ -53,6 +54,9 @@ class StepPrinter:
         ):
             value = summary.get(name)
             table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+        evals = summary.get("eval_rewards") or {}
+        if evals:
+            table.add_row("eval reward by step", "  ".join(f"{step}: {value:.3f}" for step, value in evals.items()))
         self.console.print(table)
         self.console.print(f"run directory: {run_dir}")
 

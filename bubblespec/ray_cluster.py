@@ -83,6 +83,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
                 bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
                 sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
                 sampling=sampling_params(config, task),
+                eval_task=make_task(config, held_out=True),
             )
         finally:
             if trainer is not None:

@@ -70,7 +70,12 @@ def train_loop(loop_config: dict) -> None:
             return
         if kind == "train":
             samples, advantages = payload
-            metrics = learner.step(samples[rank::world], advantages[rank::world], num_samples_total=len(samples))
+            metrics = learner.step(
+                samples[rank::world],
+                advantages[rank::world],
+                num_samples_total=len(samples),
+                has_signal=any(advantages),
+            )
             if rank == 0:
                 weights = {name: t.cpu().numpy() for name, t in learner.state_dict().items()}
                 ray.get(channel.reply.remote(("weights", (metrics, weights))))

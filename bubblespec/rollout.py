@@ -133,6 +133,9 @@ class VirtualRankPool:
         self.engine.update_weights(state_dict, version)
         return self.profile.weight_sync_s
 
+    def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return self.engine.generate(requests)
+
     def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
         timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
         records = [RankRecord(rank) for rank in range(self.num_ranks)]

@@ -90,6 +90,10 @@ class ServeRankPool:
         self.version = version
         return time.perf_counter() - start
 
+    def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results, _ = self.handles[0].generate.remote(list(requests)).result()
+        return results
+
     def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
         self._step += 1
         return asyncio.run(self._rollout(shards, plan, self._step))

@@ -64,12 +64,19 @@ class GRPOLearner:
         samples: Sequence[TrainSample],
         advantages: Sequence[float] | None = None,
         num_samples_total: int | None = None,
+        has_signal: bool | None = None,
     ) -> dict[str, float]:
         """One optimizer step on ``samples``. With data parallelism each worker passes its own slice, the
         advantages computed over the whole batch (groups may straddle workers) and the total batch size, so
         that the all-reduced gradient is the gradient of the whole batch's loss."""
         total = num_samples_total or len(samples)
         advantages = group_advantages(samples) if advantages is None else list(advantages)
+        if has_signal is None:
+            has_signal = any(advantages)
+        if not has_signal:
+            # Every group's rewards were equal: the gradient is zero, and an Adam step would still move the
+            # weights by its momentum. Skip it (all workers decide alike: has_signal covers the whole batch).
+            return {"loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "skipped": 1}
         tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
         self.optimizer.zero_grad(set_to_none=False)
         loss = torch.zeros((), dtype=self.model.dtype)
@@ -95,6 +102,7 @@ class GRPOLearner:
             "grad_norm": float(grad_norm),
             "mean_advantage_abs": sum(abs(a) for a in advantages) / max(len(advantages), 1),
             "trained_tokens": int(response_mask.sum()),
+            "skipped": 0,
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -70,6 +70,7 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
         {"rollout": {"num_ranks": 3}},
         {"speculation": {"sharding_policy": "length-balanced"}},
         {"speculation": {"bubble_policy": "longest-first", "draft_during_training": True}},
+        {"speculation": {"lookahead_steps": 2}},
         {"rollout": {"num_ranks": 1, "max_batch_size": 3, "max_draft_tokens_per_step": 5}},
     ],
 )
@@ -183,3 +184,25 @@ def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
     latencies = [r["preemption_latency_seconds"] for s in steps for r in s["ranks"]]
     assert any(latency > 0 for latency in latencies)  # drafting really was cut off at the barrier
     assert max(latencies) <= longest_pass
+
+
+def test_held_out_eval_is_recorded_and_repeatable(tmp_path):
+    steps, _ = _run(tmp_path, "eval", num_steps=2, eval_every=1, eval_prompts=6)
+    assert all(0 <= s["eval_reward"] <= 1 for s in steps)
+    again, _ = _run(tmp_path, "eval-again", num_steps=2, eval_every=1, eval_prompts=6)
+    assert [s["eval_reward"] for s in again] == [s["eval_reward"] for s in steps]
+
+
+def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
+    from bubblespec.config import TrainerConfig
+    from bubblespec.tasks import ArithmeticTask
+    from bubblespec.trainer import GRPOLearner, TrainSample
+
+    learner = GRPOLearner(str(ArithmeticTask.model_path()), "float64", TrainerConfig(learning_rate=1e-2), 1.0)
+    before = learner.state_dict()
+    same_rewards = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (7, 2), group=0, reward=1.0)]
+    assert learner.step(same_rewards)["skipped"] == 1
+    assert _same_weights(learner.state_dict(), before)
+    mixed = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (7, 2), group=0, reward=0.0)]
+    assert learner.step(mixed)["skipped"] == 0
+    assert not _same_weights(learner.state_dict(), before)
