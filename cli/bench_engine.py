@@ -34,7 +34,7 @@ class EngineBenchSettings:
     quick: bool = False
     batch_sizes: tuple[int, ...] = (1, 16, 64)
     learning_rate: float = 1e-4
-    """Adam learning rate of the policy step between the drafting and the verifying policy."""
+    """Adam learning rate of the policy step between the drafting and the verifying policy: the quickstart's."""
     policy_step_prompts: int = 16
     policy_step_samples: int = 4
     max_draft_tokens_per_step: int = 16
