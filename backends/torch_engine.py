@@ -51,6 +51,9 @@ class TorchEngineConfig(BaseModel):
     verification: Literal["coupled", "one_hot"] = "coupled"
     """"coupled": keyed sampling, outputs identical with and without drafts. "one_hot": the engine's own RNG,
     outputs exact in distribution only (for comparison with engines that cannot take keyed noise)."""
+    adaptive_draft_length: bool = False
+    """Shrink a sequence's proposals to what its last verify step accepted (+1) and grow them again after full
+    acceptance. Worth it where a forward pass costs in proportion to its tokens (this CPU engine)."""
     draft_alignment: Literal["position", "suffix"] = "suffix"
     """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first
     re-align it by matching the response's latest tokens ("suffix", falling back to position)."""
@@ -75,6 +78,7 @@ class _Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
 
     draft_offset: int = 0  # the draft token proposed for response position i is draft[i + draft_offset]
+    proposal_limit: int | None = None  # adaptive proposal length; None: max_draft_tokens_per_step
 
     def draft_chunk(self, limit: int) -> list[int]:
         """Draft tokens proposed for the next positions."""
@@ -217,7 +221,8 @@ class TorchEngine:
     def _step(self, active: list[_Sequence], cache: KVCache, on_forward) -> dict[int, FinishReason]:
         """One forward pass over every active sequence; returns {slot: finish reason} of those that finished."""
         batch = len(active)
-        drafts = [s.draft_chunk(self.config.max_draft_tokens_per_step) for s in active]
+        most = self.config.max_draft_tokens_per_step
+        drafts = [s.draft_chunk(most if s.proposal_limit is None else s.proposal_limit) for s in active]
         chunks = [s.pending + d for s, d in zip(active, drafts, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(d) for d in drafts) + 1
@@ -275,6 +280,13 @@ class TorchEngine:
             sequence.pending = [emitted[-1]]
             if num_accepted < len(drafts[slot]):
                 sequence.after_mismatch(self.config.draft_alignment)
+            if self.config.adaptive_draft_length and drafts[slot]:
+                # Propose what the last verify step accepted, plus one; double after a full acceptance. Where a
+                # forward pass costs in proportion to its tokens (CPUs, compute-bound GPUs) this stops paying
+                # for long proposals that a diverged draft keeps failing.
+                most = self.config.max_draft_tokens_per_step
+                full = num_accepted == len(drafts[slot])
+                sequence.proposal_limit = min(most, 2 * len(drafts[slot]) if full else num_accepted + 1)
         return finished
 
 

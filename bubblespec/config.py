@@ -78,6 +78,9 @@ class RolloutConfig(Section):
     """Sequences one engine decodes together."""
     max_draft_tokens_per_step: int = Field(16, ge=1)
     """Draft tokens one sequence verifies per forward pass."""
+    adaptive_draft_length: bool = False
+    """Shrink a sequence's draft proposals after a rejection and grow them after full acceptance; worth it when
+    a forward pass costs in proportion to its tokens (CPU engines), not on memory-bound GPUs."""
     verification: Literal["coupled", "one_hot"] = "coupled"
     """coupled: keyed sampling, identical outputs with and without drafts; one_hot: exact in distribution."""
     sampling: SamplingConfig = SamplingConfig()

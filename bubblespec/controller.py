@@ -35,6 +35,14 @@ class RankPool(Protocol):
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
         ...
 
+    def start_drafting(self, plan: DraftPlan) -> None:
+        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
+        ...
+
+    def stop_drafting(self, train_seconds: float) -> list:
+        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made."""
+        ...
+
     def evaluate(self, requests) -> list[GenerationResult]:
         """Generates held-out requests with the current weights (no drafts, not timed)."""
         ...
@@ -112,9 +120,12 @@ class Controller:
             TrainSample(tuple(req.prompt_token_ids), tuple(res.token_ids), i // cfg.task.samples_per_prompt, reward)
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
+        drafting_while_training = speculate and cfg.speculation.draft_during_training and bool(plan)
+        if drafting_while_training:
+            parts.ranks.start_drafting(plan)
         train_metrics, weights, train_seconds = parts.trainer.train(samples)
-        if speculate and cfg.speculation.draft_during_training and plan:
-            late_drafts, _ = parts.ranks.draft(plan, train_seconds)
+        if drafting_while_training:
+            late_drafts = parts.ranks.stop_drafting(train_seconds)
             parts.store.put(late_drafts)
             outcome.drafts += late_drafts
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)

@@ -63,6 +63,7 @@ def engine_settings(config: RunConfig, path: str) -> dict:
         "max_batch_size": rollout.max_batch_size,
         "max_draft_tokens_per_step": rollout.max_draft_tokens_per_step,
         "verification": rollout.verification,
+        "adaptive_draft_length": rollout.adaptive_draft_length,
         "num_threads": rollout.threads_per_rank,
     }
 

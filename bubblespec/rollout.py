@@ -158,14 +158,15 @@ class VirtualRankPool:
                 activity[rank].append(("idle", timeline.now, end))
         return RolloutOutcome(list(results.values()), drafts, records, end, barrier, activity)
 
-    def draft(self, plan: DraftPlan, seconds: float) -> tuple[list[Draft], list[RankRecord]]:
-        """Every rank drafts the rest of ``plan`` for ``seconds`` (the training phase, when rollout ranks and
-        trainer are on separate hardware)."""
+    def start_drafting(self, plan: DraftPlan) -> None:
+        self._training_plan = plan
+
+    def stop_drafting(self, train_seconds: float) -> list[Draft]:
+        """Every rank drafts the rest of the plan for the training phase's ``train_seconds``."""
         timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
         records = [RankRecord(rank) for rank in range(self.num_ranks)]
         activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
-        drafts = self._draft_in_bubbles(plan, timelines, records, activity, seconds)
-        return drafts, records
+        return self._draft_in_bubbles(self._training_plan, timelines, records, activity, train_seconds)
 
     def _draft_in_bubbles(self, plan, timelines, records, activity, barrier) -> list[Draft]:
         """The earliest idle rank takes the next chunk of the plan; a chunk still running at the barrier is

@@ -10,6 +10,7 @@ draft call that starts late.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 
@@ -98,8 +99,35 @@ class ServeRankPool:
         self._step += 1
         return asyncio.run(self._rollout(shards, plan, self._step))
 
-    def draft(self, plan: DraftPlan, seconds: float):
-        raise NotImplementedError("draft_during_training is only simulated on the virtual clock so far")
+    def start_drafting(self, plan: DraftPlan) -> None:
+        """Ranks draft the rest of ``plan`` in the background (a thread with its own event loop) until
+        :meth:`stop_drafting`."""
+        self._step += 1
+        self._training_drafts: list = []
+        self._stop_requested = threading.Event()
+        self._drafter = threading.Thread(target=lambda: asyncio.run(self._draft_until_stopped(plan, self._step)))
+        self._drafter.start()
+
+    def stop_drafting(self, train_seconds: float) -> list:
+        self._stop_requested.set()
+        for handle in self.handles:
+            handle.stop.remote(self._step).result()
+        self._drafter.join()
+        return self._training_drafts
+
+    async def _draft_until_stopped(self, plan: DraftPlan, step: int) -> None:
+        running = {}
+        for rank, handle in enumerate(self.handles):
+            if plan:
+                running[asyncio.ensure_future(_awaited(handle.draft.remote(plan.take(), step)))] = rank
+        while running:
+            done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                rank = running.pop(future)
+                self._training_drafts += drafts_from(future.result(), policy_version=self.version)
+                if plan and not self._stop_requested.is_set():
+                    chunk = plan.take()
+                    running[asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))] = rank
 
     async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
         start = time.perf_counter()

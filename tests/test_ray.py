@@ -25,15 +25,15 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
         "trainer": {"learning_rate": 1e-3},
     }
-    # Two data-parallel trainer workers (gloo all-reduce) and the Ray-actor draft store on Ray; one in-process
-    # learner and the in-memory store in the simulation.
+    # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store and drafting while the
+    # trainer runs on Ray; one in-process learner and the in-memory store in the simulation.
     wall = validate(
         base
         | {
             "name": "wall",
             "clock": {"kind": "wall"},
             "trainer": {"learning_rate": 1e-3, "num_workers": 2},
-            "speculation": {"draft_store": "ray"},
+            "speculation": {"draft_store": "ray", "draft_during_training": True},
         }
     )
     virtual = validate(base | {"name": "virtual", "clock": {"kind": "virtual"}})

@@ -348,3 +348,20 @@ def test_realign_finds_where_the_draft_continues():
     assert offset == -1 and draft[len(response) + offset] == 13
     assert realign([1, 1, 1, 1], draft, offset=0, match_length=4) is None
     assert realign([5, 6], draft, offset=0, match_length=4) is None
+
+
+def test_adaptive_proposals_change_cost_not_outputs(llama_path, other_llama_path):
+    requests = _requests(24, seed=13, max_new_tokens=60)
+    drafter = TorchEngine.from_pretrained(other_llama_path, dtype="float64")
+    drafts = {
+        i: _draft(r, d.token_ids) for i, (r, d) in enumerate(zip(requests, drafter.generate(requests), strict=True))
+    }
+    fixed = TorchEngine.from_pretrained(llama_path, dtype="float64")
+    adaptive = TorchEngine.from_pretrained(llama_path, dtype="float64", adaptive_draft_length=True)
+    with_fixed = fixed.generate(_with_drafts(requests, drafts))
+    with_adaptive = adaptive.generate(_with_drafts(requests, drafts))
+    assert [r.token_ids for r in with_adaptive] == [r.token_ids for r in fixed.generate(requests)]
+    assert [r.token_ids for r in with_adaptive] == [r.token_ids for r in with_fixed]
+    # a foreign model's drafts are mostly rejected: adaptive proposals waste fewer tokens on them
+    proposed = [sum(r.stats.draft_tokens_proposed for r in results) for results in (with_fixed, with_adaptive)]
+    assert proposed[1] < proposed[0]
