@@ -5,9 +5,11 @@ Everything a plugin author implements is declared here as a ``typing.Protocol``:
 prompt source (:class:`PromptSource`) and a reward function (:class:`RewardFn`). Plugins are found through
 entry points (see :mod:`bubblespec.plugins`); nothing here imports an engine.
 
-Engine lifecycle (one rollout rank):
+Engine lifecycle (one rollout rank). A backend plugin is a class with a ``from_pretrained(model_path=...,
+**settings)`` classmethod; the settings are those of the run config's ``rollout`` section (dtype,
+max_batch_size, max_draft_tokens_per_step, verification, adaptive_draft_length, num_threads):
 
-    engine = Backend(config)                 # loads weights, allocates its cache
+    engine = Backend.from_pretrained(model_path=..., **settings)   # loads weights
     results = engine.generate(requests, stop=event)   # a whole shard, or until ``event`` is set
     engine.release()                         # optional: free cache memory while the trainer runs
     engine.update_weights(state_dict, version=t + 1)
