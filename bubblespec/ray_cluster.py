@@ -23,14 +23,14 @@ RAY_DEFAULTS = {
 
 
 @contextlib.contextmanager
-def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[None]:
-    """Connects to ``ray.address`` or starts a local Ray; stops what it started."""
+def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool]:
+    """Connects to ``ray.address`` or starts a local Ray (yielding True); stops what it started."""
     for name, value in RAY_DEFAULTS.items():
         os.environ.setdefault(name, value)
     import ray
 
     if ray.is_initialized():  # e.g. a test's session-wide cluster: use it, leave it running
-        yield
+        yield False
         return
     try:
         if config.ray.address:
@@ -41,7 +41,7 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[None
         where = config.ray.address or "a local Ray"
         raise BubblespecError(f"cannot start or reach {where} (ray.address): {error}") from None
     try:
-        yield
+        yield not config.ray.address  # True when this run started (and so owns) the Ray instance
     finally:
         ray.shutdown()
 
@@ -61,7 +61,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     threads = rollout.num_ranks * rollout.threads_per_rank
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = threads + trainer_cfg.num_workers
-    with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)):
+    with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)) as owns_ray:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(
             proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
@@ -88,7 +88,9 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
         finally:
             if trainer is not None:
                 trainer.close()
-            serve.shutdown()
+            if not owns_ray:  # on a shared cluster remove only our applications; a local Ray goes down whole
+                for rank in range(rollout.num_ranks):
+                    serve.delete(f"bubblespec-rank-{rank}")
 
 
 def _vocab_size(path: str) -> int:
