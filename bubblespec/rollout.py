@@ -101,18 +101,21 @@ class RolloutOutcome:
 
 
 class DraftPlan:
-    """The keys of the next step to draft, in bubble-policy order, handed out in chunks to idle ranks.
+    """The keys of later steps to draft, in bubble-policy order, handed out in chunks to idle ranks.
 
-    A chunk is an equal share of the plan per rank (at most ``max_batch_size`` keys), so that the first rank to
-    fall idle does not take every key and leave the others nothing to draft."""
+    A chunk is an equal share of what is left per rank (at most ``max_batch_size`` keys): the first rank to
+    fall idle does not take every key, and a rank that finishes its chunk early still finds work."""
 
     def __init__(self, requests: Sequence[GenerationRequest], num_ranks: int = 1, max_batch_size: int = 64) -> None:
         self._requests = list(requests)
         self._next = 0
-        self.chunk_size = max(1, min(max_batch_size, -(-len(self._requests) // num_ranks)))
+        self.num_ranks = num_ranks
+        self.max_batch_size = max_batch_size
 
     def take(self) -> list[GenerationRequest]:
-        chunk = self._requests[self._next : self._next + self.chunk_size]
+        remaining = len(self._requests) - self._next
+        size = max(1, min(self.max_batch_size, -(-remaining // self.num_ranks)))
+        chunk = self._requests[self._next : self._next + size]
         self._next += len(chunk)
         return chunk
 
