@@ -161,11 +161,12 @@ class ServeRankPool:
                     drafts += made
                     records[rank].draft_requests += len(made)
                     records[rank].draft_tokens_produced += sum(len(d.token_ids) for d in made)
-                    records[rank].drafting_seconds += (min(now, barrier) if barrier else now) - began
+                    records[rank].drafting_seconds += (now if barrier is None else min(now, barrier)) - began
                     activity[rank].append(("draft", began, now))
                     if barrier is not None:
                         records[rank].preemption_latency_seconds = now - barrier
-                if barrier is None and plan:
+                still_generating = any(f in generating for f in pending)
+                if barrier is None and still_generating and plan:  # a rank that fell idle before the barrier
                     chunk = plan.take()
                     if chunk:
                         future_draft = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
