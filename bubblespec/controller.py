@@ -99,6 +99,7 @@ class Controller:
 
     def step(self, step: int) -> dict:
         cfg, parts = self.config, self.parts
+        initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
         prompts = parts.task.batch(step)
         requests = step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, parts.sampling)
         speculate = cfg.speculation.enabled
@@ -133,6 +134,8 @@ class Controller:
         record["rollout_digest"] = rollout_digest(results)
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
             record["eval_reward"] = self._evaluate()
+        if initial_eval is not None:
+            record["eval_reward_before_training"] = initial_eval
         self.run_dir.append_step(record)
         self._latest_weights = weights
         return record

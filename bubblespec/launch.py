@@ -175,6 +175,9 @@ def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict
         "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
         "rollout_seconds": rollout,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
-        "eval_rewards": {s["step"]: s["eval_reward"] for s in steps if "eval_reward" in s},
+        "eval_rewards": {
+            **({"start": steps[0]["eval_reward_before_training"]} if "eval_reward_before_training" in steps[0] else {}),
+            **{s["step"]: s["eval_reward"] for s in steps if "eval_reward" in s},
+        },
         "wall_seconds": wall_seconds,
     }

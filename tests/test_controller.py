@@ -189,6 +189,7 @@ def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
 def test_held_out_eval_is_recorded_and_repeatable(tmp_path):
     steps, _ = _run(tmp_path, "eval", num_steps=2, eval_every=1, eval_prompts=6)
     assert all(0 <= s["eval_reward"] <= 1 for s in steps)
+    assert 0 <= steps[0]["eval_reward_before_training"] <= 1
     again, _ = _run(tmp_path, "eval-again", num_steps=2, eval_every=1, eval_prompts=6)
     assert [s["eval_reward"] for s in again] == [s["eval_reward"] for s in steps]
 
