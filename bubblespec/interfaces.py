@@ -120,9 +120,12 @@ class RequestStats:
 
     @property
     def acceptance_length_mean(self) -> float:
-        if self.verify_steps == 0:
-            return 0.0
-        return (self.draft_tokens_accepted + self.verify_steps) / self.verify_steps
+        return acceptance_length(self.draft_tokens_accepted, self.verify_steps)
+
+
+def acceptance_length(draft_tokens_accepted: int, verify_steps: int) -> float:
+    """Mean tokens emitted per verify step: accepted draft tokens + one sampled token each (0 without any)."""
+    return (draft_tokens_accepted + verify_steps) / verify_steps if verify_steps else 0.0
 
 
 @dataclass(slots=True)

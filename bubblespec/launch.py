@@ -16,7 +16,7 @@ from bubblespec.clocks import PROFILES
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
 from bubblespec.errors import ConfigError, ModelLoadError
-from bubblespec.interfaces import SamplingParams
+from bubblespec.interfaces import SamplingParams, acceptance_length
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import GRPOLearner, TrainSample
@@ -150,6 +150,15 @@ def _restore(run_dir: RunDirectory, parts: Components) -> int:
     return step + 1
 
 
+def bubble_utilization(steps: list[dict], num_steps: int) -> float:
+    """Bubble seconds spent drafting over all bubble seconds, leaving out the run's last step: it has no later
+    step to draft for, so its bubble cannot be used."""
+    usable = [s for s in steps if s["step"] < num_steps - 1]
+    bubble = sum(s["bubble_seconds"] for s in usable)
+    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in usable)
+    return drafting / bubble if bubble > 0 else 0.0
+
+
 def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict:
     if not steps:
         return {"num_steps": 0}
@@ -158,8 +167,6 @@ def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict
     decode = sum(s["decode_steps"] for s in steps)
     verify = sum(s["verify_steps"] for s in steps)
     accepted = sum(s["draft_tokens_accepted"] for s in steps)
-    bubble = sum(s["bubble_seconds"] for s in steps)
-    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in steps)
     return {
         "name": config.name,
         "clock": config.clock.kind,
@@ -170,9 +177,9 @@ def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict
         "rewards": [s["reward_mean"] for s in steps],
         "generated_tokens": tokens,
         "decode_steps": decode,
-        "acceptance_length_mean": (accepted + verify) / verify if verify else 0.0,
+        "acceptance_length_mean": acceptance_length(accepted, verify),
         "draft_coverage_mean": sum(s["draft_coverage"] for s in steps) / len(steps),
-        "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
+        "bubble_utilization": bubble_utilization(steps, config.num_steps),
         "rollout_seconds": rollout,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
         "eval_rewards": {

@@ -15,7 +15,6 @@ ratios are what to read, absolute numbers depend on the machine.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
+from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, SamplingParams, acceptance_length
+from bubblespec.rollout import step_requests
 from bubblespec.tasks.arithmetic import ArithmeticTask
 
 
@@ -87,11 +87,9 @@ def run_engine_bench(settings: EngineBenchSettings) -> dict:
 
 def _requests(task: ArithmeticTask, step: int, batch_size: int, samples: int = 1) -> list[GenerationRequest]:
     params = SamplingParams(temperature=1.0, max_new_tokens=task.max_new_tokens)
-    return [
-        GenerationRequest(tuple(prompt.token_ids), RolloutKey(0, step, prompt.uid, sample), params)
-        for prompt in task.batch(step)[:batch_size]
-        for sample in range(samples)
-    ]
+    return step_requests(
+        task.batch(step)[:batch_size], run_seed=0, step=step, samples_per_prompt=samples, sampling=params
+    )
 
 
 def _drafts(engine: TorchEngine, requests: list[GenerationRequest]) -> list[Draft]:
@@ -145,7 +143,7 @@ def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationRe
         "decode_steps_no_draft": steps_plain,
         "decode_steps_with_draft": steps_draft,
         "decode_step_reduction": 1 - steps_draft / steps_plain,
-        "acceptance_length_mean": (accepted + verify_steps) / max(verify_steps, 1),
+        "acceptance_length_mean": acceptance_length(accepted, verify_steps),
         "draft_acceptance_rate": accepted / max(proposed, 1),
         "identical_with_and_without_draft_float32": [r.token_ids for r in plain] == [r.token_ids for r in speculative],
     }
@@ -207,7 +205,7 @@ def policy_gradient_step(engine: TorchEngine, task: ArithmeticTask, settings: En
         "samples_with_nonzero_advantage": len(losses),
         "max_relative_weight_change": relative_change,
     }
-    return copy.deepcopy(state), summary
+    return state, summary
 
 
 def _hf_model(path: str):

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from bubblespec.config import RunConfig
+from bubblespec.interfaces import acceptance_length
+from bubblespec.launch import bubble_utilization
 
 
 def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
@@ -46,8 +48,8 @@ def run_side_by_side(config: RunConfig, output_dir: Path | None = None) -> dict:
         "profile": config.clock.profile if config.clock.kind == "virtual" else None,
         "num_ranks": config.rollout.num_ranks,
         "per_step": per_step,
-        "overall": _aggregate(steps[False], steps[True], config.clock.kind),
-        "from_step_2": _aggregate(steps[False][1:], steps[True][1:], config.clock.kind),
+        "overall": _aggregate(steps[False], steps[True], config.clock.kind, config.num_steps),
+        "from_step_2": _aggregate(steps[False][1:], steps[True][1:], config.clock.kind, config.num_steps),
         "identical_rollouts": all(s["identical_rollouts"] for s in per_step),
         "identical_weights": weights[False].keys() == weights[True].keys()
         and all((weights[False][k] == weights[True][k]).all() for k in weights[False]),
@@ -62,7 +64,7 @@ def _compare(off: dict, on: dict) -> dict:
         "decode_steps_off": off["decode_steps"],
         "decode_steps_on": on["decode_steps"],
         "decode_step_reduction": 1 - on["decode_steps"] / off["decode_steps"] if off["decode_steps"] else 0.0,
-        "acceptance_length_mean": _acceptance(on["draft_tokens_accepted"], on["verify_steps"]),
+        "acceptance_length_mean": acceptance_length(on["draft_tokens_accepted"], on["verify_steps"]),
         "bubble_utilization": on["bubble_utilization"],
         "draft_coverage": on["draft_coverage"],
         "rollout_seconds_off": off["phase_seconds"]["rollout"],
@@ -72,29 +74,21 @@ def _compare(off: dict, on: dict) -> dict:
     }
 
 
-def _acceptance(accepted: int, verify_steps: int) -> float:
-    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0
-
-
-def _aggregate(off: list[dict], on: list[dict], clock: str) -> dict:
+def _aggregate(off: list[dict], on: list[dict], clock: str, num_steps: int) -> dict:
     if not on:
         return {}
     decode_off = sum(s["decode_steps"] for s in off)
     decode_on = sum(s["decode_steps"] for s in on)
-    # The last step has no next step to draft for, so its bubble cannot be used: leave it out.
-    draftable = [s for s in on if s["drafts_made"] > 0 or s is not on[-1]]
-    bubble = sum(s["bubble_seconds"] for s in draftable)
-    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in draftable)
     tokens = sum(s["generated_tokens"] for s in on)
     seconds_off = sum(s["phase_seconds"]["rollout"] for s in off)
     seconds_on = sum(s["phase_seconds"]["rollout"] for s in on)
     ratio = (tokens / seconds_on) / (tokens / seconds_off)
     return {
         "decode_step_reduction": 1 - decode_on / decode_off,
-        "acceptance_length_mean": _acceptance(
+        "acceptance_length_mean": acceptance_length(
             sum(s["draft_tokens_accepted"] for s in on), sum(s["verify_steps"] for s in on)
         ),
-        "bubble_utilization": drafting / bubble if bubble > 0 else 0.0,
+        "bubble_utilization": bubble_utilization(on, num_steps),
         "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
         "throughput_ratio_virtual": ratio if clock == "virtual" else None,
         "throughput_ratio_wall": ratio if clock == "wall" else None,
