@@ -71,6 +71,7 @@ class _Sequence:
     request: GenerationRequest
     max_new_tokens: int
     stop_ids: frozenset[int]
+    noise_seed: tuple[int, int]  # the key's hash, computed once rather than at every forward pass
     pending: list[int]  # tokens to feed next, not yet in the cache
     cache_length: int = 0  # positions [0, cache_length) of this slot hold valid keys and values
     tokens: list[int] = field(default_factory=list)
@@ -206,7 +207,14 @@ class TorchEngine:
         max_new = min(params.max_new_tokens, self.context_length - len(prompt))
         eos_ids = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids) | frozenset(eos_ids)
-        return _Sequence(index=index, request=request, max_new_tokens=max_new, stop_ids=stop_ids, pending=list(prompt))
+        return _Sequence(
+            index=index,
+            request=request,
+            max_new_tokens=max_new,
+            stop_ids=stop_ids,
+            noise_seed=request.key.noise_seed(),
+            pending=list(prompt),
+        )
 
     def _cache_for(self, sequences: list[_Sequence]) -> KVCache:
         num_slots = min(len(sequences), self.config.max_batch_size)
@@ -254,7 +262,7 @@ class TorchEngine:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=self.device)
         if self.config.verification == "one_hot":
             return sampling.engine_sample(logits, temperature, top_k, top_p, generator=self._generator)
-        seeds = torch.tensor([s.request.key.noise_seed() for s in active], dtype=torch.int64)
+        seeds = torch.tensor([s.noise_seed for s in active], dtype=torch.int64)
         return sampling.keyed_sample(logits, seeds, response_positions.to(self.device), temperature, top_k, top_p)
 
     def _advance(self, active, drafts, sampled, logprobs, accepted) -> dict[int, FinishReason]:
