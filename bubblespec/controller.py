@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bubblespec.config import RunConfig
-from bubblespec.interfaces import BubblePolicy, DraftStore, GenerationResult, Prompt, SamplingParams
+from bubblespec.interfaces import BubblePolicy, Draft, DraftStore, GenerationResult, Prompt, SamplingParams
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
@@ -111,8 +111,9 @@ class Controller:
 
         outcome = parts.ranks.rollout(shards, plan)
         if speculate:
-            parts.store.put(outcome.drafts)
+            self._store(outcome.drafts)
             parts.store.drop_steps_before(step + 1)  # this step's drafts are used up
+            plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
 
         by_key = {result.key: result for result in outcome.results}
         results = [by_key[r.key] for r in requests]  # request order, whatever the sharding
@@ -127,7 +128,7 @@ class Controller:
         train_metrics, weights, train_seconds = parts.trainer.train(samples)
         if drafting_while_training:
             late_drafts = parts.ranks.stop_drafting(train_seconds)
-            parts.store.put(late_drafts)
+            self._store(late_drafts)
             outcome.drafts += late_drafts
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
@@ -141,16 +142,29 @@ class Controller:
         return record
 
     def _plan(self, step: int) -> DraftPlan:
-        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps, each
-        step's keys in bubble-policy order and the nearest step first."""
+        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps,
+        the nearest step first. Within a step, keys without a draft or with an unfinished one come first (in
+        bubble-policy order) and go on from their draft; then finished drafts of an older policy, to be
+        re-verified and refreshed by the current one."""
         cfg, parts = self.config, self.parts
         ordered = []
         for future_step in range(step + 1, step + 1 + cfg.speculation.lookahead_steps):
             requests = self._future_requests(future_step)
-            predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # before any draft: prompt length
-            by_key = {r.key: r for r in requests}
-            ordered += [by_key[k] for k in parts.bubble_policy.order(list(by_key), predicted)]
+            stored = parts.store.get([r.key for r in requests])
+            predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # bubble policies rank by prompt
+            by_key = {r.key: r for r in attach_drafts(requests, stored)}
+            in_order = [by_key[k] for k in parts.bubble_policy.order(list(by_key), predicted)]
+            ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
+            ordered += [r for r in in_order if r.draft is not None and r.draft.finished]
         return DraftPlan(ordered, parts.ranks.num_ranks, cfg.rollout.max_batch_size)
+
+    def _store(self, drafts: list[Draft]) -> None:
+        """Stores new drafts, except an unfinished one shorter than the draft it would replace: stopped while
+        re-verifying an older draft, it would throw away that draft's tail."""
+        stored = self.parts.store.get([d.key for d in drafts])
+        self.parts.store.put(
+            [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
+        )
 
     def _future_requests(self, future_step: int) -> list:
         """The requests of a later step, or none if the run ends first or the task cannot say its prompts."""

@@ -87,6 +87,9 @@ class Draft:
     key: RolloutKey
     token_ids: tuple[int, ...]
     policy_version: int
+    finished: bool = False
+    """True when the drafting policy ended the response (a stop token or the length limit); False when a barrier
+    cut it off, so that a later bubble may continue it from where it stopped."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, RolloutKey):

@@ -39,8 +39,18 @@ def attach_drafts(requests: Sequence[GenerationRequest], drafts: dict[RolloutKey
 
 
 def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
-    """Drafts from (possibly partial) responses of the drafting policy; empty ones are dropped."""
-    return [Draft(r.key, tuple(r.token_ids), policy_version) for r in results if r.token_ids]
+    """Drafts from (possibly partial) responses of the drafting policy; empty ones are dropped. A response the
+    barrier stopped makes an unfinished draft, which a later bubble may continue."""
+    return [
+        Draft(r.key, tuple(r.token_ids), policy_version, finished=r.finish_reason != "preempted")
+        for r in results
+        if r.token_ids
+    ]
+
+
+def drafted_tokens(results: Sequence[GenerationResult]) -> int:
+    """Tokens that drafting forward passes sampled: a continued draft's accepted old tokens are not counted."""
+    return sum(len(r.token_ids) - r.stats.draft_tokens_accepted for r in results)
 
 
 @dataclass
@@ -104,13 +114,29 @@ class DraftPlan:
     """The keys of later steps to draft, in bubble-policy order, handed out in chunks to idle ranks.
 
     A chunk is an equal share of what is left per rank (at most ``max_batch_size`` keys): the first rank to
-    fall idle does not take every key, and a rank that finishes its chunk early still finds work."""
+    fall idle does not take every key, and a rank that finishes its chunk early still finds work.
+
+    A request may carry an unfinished draft of its own key: the drafting rank then verifies that draft (one
+    forward pass per ``max_draft_tokens_per_step`` tokens with the policy that made it) and goes on from its
+    end, so a long response is drafted over several bubbles instead of restarting in each.
+    """
 
     def __init__(self, requests: Sequence[GenerationRequest], num_ranks: int = 1, max_batch_size: int = 64) -> None:
         self._requests = list(requests)
         self._next = 0
         self.num_ranks = num_ranks
         self.max_batch_size = max_batch_size
+
+    def requeue(self, drafts: Sequence[Draft]) -> None:
+        """Puts the keys of unfinished ``drafts`` back at the front of what is left, each with its draft, so
+        that the next phase that drafts from this plan (drafting during training) continues them."""
+        handed_out = {r.key: r for r in self._requests[: self._next]}
+        again = [
+            GenerationRequest(handed_out[d.key].prompt_token_ids, d.key, handed_out[d.key].sampling, d)
+            for d in drafts
+            if not d.finished and d.key in handed_out
+        ]
+        self._requests[self._next : self._next] = again
 
     def take(self) -> list[GenerationRequest]:
         remaining = len(self._requests) - self._next
@@ -187,7 +213,7 @@ class VirtualRankPool:
             record = records[rank]
             record.drafting_seconds += min(timeline.now, barrier) - start
             record.draft_requests += len(made)
-            record.draft_tokens_produced += sum(len(d.token_ids) for d in made)
+            record.draft_tokens_produced += drafted_tokens(chunk_results)
             activity[rank].append(("draft", start, timeline.now))
             if timeline.now < barrier:
                 heapq.heappush(idle, (timeline.now, rank))

@@ -123,9 +123,12 @@ def _draft_to_json(draft: Draft) -> dict:
         "key": [key.run_seed, key.step, key.prompt_uid, key.sample_index],
         "tokens": list(draft.token_ids),
         "version": draft.policy_version,
+        "finished": draft.finished,
     }
 
 
 def _draft_from_json(data: dict) -> Draft:
     run_seed, step, uid, sample = data["key"]
-    return Draft(RolloutKey(run_seed, step, uid, sample), tuple(data["tokens"]), data["version"])
+    return Draft(
+        RolloutKey(run_seed, step, uid, sample), tuple(data["tokens"]), data["version"], data.get("finished", False)
+    )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from bubblespec.interfaces import GenerationRequest, GenerationResult
-from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafts_from
+from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
 
 
 class RankReplica:
@@ -157,10 +157,11 @@ class ServeRankPool:
                     activity[rank].append(("generate", 0.0, now))
                 else:
                     rank, began = drafting.pop(future)
-                    made = drafts_from(future.result(), policy_version=self.version)
+                    chunk_results = future.result()
+                    made = drafts_from(chunk_results, policy_version=self.version)
                     drafts += made
                     records[rank].draft_requests += len(made)
-                    records[rank].draft_tokens_produced += sum(len(d.token_ids) for d in made)
+                    records[rank].draft_tokens_produced += drafted_tokens(chunk_results)
                     records[rank].drafting_seconds += (now if barrier is None else min(now, barrier)) - began
                     activity[rank].append(("draft", began, now))
                     if barrier is not None:

@@ -1,0 +1,87 @@
+"""Bubble drafting pieces without Ray: the drafting plan and drafts that go on across bubbles."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.backends.torch_engine import TorchEngine
+from bubblespec.clocks import PROFILES
+from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.rollout import DraftPlan, VirtualRankPool, drafted_tokens, drafts_from, step_requests
+from bubblespec.tasks import ArithmeticTask
+
+from .conftest import write_checkpoint
+
+
+def _request(uid: str) -> GenerationRequest:
+    return GenerationRequest((1, 5, 6), RolloutKey(0, 1, uid, 0), SamplingParams(max_new_tokens=20))
+
+
+def test_a_plan_hands_out_equal_shares_of_what_is_left():
+    plan = DraftPlan([_request(str(i)) for i in range(10)], num_ranks=2, max_batch_size=4)
+    sizes = []
+    while plan:
+        sizes.append(len(plan.take()))
+    assert sizes == [4, 3, 2, 1]
+
+
+def test_requeue_puts_unfinished_drafts_first_with_their_tokens():
+    requests = [_request(uid) for uid in "abcd"]
+    plan = DraftPlan(requests, num_ranks=1, max_batch_size=2)
+    taken = plan.take()
+    assert [r.key.prompt_uid for r in taken] == ["a", "b"]
+    plan.requeue(
+        [
+            Draft(requests[0].key, (7, 8), policy_version=3, finished=False),
+            Draft(requests[1].key, (7, 2), policy_version=3, finished=True),  # done: nothing to go on with
+            Draft(requests[3].key, (9,), policy_version=3, finished=False),  # not handed out: stays as it was
+        ]
+    )
+    again = plan.take()
+    assert [r.key.prompt_uid for r in again] == ["a", "c"]
+    assert again[0].draft.token_ids == (7, 8) and again[0].prompt_token_ids == requests[0].prompt_token_ids
+    assert again[1].draft is None
+    assert [r.key.prompt_uid for r in plan.take()] == ["d"] and not plan
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("model"), seed=3)
+    return TorchEngine.from_pretrained(str(folder), dtype="float64")
+
+
+def test_a_draft_cut_off_by_the_barrier_goes_on_where_it_stopped(engine):
+    """Drafting the rest of a cut-off draft in a later phase gives exactly the draft one long bubble would have
+    made (same policy, keyed sampling), and the later phase only pays for the new tokens."""
+    requests = [
+        GenerationRequest((1, 3 + i, 7), RolloutKey(0, 1, f"p{i}", 0), SamplingParams(max_new_tokens=40))
+        for i in range(6)
+    ]
+    whole = {r.key: r.token_ids for r in engine.generate(requests)}
+    pool = VirtualRankPool(engine, num_ranks=2, profile=PROFILES["h100-7b"])
+    shard_short = [GenerationRequest((1, 4), RolloutKey(0, 0, "now", 0), SamplingParams(max_new_tokens=3))]
+    shard_long = [GenerationRequest((1, 4), RolloutKey(0, 0, "now", 1), SamplingParams(max_new_tokens=12))]
+    plan = DraftPlan(requests, num_ranks=2)
+    outcome = pool.rollout([shard_short, shard_long], plan)
+    cut = {d.key: d for d in outcome.drafts}
+    assert cut and all(not d.finished for d in cut.values())  # a 9-pass bubble drafts no 40-token response
+    assert all(whole[key][: len(d.token_ids)] == list(d.token_ids) for key, d in cut.items())
+
+    plan.requeue(outcome.drafts)
+    pool.start_drafting(plan)
+    late = {d.key: d for d in pool.stop_drafting(train_seconds=10.0)}
+    assert set(cut) <= set(late)
+    for key in cut:
+        assert late[key].finished and list(late[key].token_ids) == whole[key]
+
+
+def test_drafted_tokens_count_only_what_drafting_sampled(engine):
+    request = step_requests(ArithmeticTask(prompts_per_step=1).batch(0), 0, 0, 1, SamplingParams(max_new_tokens=20))[0]
+    first = engine.generate([request])
+    draft = drafts_from(first, policy_version=0)[0]
+    continued = engine.generate([GenerationRequest(request.prompt_token_ids, request.key, request.sampling, draft)])
+    assert drafted_tokens(first) == len(first[0].token_ids)
+    assert drafted_tokens(continued) == len(continued[0].token_ids) - continued[0].stats.draft_tokens_accepted
+    # the whole draft was accepted: each verify pass sampled one token after the draft tokens it accepted
+    assert continued[0].token_ids == first[0].token_ids
+    assert drafted_tokens(continued) == continued[0].stats.decode_steps < len(first[0].token_ids)
