@@ -79,11 +79,13 @@ class Controller:
         parts: Components,
         run_dir: RunDirectory,
         on_step: Callable[[dict], None] | None = None,
+        on_phase: Callable[[int, str], None] | None = None,
     ) -> None:
         self.config = config
         self.parts = parts
         self.run_dir = run_dir
         self.on_step = on_step or (lambda record: None)
+        self.on_phase = on_phase or (lambda step, phase: None)
         self._warned_unpeekable = False
 
     def run(self, start_step: int = 0) -> list[dict]:
@@ -109,6 +111,7 @@ class Controller:
         shards = parts.sharding_policy.shard(requests, parts.ranks.num_ranks, predicted)
         plan = self._plan(step) if speculate else DraftPlan([])
 
+        self.on_phase(step, "rollout")
         outcome = parts.ranks.rollout(shards, plan)
         if speculate:
             self._store(outcome.drafts)
@@ -125,11 +128,13 @@ class Controller:
         drafting_while_training = speculate and cfg.speculation.draft_during_training and bool(plan)
         if drafting_while_training:
             parts.ranks.start_drafting(plan)
+        self.on_phase(step, "train")
         train_metrics, weights, train_seconds = parts.trainer.train(samples)
         if drafting_while_training:
             late_drafts = parts.ranks.stop_drafting(train_seconds)
             self._store(late_drafts)
             outcome.drafts += late_drafts
+        self.on_phase(step, "weight sync")
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
         record["rollout_digest"] = rollout_digest(results)

@@ -112,8 +112,12 @@ def run(
     config: RunConfig,
     resume_dir: Path | None = None,
     on_step: Callable[[dict], None] | None = None,
+    on_phase: Callable[[int, str], None] | None = None,
+    on_activity: Callable[[int, str, str], None] | None = None,
 ) -> dict:
-    """Runs (or resumes) a whole run; returns its summary."""
+    """Runs (or resumes) a whole run; returns its summary. ``on_step`` gets each step's record, ``on_phase``
+    (step, phase) as the controller enters rollout, train and weight sync, and ``on_activity`` (rank,
+    activity, detail) as wall-clock ranks generate, draft and fall idle within a step."""
     if config.clock.kind == "wall":
         from bubblespec.ray_cluster import build_on_ray
 
@@ -128,7 +132,9 @@ def run(
         else:
             start = _restore(run_dir, parts)
         started = time.perf_counter()
-        controller = Controller(config, parts, run_dir, on_step)
+        if on_activity is not None and hasattr(parts.ranks, "on_activity"):
+            parts.ranks.on_activity = on_activity
+        controller = Controller(config, parts, run_dir, on_step, on_phase)
         controller.run(start_step=start)
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
         run_dir.write_summary(summary)

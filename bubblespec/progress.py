@@ -1,10 +1,14 @@
-"""What ``bubblespec run`` shows while it runs: a live per-rank table of the latest step, then a summary."""
+"""What ``bubblespec run`` shows while it runs: one line per step, a live table of what every rank is doing
+now (wall clock: generating, drafting in the bubble, idle) above the per-rank table of the last step, and a
+summary at the end."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
@@ -15,7 +19,13 @@ class StepPrinter:
     def __init__(self, config: RunConfig, console: Console | None = None) -> None:
         self.config = config
         self.console = console or Console()
-        self._live = Live(self._waiting(), console=self.console, refresh_per_second=4, transient=True)
+        self._lock = threading.Lock()  # drafting during training reports from another thread
+        self._phase = "starting"
+        self._phase_began = time.perf_counter()
+        self._ranks: dict[int, tuple[str, str, float]] = {}
+        self._last_step: Table | None = None
+        # Live re-renders four times a second through get_renderable, so the "for" column keeps counting.
+        self._live = Live(console=self.console, get_renderable=self._render, refresh_per_second=4, transient=True)
 
     def __enter__(self) -> StepPrinter:
         self._live.__enter__()
@@ -33,7 +43,16 @@ class StepPrinter:
             f"train {phases['train']:.2f}s  sync {phases['weight_sync']:.2f}s"
             + (f"  eval reward {record['eval_reward']:.3f}" if "eval_reward" in record else "")
         )
-        self._live.update(self._rank_table(record))
+        with self._lock:
+            self._last_step = self._rank_table(record)
+
+    def phase(self, step: int, phase: str) -> None:
+        with self._lock:
+            self._phase, self._phase_began = f"step {step}: {phase}", time.perf_counter()
+
+    def activity(self, rank: int, activity: str, detail: str) -> None:
+        with self._lock:
+            self._ranks[rank] = (activity, detail, time.perf_counter())
 
     def summary(self, summary: dict, run_dir: Path) -> None:
         table = Table(title=f"run {summary.get('name', '')} ({self.config.clock.kind} clock)")
@@ -60,10 +79,18 @@ class StepPrinter:
         self.console.print(table)
         self.console.print(f"run directory: {run_dir}")
 
-    def _waiting(self) -> Table:
-        table = Table(title="waiting for the first step")
-        table.add_column("rank")
-        return table
+    def _render(self) -> Group:
+        with self._lock:
+            return self._render_unlocked()
+
+    def _render_unlocked(self) -> Group:
+        now = time.perf_counter()
+        table = Table(title=f"{self._phase} ({now - self._phase_began:.1f}s)")
+        for column in ("rank", "now", "for", "detail"):
+            table.add_column(column, justify="left" if column == "detail" else "right")
+        for rank, (activity, detail, since) in sorted(self._ranks.items()):
+            table.add_row(str(rank), activity, f"{now - since:.1f}s", detail)
+        return Group(table, self._last_step) if self._last_step is not None else Group(table)
 
     def _rank_table(self, record: dict) -> Table:
         table = Table(title=f"step {record['step']} per rank ({self.config.clock.kind} seconds)")

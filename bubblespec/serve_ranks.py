@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
@@ -80,6 +80,8 @@ class ServeRankPool:
         self.num_ranks = len(self.handles)
         self.version = 0
         self._step = 0
+        self.on_activity: ActivityListener = _ignore
+        """Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
 
     def update_weights(self, state_dict, version: int) -> float:
         import ray
@@ -119,7 +121,9 @@ class ServeRankPool:
         running = {}
         for rank, handle in enumerate(self.handles):
             if plan:
-                running[asyncio.ensure_future(_awaited(handle.draft.remote(plan.take(), step)))] = rank
+                chunk = plan.take()
+                self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
+                running[asyncio.ensure_future(_awaited(handle.draft.remote(chunk, step)))] = rank
         while running:
             done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
             for future in done:
@@ -127,7 +131,10 @@ class ServeRankPool:
                 self._training_drafts += drafts_from(future.result(), policy_version=self.version)
                 if plan and not self._stop_requested.is_set():
                     chunk = plan.take()
+                    self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
                     running[asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))] = rank
+                else:
+                    self.on_activity(rank, "idle", "")
 
     async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
         start = time.perf_counter()
@@ -137,6 +144,9 @@ class ServeRankPool:
             asyncio.ensure_future(_awaited(handle.generate.remote(list(shard)))): rank
             for rank, (handle, shard) in enumerate(zip(self.handles, shards, strict=True))
         }
+        for rank, shard in enumerate(shards):
+            with_draft = sum(r.draft is not None for r in shard)
+            self.on_activity(rank, "generate", f"{len(shard)} requests, {with_draft} with a draft")
         drafting: dict[asyncio.Future, tuple[int, float]] = {}
         results: list[GenerationResult] = []
         drafts = []
@@ -155,6 +165,8 @@ class ServeRankPool:
                     records[rank].generation_seconds = now
                     records[rank].forward_passes = passes
                     activity[rank].append(("generate", 0.0, now))
+                    tokens = sum(len(r.token_ids) for r in shard_results)
+                    self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {passes} passes")
                 else:
                     rank, began = drafting.pop(future)
                     chunk_results = future.result()
@@ -166,10 +178,12 @@ class ServeRankPool:
                     activity[rank].append(("draft", began, now))
                     if barrier is not None:
                         records[rank].preemption_latency_seconds = now - barrier
+                    self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(chunk_results)} tokens")
                 still_generating = any(f in generating for f in pending)
                 if barrier is None and still_generating and plan:  # a rank that fell idle before the barrier
                     chunk = plan.take()
                     if chunk:
+                        self.on_activity(rank, "draft", _chunk_detail(chunk, "in the bubble"))
                         future_draft = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
                         drafting[future_draft] = (rank, now)
                         pending.add(future_draft)
@@ -184,3 +198,18 @@ class ServeRankPool:
 
 async def _awaited(response):
     return await response
+
+
+ActivityListener = Callable[[int, str, str], None]
+
+
+def _ignore(rank: int, activity: str, detail: str) -> None:
+    pass
+
+
+def _chunk_detail(chunk: Sequence[GenerationRequest], when: str) -> str:
+    steps = sorted({r.key.step for r in chunk})
+    going_on = sum(r.draft is not None for r in chunk)
+    return f"{len(chunk)} keys of step {', '.join(map(str, steps))} {when}" + (
+        f" ({going_on} going on from a draft)" if going_on else ""
+    )

@@ -88,7 +88,9 @@ def run(
     from bubblespec.progress import StepPrinter
 
     with StepPrinter(config) as printer:
-        summary = run_config(config, resume_dir=resume, on_step=printer.step)
+        summary = run_config(
+            config, resume_dir=resume, on_step=printer.step, on_phase=printer.phase, on_activity=printer.activity
+        )
         printer.summary(summary, resume or config.run_dir)
 
 

@@ -100,3 +100,21 @@ def test_the_readme_python_example_runs():
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)  # it asserts identical outputs itself
     assert namespace["results"] and namespace["again"]
+
+
+def test_the_live_display_shows_what_each_rank_is_doing_now():
+    from rich.console import Console
+
+    from bubblespec.config import validate
+    from bubblespec.progress import StepPrinter
+
+    console = Console(record=True, width=120)
+    printer = StepPrinter(validate({}), console)
+    printer.phase(3, "rollout")
+    printer.activity(0, "generate", "64 requests, 60 with a draft")
+    printer.activity(1, "draft", "12 keys of step 4 in the bubble")
+    console.print(printer._render())
+    text = console.export_text()
+    assert "step 3: rollout" in text
+    assert "generate" in text and "64 requests, 60 with a draft" in text
+    assert "draft" in text and "12 keys of step 4 in the bubble" in text

@@ -37,7 +37,8 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         }
     )
     virtual = validate(base | {"name": "virtual", "clock": {"kind": "virtual"}})
-    summary = run(wall)
+    phases, activities = [], []
+    summary = run(wall, on_phase=lambda *event: phases.append(event), on_activity=lambda *e: activities.append(e))
     run(virtual)
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
     wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
@@ -53,3 +54,8 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         # bubbles are measured from the barrier: the last rank to finish has none, the others are idle or drafting
         assert min(rank["bubble_seconds"] for rank in step["ranks"]) == 0
         assert all(rank["drafting_seconds"] <= rank["bubble_seconds"] + 1e-9 for rank in step["ranks"])
+    # the live display heard of every phase and of every rank generating, drafting and falling idle
+    assert phases[:3] == [(0, "rollout"), (0, "train"), (0, "weight sync")] and len(phases) == 9
+    assert {(rank, activity) for rank, activity, _ in activities} == {
+        (rank, activity) for rank in (0, 1) for activity in ("generate", "draft", "idle")
+    }
