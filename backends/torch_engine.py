@@ -282,7 +282,9 @@ class TorchEngine:
                 stats.verify_steps += 1
                 stats.draft_tokens_proposed += len(drafts[slot])
                 # Accepted tokens after a stop token are not emitted, so they do not count.
-                stats.draft_tokens_accepted += min(num_accepted, len(emitted))
+                counted = min(num_accepted, len(emitted))
+                stats.draft_tokens_accepted += counted
+                stats.acceptance_lengths[counted + 1] = stats.acceptance_lengths.get(counted + 1, 0) + 1
             sequence.tokens += emitted
             sequence.logprobs += emitted_logprobs[: len(emitted)]
             sequence.pending = [emitted[-1]]

@@ -151,6 +151,15 @@ class RayConfig(Section):
     """Start Ray Serve's HTTP proxy (only needed to reach ranks over HTTP)."""
 
 
+class MetricsConfig(Section):
+    enabled: bool = True
+    """Serve Prometheus metrics (``bubblespec_*``, label ``rank``) while the run runs."""
+    host: str = "127.0.0.1"
+    """Address the metrics endpoint binds to: loopback unless you say otherwise (e.g. "0.0.0.0")."""
+    port: int = Field(9464, ge=0, le=65535)
+    """Port of ``http://host:port/metrics``; 0 picks a free one (printed at the start)."""
+
+
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of the run; its directory is ``output_dir/name``."""
@@ -174,6 +183,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     clock: ClockConfig = ClockConfig()
     ray: RayConfig = RayConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def run_dir(self) -> Path:

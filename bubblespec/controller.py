@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bubblespec.config import RunConfig
-from bubblespec.interfaces import BubblePolicy, Draft, DraftStore, GenerationResult, Prompt, SamplingParams
+from bubblespec.interfaces import (
+    BubblePolicy,
+    Draft,
+    DraftStore,
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+    acceptance_length,
+)
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
@@ -93,6 +101,7 @@ class Controller:
         for step in range(start_step, self.config.num_steps):
             record = self.step(step)
             records.append(record)
+            logger.info(step_line(record))
             last = step == self.config.num_steps - 1
             if (step + 1) % self.config.checkpoint_every == 0 or last:
                 self._checkpoint(step)
@@ -218,6 +227,26 @@ class Controller:
             drafts=pending,
             state={"num_steps": self.config.num_steps, "time": time.time()},
         )
+
+
+def step_line(record: dict) -> str:
+    """One structured log line per step: ``key=value`` pairs (logfmt), the headline numbers of the record."""
+    phases = record["phase_seconds"]
+    fields = {
+        "step": record["step"],
+        "reward": f"{record['reward_mean']:.4f}",
+        "tokens": record["generated_tokens"],
+        "decode_steps": record["decode_steps"],
+        "acceptance": f"{acceptance_length(record['draft_tokens_accepted'], record['verify_steps']):.2f}",
+        "coverage": f"{record['draft_coverage']:.2f}",
+        "bubble_use": f"{record['bubble_utilization']:.2f}",
+        "rollout_s": f"{phases['rollout']:.3f}",
+        "train_s": f"{phases['train']:.3f}",
+        "sync_s": f"{phases['weight_sync']:.3f}",
+    }
+    if "eval_reward" in record:
+        fields["eval_reward"] = f"{record['eval_reward']:.4f}"
+    return " ".join(f"{key}={value}" for key, value in fields.items())
 
 
 def rollout_digest(results: list[GenerationResult]) -> str:

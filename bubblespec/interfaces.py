@@ -120,6 +120,8 @@ class RequestStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     prefill_tokens: int = 0
+    acceptance_lengths: dict[int, int] = field(default_factory=dict)
+    """Verify steps by their acceptance length: the distribution behind the mean (and the metrics histogram)."""
 
     @property
     def acceptance_length_mean(self) -> float:

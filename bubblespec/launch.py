@@ -17,6 +17,7 @@ from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
 from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams, acceptance_length
+from bubblespec.metrics import RunMetrics
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import GRPOLearner, TrainSample
@@ -117,24 +118,39 @@ def run(
 ) -> dict:
     """Runs (or resumes) a whole run; returns its summary. ``on_step`` gets each step's record, ``on_phase``
     (step, phase) as the controller enters rollout, train and weight sync, and ``on_activity`` (rank,
-    activity, detail) as wall-clock ranks generate, draft and fall idle within a step."""
-    if config.clock.kind == "wall":
-        from bubblespec.ray_cluster import build_on_ray
+    activity, detail) as wall-clock ranks generate, draft and fall idle within a step. With
+    ``metrics.enabled`` the step records also feed Prometheus metrics served while the run runs."""
+    metrics = RunMetrics() if config.metrics.enabled else None
+    with contextlib.ExitStack() as stack:
+        if metrics is not None:
+            # First: a port in use fails before Ray starts or anything is written.
+            metrics.serve(config.metrics)
+            stack.callback(metrics.close)
+        if config.clock.kind == "wall":
+            from bubblespec.ray_cluster import build_on_ray
 
-        context = build_on_ray(config)
-    else:
-        context = contextlib.nullcontext(build_virtual(config))
-    with context as parts:
+            parts = stack.enter_context(build_on_ray(config))
+        else:
+            parts = build_virtual(config)
         run_dir = RunDirectory(resume_dir or config.run_dir)
         start = 0
         if resume_dir is None:
             run_dir.create(config)
         else:
             start = _restore(run_dir, parts)
+            if metrics is not None:
+                metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
         started = time.perf_counter()
         if on_activity is not None and hasattr(parts.ranks, "on_activity"):
             parts.ranks.on_activity = on_activity
-        controller = Controller(config, parts, run_dir, on_step, on_phase)
+
+        def step_done(record: dict) -> None:
+            if metrics is not None:
+                metrics.observe_step(record)
+            if on_step is not None:
+                on_step(record)
+
+        controller = Controller(config, parts, run_dir, step_done, on_phase)
         controller.run(start_step=start)
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
         run_dir.write_summary(summary)

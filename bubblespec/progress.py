@@ -4,6 +4,7 @@ summary at the end."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,17 @@ from rich.live import Live
 from rich.table import Table
 
 from bubblespec.config import RunConfig
+
+
+def setup_logging(console: Console, level: str) -> None:
+    """bubblespec's logs (one structured line per step at INFO) through rich, above the live display."""
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package = logging.getLogger("bubblespec")
+    package.handlers[:] = [handler]
+    package.setLevel(level)
 
 
 class StepPrinter:
@@ -35,14 +47,7 @@ class StepPrinter:
         self._live.__exit__(*exc)
 
     def step(self, record: dict) -> None:
-        phases = record["phase_seconds"]
-        self._live.console.print(
-            f"step {record['step']:>3}  reward {record['reward_mean']:.3f}  tokens {record['generated_tokens']:>6}  "
-            f"decode steps {record['decode_steps']:>6}  coverage {record['draft_coverage']:.2f}  "
-            f"bubble use {record['bubble_utilization']:.2f}  rollout {phases['rollout']:.2f}s  "
-            f"train {phases['train']:.2f}s  sync {phases['weight_sync']:.2f}s"
-            + (f"  eval reward {record['eval_reward']:.3f}" if "eval_reward" in record else "")
-        )
+        """The last step's per-rank table goes live; its one-line summary is the controller's log line."""
         with self._lock:
             self._last_step = self._rank_table(record)
 

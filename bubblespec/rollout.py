@@ -72,6 +72,8 @@ class RankRecord:
     draft_requests: int = 0
     draft_tokens_produced: int = 0
     preemption_latency_seconds: float = 0.0
+    acceptance_lengths: dict[int, int] = field(default_factory=dict)
+    """Verify steps of this rank's shard by acceptance length."""
 
     def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
         self.num_requests += len(results)
@@ -82,6 +84,8 @@ class RankRecord:
             self.verify_steps += result.stats.verify_steps
             self.draft_tokens_proposed += result.stats.draft_tokens_proposed
             self.draft_tokens_accepted += result.stats.draft_tokens_accepted
+            for length, count in result.stats.acceptance_lengths.items():
+                self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + count
 
     @property
     def draft_coverage(self) -> float:
@@ -92,7 +96,11 @@ class RankRecord:
         return min(self.drafting_seconds / self.bubble_seconds, 1.0) if self.bubble_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"draft_coverage": self.draft_coverage, "bubble_utilization": self.bubble_utilization}
+        return asdict(self) | {
+            "acceptance_lengths": {str(length): n for length, n in sorted(self.acceptance_lengths.items())},
+            "draft_coverage": self.draft_coverage,
+            "bubble_utilization": self.bubble_utilization,
+        }
 
 
 @dataclass

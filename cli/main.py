@@ -71,12 +71,16 @@ def run(
     config_path: Annotated[Path | None, typer.Argument(help="A run config (YAML).", metavar="CONFIG")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this run directory.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live display or step lines; warnings only.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also debug logs.")] = False,
 ) -> None:
     """Run synchronous RL with bubble-time drafting, as the config says."""
     from bubblespec.config import load_config
     from bubblespec.launch import run as run_config
     from bubblespec.run_dir import RunDirectory
 
+    if quiet and verbose:
+        raise typer.BadParameter("--quiet and --verbose exclude each other")
     if resume is not None:
         if config_path is not None or overrides:
             raise typer.BadParameter("--resume takes the config saved in the run directory; give no CONFIG or --set")
@@ -85,13 +89,35 @@ def run(
         raise typer.BadParameter("give a CONFIG file, or --resume RUN_DIR")
     else:
         config = load_config(config_path, overrides or [])
-    from bubblespec.progress import StepPrinter
+    from rich.console import Console
 
-    with StepPrinter(config) as printer:
+    from bubblespec.progress import StepPrinter, setup_logging
+    from bubblespec.report import write_report
+
+    console = Console()
+    setup_logging(console, "WARNING" if quiet else "DEBUG" if verbose else "INFO")
+    if quiet:
+        run_config(config, resume_dir=resume)
+        write_report(resume or config.run_dir)
+        typer.echo(f"run directory: {resume or config.run_dir}")
+        return
+    with StepPrinter(config, console) as printer:
         summary = run_config(
             config, resume_dir=resume, on_step=printer.step, on_phase=printer.phase, on_activity=printer.activity
         )
-        printer.summary(summary, resume or config.run_dir)
+    printer.summary(summary, resume or config.run_dir)
+    typer.echo(f"report: {write_report(resume or config.run_dir) / 'summary.md'}")
+
+
+@app.command()
+@user_errors
+def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `bubblespec run`.")]) -> None:
+    """Write RUN_DIR/report/: a per-rank timeline picture, per-step plots and a summary (markdown)."""
+    from bubblespec.report import write_report
+
+    folder = write_report(run_dir)
+    for name in ("summary.md", "timeline.png", "steps.png"):
+        typer.echo(str(folder / name))
 
 
 @app.command()

@@ -118,3 +118,27 @@ def test_the_live_display_shows_what_each_rank_is_doing_now():
     assert "step 3: rollout" in text
     assert "generate" in text and "64 requests, 60 with a draft" in text
     assert "draft" in text and "12 keys of step 4 in the bubble" in text
+
+
+def test_report_command_writes_the_report_and_explains_a_bad_folder(tmp_path):
+    from bubblespec.config import validate
+    from bubblespec.launch import run
+
+    config = validate(
+        {
+            "name": "r",
+            "output_dir": str(tmp_path),
+            "num_steps": 2,
+            "task": {"prompts_per_step": 2, "samples_per_prompt": 2},
+            "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 32}},
+            "clock": {"kind": "virtual"},
+            "metrics": {"enabled": False},
+        }
+    )
+    run(config)
+    result = runner.invoke(app, ["report", str(config.run_dir)])
+    assert result.exit_code == 0, result.output
+    assert (config.run_dir / "report" / "timeline.png").is_file()
+    assert (config.run_dir / "report" / "summary.md").read_text().count("|") > 10
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "not a run directory" in result.output and "steps.jsonl" in result.output

@@ -18,6 +18,7 @@ SMALL = {
     "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
     "clock": {"kind": "virtual", "profile": "h100-7b"},
     "trainer": {"learning_rate": 1e-3},
+    "metrics": {"port": 0},
 }
 
 

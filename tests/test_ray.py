@@ -24,6 +24,7 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
         "trainer": {"learning_rate": 1e-3},
+        "metrics": {"port": 0},
     }
     # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store and drafting while the
     # trainer runs on Ray; one in-process learner and the in-memory store in the simulation.

@@ -1,0 +1,408 @@
+"""``bubblespec report RUN_DIR``: pictures and a readable summary of a run directory, written to RUN_DIR/report/.
+
+    report/timeline.png   one row per rank, the steps one after another: generation, drafting in the bubble,
+                          the idle rest of the bubble, then training and weight sync across all ranks
+    report/steps.png      per step: acceptance length, decode steps vs tokens, bubble use and draft coverage,
+                          reward and held-out eval reward
+    report/summary.md     headline numbers, a table per step and per rank, the two pictures
+
+The timeline is built by :func:`timeline_segments`, a pure function of the step records, so that what the
+picture shows can be tested without looking at pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from bubblespec.errors import BubblespecError
+from bubblespec.interfaces import acceptance_length
+
+SegmentKind = Literal["generate", "draft", "idle", "train", "weight_sync"]
+SEGMENT_LABELS: dict[str, str] = {
+    "generate": "generation",
+    "draft": "drafting in the bubble",
+    "idle": "idle bubble",
+    "train": "training",
+    "weight_sync": "weight sync",
+}
+SEGMENT_COLORS: dict[str, str] = {
+    "generate": "#1f77b4",
+    "draft": "#2ca02c",
+    "idle": "#f4a3a3",
+    "train": "#ff7f0e",
+    "weight_sync": "#9467bd",
+}
+ROLLOUT_ACTIVITIES = ("generate", "draft", "idle")
+RECORD_FIELDS = (
+    "step",
+    "reward_mean",
+    "generated_tokens",
+    "decode_steps",
+    "verify_steps",
+    "phase_seconds",
+    "ranks",
+    "timelines",
+)
+RUN_DIRECTORY_CONTENTS = (
+    "a run directory (written by `bubblespec run`) holds config.yaml (the resolved config), steps.jsonl (one "
+    "line per finished step), checkpoints/ and, once the run has finished, summary.json"
+)
+
+
+class ReportError(BubblespecError, ValueError):
+    """A folder that is not a run directory, or a run directory with no finished step to report on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One bar of the timeline: what ``rank`` did from ``start`` to ``end`` (seconds since the first step began,
+    the steps laid one after another) during step ``step``."""
+
+    rank: int
+    kind: SegmentKind
+    start: float
+    end: float
+    step: int
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Writes RUN_DIR/report/ (timeline.png, steps.png, summary.md) and returns the report folder."""
+    from bubblespec.run_dir import RunDirectory
+
+    path = Path(run_dir)
+    records = read_step_records(path)
+    config = RunDirectory(path).load_config()
+    report = path / "report"
+    report.mkdir(exist_ok=True)
+    draw_timeline(records, config.clock.kind, report / "timeline.png")
+    draw_steps(records, report / "steps.png")
+    (report / "summary.md").write_text(summary_markdown(config, records, _summary(path, config, records)))
+    return report
+
+
+def read_step_records(path: Path) -> list[dict]:
+    """The records of steps.jsonl, checked to be those of a run directory. A last line cut off by a crash in
+    the middle of writing it is left out with a warning; a bad line before the last is an error."""
+    if not path.exists():
+        raise ReportError(f"run directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ReportError(f"{str(path)!r} is a file, not a run directory; {RUN_DIRECTORY_CONTENTS}")
+    missing = [name for name in ("config.yaml", "steps.jsonl") if not (path / name).is_file()]
+    if missing:
+        raise ReportError(
+            f"{str(path)!r} is not a run directory: it has no {' and no '.join(missing)}; {RUN_DIRECTORY_CONTENTS}"
+        )
+    lines = [(number, line) for number, line in enumerate((path / "steps.jsonl").read_text().splitlines(), 1)]
+    lines = [(number, line) for number, line in lines if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if index < len(lines) - 1:
+                raise ReportError(f"line {number} of {path / 'steps.jsonl'} is not JSON ({error})") from None
+            warnings.warn(
+                f"the last line ({number}) of {path / 'steps.jsonl'} is incomplete, probably cut off by a crash "
+                f"while it was written; reporting on the {len(records)} complete step(s) before it",
+                stacklevel=2,
+            )
+    if not records:
+        raise ReportError(
+            f"{path / 'steps.jsonl'} holds no finished step: the run started but no step finished; nothing to report"
+        )
+    for record in records:
+        absent = [name for name in RECORD_FIELDS if name not in record]
+        if absent:
+            raise ReportError(f"step {record.get('step', '?')} of {path / 'steps.jsonl'} lacks {', '.join(absent)}")
+    return records
+
+
+def timeline_segments(records: list[dict]) -> list[Segment]:
+    """The bars of the timeline picture, step after step, rank by rank.
+
+    Step t starts where step t - 1 ended (rollout + train + weight sync seconds). Within a step every rank's
+    segments tile it without overlap: its rollout activities in [0, rollout] (``record["timelines"][rank]``,
+    sorted, clipped to the phase; uncovered time is an idle bubble), then train and weight sync.
+    """
+    num_ranks = max(max(len(r["ranks"]), len(r.get("timelines") or [])) for r in records)
+    segments: list[Segment] = []
+    offset = 0.0
+    for record in records:
+        step, phases = record["step"], record["phase_seconds"]
+        rollout, train, sync = phases["rollout"], phases["train"], phases["weight_sync"]
+        timelines = record.get("timelines") or []
+        for rank in range(num_ranks):
+            activities = timelines[rank] if rank < len(timelines) else []
+            for kind, start, end in _tile(activities, rollout, step, rank):
+                segments.append(Segment(rank, kind, offset + start, offset + end, step))
+            segments.append(Segment(rank, "train", offset + rollout, offset + rollout + train, step))
+            segments.append(
+                Segment(rank, "weight_sync", offset + rollout + train, offset + rollout + train + sync, step)
+            )
+        offset += rollout + train + sync
+    return [s for s in segments if s.end > s.start]
+
+
+def _tile(activities: list, rollout: float, step: int, rank: int) -> list[tuple[str, float, float]]:
+    """A rank's rollout activities sorted and clipped to [0, rollout] without overlap, gaps filled with idle."""
+    tiled: list[tuple[str, float, float]] = []
+    cursor = 0.0
+    for kind, start, end in sorted(activities, key=lambda activity: activity[1]):
+        if kind not in ROLLOUT_ACTIVITIES:
+            raise ReportError(
+                f"step {step}, rank {rank}: unknown rollout activity {kind!r}; known: {', '.join(ROLLOUT_ACTIVITIES)}"
+            )
+        start, end = max(start, cursor), min(end, rollout)
+        if end <= start:
+            continue
+        if start > cursor:
+            tiled.append(("idle", cursor, start))
+        tiled.append((kind, start, end))
+        cursor = end
+    if cursor < rollout:
+        tiled.append(("idle", cursor, rollout))
+    return tiled
+
+
+def draw_timeline(records: list[dict], clock: str, file: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    segments = timeline_segments(records)
+    num_ranks = 1 + max(s.rank for s in segments)
+    num_steps = len(records)
+    size = (min(6 + 0.7 * num_steps, 28), min(2.4 + 0.45 * num_ranks, 14))
+    figure = Figure(figsize=size, dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    bounds = _step_bounds(records)
+    for index, (start, end) in enumerate(bounds):
+        if index % 2 == 0:
+            axes.axvspan(start, end, color="#ececec", zorder=0)
+    for kind in SEGMENT_LABELS:
+        for rank in range(num_ranks):
+            bars = [(s.start, s.end - s.start) for s in segments if s.kind == kind and s.rank == rank]
+            # Train and sync hold every rank: full-height bars join into one band across the rows.
+            height = 1.0 if kind in ("train", "weight_sync") else 0.7
+            axes.broken_barh(bars, (rank - height / 2, height), color=SEGMENT_COLORS[kind], linewidth=0, zorder=2)
+    axes.set_xlim(0, bounds[-1][1])
+    axes.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
+    axes.set_yticks(range(num_ranks), [f"rank {rank}" for rank in range(num_ranks)])
+    axes.set_xlabel(f"{clock} seconds (steps one after another)")
+    label_every = max(1, math.ceil(num_steps / 40))
+    top = axes.secondary_xaxis("top")
+    shown = list(range(0, num_steps, label_every))
+    top.set_xticks([(bounds[i][0] + bounds[i][1]) / 2 for i in shown], [str(records[i]["step"]) for i in shown])
+    top.set_xlabel("step")
+    handles = [Patch(color=SEGMENT_COLORS[kind], label=label) for kind, label in SEGMENT_LABELS.items()]
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+    axes.set_title(f"what each rank did ({clock} clock)")
+    figure.savefig(file)
+
+
+def _step_bounds(records: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) of every step on the timeline, from its rollout start to its weight sync end."""
+    bounds = []
+    offset = 0.0
+    for record in records:
+        phases = record["phase_seconds"]
+        length = phases["rollout"] + phases["train"] + phases["weight_sync"]
+        bounds.append((offset, offset + length))
+        offset += length
+    return bounds
+
+
+def step_acceptance_length(record: dict) -> float | None:
+    """Mean acceptance length of a step; None when no decode step verified a draft."""
+    accepted, verify = record.get("draft_tokens_accepted", 0), record["verify_steps"]
+    return acceptance_length(accepted, verify) if verify else None
+
+
+def eval_points(records: list[dict]) -> list[tuple[int, float]]:
+    """(policy version, held-out eval reward): step t's eval runs after its update, i.e. on version t + 1;
+    ``eval_reward_before_training`` of step 0 is version 0."""
+    points = [(0, records[0]["eval_reward_before_training"])] if "eval_reward_before_training" in records[0] else []
+    return points + [(r["step"] + 1, r["eval_reward"]) for r in records if "eval_reward" in r]
+
+
+def draw_steps(records: list[dict], file: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [r["step"] for r in records]
+    figure = Figure(figsize=(min(10 + 0.1 * len(steps), 20), 7.5), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    acceptance, tokens, utilisation, reward = figure.subplots(2, 2).flat
+    lengths = [step_acceptance_length(r) for r in records]
+    acceptance.plot(steps, [math.nan if v is None else v for v in lengths], "o-", color="#2ca02c")
+    acceptance.set(title="acceptance length (tokens per verify step)", ylabel="tokens", xlabel="step")
+    tokens.plot(steps, [r["generated_tokens"] for r in records], "o-", label="generated tokens")
+    tokens.plot(steps, [r["decode_steps"] for r in records], "s-", label="decode steps")
+    tokens.set(title="decode steps vs tokens (equal without speculation)", xlabel="step")
+    utilisation.plot(steps, [r.get("bubble_utilization", 0.0) for r in records], "o-", label="bubble utilisation")
+    utilisation.plot(steps, [r.get("draft_coverage", 0.0) for r in records], "s-", label="draft coverage")
+    utilisation.set(title="bubble use and draft coverage", ylim=(-0.05, 1.05), xlabel="step")
+    reward.plot(steps, [r["reward_mean"] for r in records], "o-", label="rollout reward (policy of the step)")
+    evals = eval_points(records)
+    if evals:
+        versions, values = zip(*evals, strict=True)
+        reward.plot(versions, values, "s--", label="held-out eval (policy after the step's update)")
+    reward.set(title="reward", xlabel="step (policy version)")
+    for axes in (tokens, utilisation, reward):
+        axes.legend(fontsize="small")
+    for axes in (acceptance, tokens, utilisation, reward):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+    figure.savefig(file)
+
+
+def _summary(path: Path, config, records: list[dict]) -> dict:
+    """summary.json when it describes these steps; else the same numbers computed from the records."""
+    from bubblespec.launch import summarize
+
+    file = path / "summary.json"
+    if file.is_file():
+        summary = json.loads(file.read_text())
+        if summary.get("num_steps") == len(records):
+            return summary | {"source": "summary.json"}
+    summary = summarize(config, records, wall_seconds=math.nan)
+    summary.pop("wall_seconds")
+    return summary | {"source": "steps.jsonl (no summary.json of these steps: the run has not finished)"}
+
+
+HEADLINE = (
+    ("num_steps", "steps"),
+    ("speculation", "speculation"),
+    ("reward_first", "reward, first step"),
+    ("reward_last", "reward, last step"),
+    ("generated_tokens", "generated tokens"),
+    ("decode_steps", "decode steps"),
+    ("acceptance_length_mean", "acceptance length (mean)"),
+    ("draft_coverage_mean", "draft coverage (mean over steps)"),
+    ("bubble_utilization", "bubble utilisation (last step left out)"),
+    ("rollout_seconds", "rollout seconds"),
+    ("rollout_tokens_per_second", "rollout tokens per second"),
+    ("wall_seconds", "wall seconds of the whole run"),
+)
+STEP_COLUMNS = (
+    "step",
+    "reward",
+    "eval after update",
+    "tokens",
+    "decode steps",
+    "decode steps saved",
+    "acceptance length",
+    "coverage",
+    "bubble use",
+    "rollout s",
+    "train s",
+    "sync s",
+)
+RANK_COLUMNS = ("rank", "requests", "tokens", "decode steps", "accepted / proposed", "bubble s", "drafting s", "use")
+
+
+def summary_markdown(config, records: list[dict], summary: dict) -> str:
+    """summary.md: headline numbers (from ``summary``), one table row per step and one per rank, the pictures."""
+    clock = config.clock.kind
+    lines = [
+        f"# Run {config.name}",
+        "",
+        f"{len(records)} step(s) on the {clock} clock (seconds below are {clock} seconds); "
+        f"headline numbers from {summary['source']}.",
+        "",
+        "| measure | value |",
+        "|---|---:|",
+    ]
+    lines += [f"| {label} | {_format(summary[key])} |" for key, label in HEADLINE if key in summary]
+    evals = summary.get("eval_rewards") or {}
+    if evals:
+        shown = "  ".join(
+            f"{'before training' if k == 'start' else f'after {k}'}: {_format(v)}" for k, v in evals.items()
+        )
+        lines.append(f"| held-out eval reward | {shown} |")
+    lines += ["", "## Timeline", "", "![what each rank did](timeline.png)", "", "## Steps", ""]
+    lines += _table(STEP_COLUMNS, [_step_row(r) for r in records])
+    lines += [
+        "",
+        "Eval after update: held-out reward of the policy trained in that step. Decode steps saved: "
+        "1 - decode steps / tokens. Acceptance length: tokens per verify step (— when no draft was verified).",
+        "",
+        "![per-step measures](steps.png)",
+        "",
+        "## Ranks over the whole run",
+        "",
+    ]
+    lines += _table(RANK_COLUMNS, [_rank_row(rank, totals) for rank, totals in sorted(rank_totals(records).items())])
+    return "\n".join(lines) + "\n"
+
+
+def rank_totals(records: list[dict]) -> dict[int, dict[str, float]]:
+    """Per rank, the sum over steps of its counters (requests, tokens, decode steps, drafts, seconds)."""
+    fields = (
+        "num_requests",
+        "shard_tokens",
+        "decode_steps",
+        "draft_tokens_accepted",
+        "draft_tokens_proposed",
+        "bubble_seconds",
+        "drafting_seconds",
+    )
+    totals: dict[int, dict[str, float]] = {}
+    for record in records:
+        for rank in record["ranks"]:
+            total = totals.setdefault(rank["rank"], dict.fromkeys(fields, 0))
+            for name in fields:
+                total[name] += rank.get(name, 0)
+    return totals
+
+
+def _step_row(record: dict) -> list[str]:
+    phases, tokens = record["phase_seconds"], record["generated_tokens"]
+    length = step_acceptance_length(record)
+    return [
+        str(record["step"]),
+        _format(record["reward_mean"]),
+        _format(record["eval_reward"]) if "eval_reward" in record else "",
+        str(tokens),
+        str(record["decode_steps"]),
+        f"{1 - record['decode_steps'] / tokens:.1%}" if tokens else "—",
+        "—" if length is None else f"{length:.2f}",
+        f"{record.get('draft_coverage', 0.0):.2f}",
+        f"{record.get('bubble_utilization', 0.0):.2f}",
+        f"{phases['rollout']:.3f}",
+        f"{phases['train']:.3f}",
+        f"{phases['weight_sync']:.3f}",
+    ]
+
+
+def _rank_row(rank: int, totals: dict[str, float]) -> list[str]:
+    bubble, drafting = totals["bubble_seconds"], totals["drafting_seconds"]
+    return [
+        str(rank),
+        str(totals["num_requests"]),
+        str(totals["shard_tokens"]),
+        str(totals["decode_steps"]),
+        f"{totals['draft_tokens_accepted']} / {totals['draft_tokens_proposed']}",
+        f"{bubble:.3f}",
+        f"{drafting:.3f}",
+        f"{min(drafting / bubble, 1.0):.2f}" if bubble > 0 else "—",
+    ]
+
+
+def _table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---:" for _ in columns) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _format(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
