@@ -47,8 +47,9 @@ class RankPool(Protocol):
         """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
         ...
 
-    def stop_drafting(self, train_seconds: float) -> list:
-        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made."""
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
+        per-rank records and timelines (seconds from the start of training) and no results."""
         ...
 
     def evaluate(self, requests) -> list[GenerationResult]:
@@ -140,12 +141,17 @@ class Controller:
         self.on_phase(step, "train")
         train_metrics, weights, train_seconds = parts.trainer.train(samples)
         if drafting_while_training:
-            late_drafts = parts.ranks.stop_drafting(train_seconds)
-            self._store(late_drafts)
-            outcome.drafts += late_drafts
+            training = parts.ranks.stop_drafting(train_seconds)
+            self._store(training.drafts)
+            outcome.drafts += training.drafts
         self.on_phase(step, "weight sync")
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
+        if drafting_while_training:
+            for rank_record, drafted in zip(record["ranks"], training.ranks, strict=True):
+                rank_record["drafting_seconds_while_training"] = drafted.drafting_seconds
+                rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced
+            record["training_timelines"] = training.timelines
         record["rollout_digest"] = rollout_digest(results)
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
             record["eval_reward"] = self._evaluate()

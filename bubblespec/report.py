@@ -127,7 +127,8 @@ def timeline_segments(records: list[dict]) -> list[Segment]:
 
     Step t starts where step t - 1 ended (rollout + train + weight sync seconds). Within a step every rank's
     segments tile it without overlap: its rollout activities in [0, rollout] (``record["timelines"][rank]``,
-    sorted, clipped to the phase; uncovered time is an idle bubble), then train and weight sync.
+    sorted, clipped to the phase; uncovered time is an idle bubble), then train (with the rank's drafting while
+    the trainer runs, ``record["training_timelines"]``, where there is any) and weight sync.
     """
     num_ranks = max(max(len(r["ranks"]), len(r.get("timelines") or [])) for r in records)
     segments: list[Segment] = []
@@ -140,7 +141,10 @@ def timeline_segments(records: list[dict]) -> list[Segment]:
             activities = timelines[rank] if rank < len(timelines) else []
             for kind, start, end in _tile(activities, rollout, step, rank):
                 segments.append(Segment(rank, kind, offset + start, offset + end, step))
-            segments.append(Segment(rank, "train", offset + rollout, offset + rollout + train, step))
+            # Drafting while the trainer runs (speculation.draft_during_training) shows inside the training band.
+            training = (record.get("training_timelines") or [[]] * num_ranks)[rank] if train > 0 else []
+            for kind, start, end in _tile(training, train, step, rank, gap="train"):
+                segments.append(Segment(rank, kind, offset + rollout + start, offset + rollout + end, step))
             segments.append(
                 Segment(rank, "weight_sync", offset + rollout + train, offset + rollout + train + sync, step)
             )
@@ -148,8 +152,9 @@ def timeline_segments(records: list[dict]) -> list[Segment]:
     return [s for s in segments if s.end > s.start]
 
 
-def _tile(activities: list, rollout: float, step: int, rank: int) -> list[tuple[str, float, float]]:
-    """A rank's rollout activities sorted and clipped to [0, rollout] without overlap, gaps filled with idle."""
+def _tile(activities: list, rollout: float, step: int, rank: int, gap: str = "idle") -> list[tuple[str, float, float]]:
+    """A rank's activities in a phase sorted and clipped to [0, rollout] without overlap, gaps filled with
+    ``gap`` (idle in the rollout; the training band while the trainer runs)."""
     tiled: list[tuple[str, float, float]] = []
     cursor = 0.0
     for kind, start, end in sorted(activities, key=lambda activity: activity[1]):
@@ -161,11 +166,11 @@ def _tile(activities: list, rollout: float, step: int, rank: int) -> list[tuple[
         if end <= start:
             continue
         if start > cursor:
-            tiled.append(("idle", cursor, start))
+            tiled.append((gap, cursor, start))
         tiled.append((kind, start, end))
         cursor = end
     if cursor < rollout:
-        tiled.append(("idle", cursor, rollout))
+        tiled.append((gap, cursor, rollout))
     return tiled
 
 

@@ -105,6 +105,8 @@ class RankRecord:
 
 @dataclass
 class RolloutOutcome:
+    """What a rollout phase did; drafting while training reports in the same form, with no results."""
+
     results: list[GenerationResult]
     """One per request, in any order."""
     drafts: list[Draft]
@@ -198,12 +200,13 @@ class VirtualRankPool:
     def start_drafting(self, plan: DraftPlan) -> None:
         self._training_plan = plan
 
-    def stop_drafting(self, train_seconds: float) -> list[Draft]:
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         """Every rank drafts the rest of the plan for the training phase's ``train_seconds``."""
         timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
         records = [RankRecord(rank) for rank in range(self.num_ranks)]
         activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
-        return self._draft_in_bubbles(self._training_plan, timelines, records, activity, train_seconds)
+        drafts = self._draft_in_bubbles(self._training_plan, timelines, records, activity, train_seconds)
+        return RolloutOutcome([], drafts, records, train_seconds, train_seconds, activity)
 
     def _draft_in_bubbles(self, plan, timelines, records, activity, barrier) -> list[Draft]:
         """The earliest idle rank takes the next chunk of the plan; a chunk still running at the barrier is

@@ -105,34 +105,48 @@ class ServeRankPool:
         """Ranks draft the rest of ``plan`` in the background (a thread with its own event loop) until
         :meth:`stop_drafting`."""
         self._step += 1
-        self._training_drafts: list = []
+        self._training = RolloutOutcome([], [], [RankRecord(rank) for rank in range(self.num_ranks)], 0.0)
+        self._training.timelines = [[] for _ in range(self.num_ranks)]
+        self._training_started = time.perf_counter()
         self._stop_requested = threading.Event()
         self._drafter = threading.Thread(target=lambda: asyncio.run(self._draft_until_stopped(plan, self._step)))
         self._drafter.start()
 
-    def stop_drafting(self, train_seconds: float) -> list:
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         self._stop_requested.set()
         for handle in self.handles:
             handle.stop.remote(self._step).result()
         self._drafter.join()
-        return self._training_drafts
+        self._training.seconds = self._training.barrier_seconds = time.perf_counter() - self._training_started
+        return self._training
 
     async def _draft_until_stopped(self, plan: DraftPlan, step: int) -> None:
-        running = {}
-        for rank, handle in enumerate(self.handles):
+        running: dict[asyncio.Future, tuple[int, float]] = {}
+
+        def hand_out(rank: int) -> None:
+            chunk = plan.take()
+            self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
+            future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
+            running[future] = (rank, time.perf_counter() - self._training_started)
+
+        for rank in range(self.num_ranks):
             if plan:
-                chunk = plan.take()
-                self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
-                running[asyncio.ensure_future(_awaited(handle.draft.remote(chunk, step)))] = rank
+                hand_out(rank)
         while running:
             done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
+            now = time.perf_counter() - self._training_started
             for future in done:
-                rank = running.pop(future)
-                self._training_drafts += drafts_from(future.result(), policy_version=self.version)
+                rank, began = running.pop(future)
+                chunk_results = future.result()
+                made = drafts_from(chunk_results, policy_version=self.version)
+                self._training.drafts += made
+                record = self._training.ranks[rank]
+                record.drafting_seconds += now - began
+                record.draft_requests += len(made)
+                record.draft_tokens_produced += drafted_tokens(chunk_results)
+                self._training.timelines[rank].append(("draft", began, now))
                 if plan and not self._stop_requested.is_set():
-                    chunk = plan.take()
-                    self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
-                    running[asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))] = rank
+                    hand_out(rank)
                 else:
                     self.on_activity(rank, "idle", "")
 

@@ -55,6 +55,8 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         # bubbles are measured from the barrier: the last rank to finish has none, the others are idle or drafting
         assert min(rank["bubble_seconds"] for rank in step["ranks"]) == 0
         assert all(rank["drafting_seconds"] <= rank["bubble_seconds"] + 1e-9 for rank in step["ranks"])
+    # drafting while the trainer ran is recorded per rank, for the timeline picture
+    assert any(entry[0] == "draft" for step in wall_steps[:-1] for rank in step["training_timelines"] for entry in rank)
     # the live display heard of every phase and of every rank generating, drafting and falling idle
     assert phases[:3] == [(0, "rollout"), (0, "train"), (0, "weight sync")] and len(phases) == 9
     assert {(rank, activity) for rank, activity, _ in activities} == {

@@ -187,6 +187,21 @@ def test_timeline_segments_fill_gaps_with_idle_and_clip_to_the_rollout():
     assert rank1[:2] == [("generate", 15.0, 23.0), ("idle", 23.0, 25.0)]
 
 
+def test_drafting_while_training_shows_inside_the_training_band():
+    drafting = record(0, [[["generate", 0.0, 10.0]], [["generate", 0.0, 10.0]]])
+    drafting["training_timelines"] = [[["draft", 0.5, 3.0]], []]
+    rank0 = [(s.kind, s.start, s.end) for s in timeline_segments([drafting]) if s.rank == 0]
+    assert rank0 == [
+        ("generate", 0.0, 10.0),
+        ("train", 10.0, 10.5),
+        ("draft", 10.5, 13.0),
+        ("train", 13.0, 14.0),
+        ("weight_sync", 14.0, 15.0),
+    ]
+    rank1 = [(s.kind, s.start, s.end) for s in timeline_segments([drafting]) if s.rank == 1]
+    assert rank1[1] == ("train", 10.0, 14.0)
+
+
 def test_unknown_rollout_activity_is_a_clear_error():
     with pytest.raises(ReportError, match=r"step 0, rank 0: unknown rollout activity 'nap'; known: generate"):
         timeline_segments([record(0, [[["nap", 0.0, 1.0]]])])

@@ -69,7 +69,7 @@ def test_a_draft_cut_off_by_the_barrier_goes_on_where_it_stopped(engine):
 
     plan.requeue(outcome.drafts)
     pool.start_drafting(plan)
-    late = {d.key: d for d in pool.stop_drafting(train_seconds=10.0)}
+    late = {d.key: d for d in pool.stop_drafting(train_seconds=10.0).drafts}
     assert set(cut) <= set(late)
     for key in cut:
         assert late[key].finished and list(late[key].token_ids) == whole[key]
