@@ -94,6 +94,9 @@ class RunMetrics:
         self.eval_reward = Gauge(
             "bubblespec_eval_reward", "Mean reward on the held-out prompts at the last eval.", registry=self.registry
         )
+        # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0.
+        for gauge in (*(gauge for _, gauge in self._step_gauges.values()), self.eval_reward):
+            gauge.set(float("nan"))
         self._server = None
         self._thread = None
 

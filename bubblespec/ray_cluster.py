@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 
 from bubblespec import plugins
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components
-from bubblespec.errors import BubblespecError
+from bubblespec.errors import BubblespecError, ConfigError
 
 RAY_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -32,6 +33,8 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
     if ray.is_initialized():  # e.g. a test's session-wide cluster: use it, leave it running
         yield False
         return
+    if config.ray.address:
+        check_reachable(config.ray.address)
     try:
         if config.ray.address:
             ray.init(address=config.ray.address, logging_level=logging.WARNING, log_to_driver=False)
@@ -44,6 +47,25 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
         yield not config.ray.address  # True when this run started (and so owns) the Ray instance
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fails fast, with the config key, when ``ray.address`` names a host:port nobody listens on (``ray.init``
+    would retry for minutes). "auto" and "local" are left to Ray, which answers at once."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"ray.address {address!r} is not host:port, ray://host:port or auto; leave it empty to start a local Ray"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConfigError(
+            f"ray.address {address!r} cannot be reached ({error}); start Ray there (ray start --head) or leave "
+            "ray.address empty to start a local Ray"
+        ) from None
 
 
 @contextlib.contextmanager

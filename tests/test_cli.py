@@ -142,3 +142,17 @@ def test_report_command_writes_the_report_and_explains_a_bad_folder(tmp_path):
     assert (config.run_dir / "report" / "summary.md").read_text().count("|") > 10
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "not a run directory" in result.output and "steps.jsonl" in result.output
+
+
+def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "config.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'runs'}\nray:\n  address: 127.0.0.1:{port}\nmetrics:\n  port: 0\n")
+    result = runner.invoke(app, ["run", str(config)])
+    assert result.exit_code == 2
+    assert f"ray.address '127.0.0.1:{port}' cannot be reached" in result.output
+    assert not (tmp_path / "runs").exists()

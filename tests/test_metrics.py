@@ -127,3 +127,12 @@ def test_every_metric_has_the_prefix_and_ranked_ones_the_rank_label(tmp_path):
                     "bubblespec_reward",
                     "bubblespec_rollout_tokens_per_second",
                 }, family.name
+
+
+def test_values_not_yet_known_are_nan_not_zero():
+    import math
+
+    metrics = RunMetrics()
+    values = {s.name: s.value for family in metrics.registry.collect() for s in family.samples}
+    assert math.isnan(values["bubblespec_eval_reward"]) and math.isnan(values["bubblespec_reward"])
+    assert values["bubblespec_policy_version"] == 0  # the policy before any update is version 0
