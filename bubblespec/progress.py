@@ -17,14 +17,26 @@ from bubblespec.config import RunConfig
 
 
 def setup_logging(console: Console, level: str) -> None:
-    """bubblespec's logs (one structured line per step at INFO) through rich, above the live display."""
-    from rich.logging import RichHandler
-
-    handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    """bubblespec's logs (one structured line per step at INFO) through the console, above the live display."""
+    handler = _ConsoleHandler(console)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
     package = logging.getLogger("bubblespec")
     package.handlers[:] = [handler]
     package.setLevel(level)
+
+
+class _ConsoleHandler(logging.Handler):
+    """Writes each record as one line, never wrapped at the terminal's width (log lines are for grep)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), soft_wrap=True, markup=False, highlight=False)
+        except Exception:
+            self.handleError(record)
 
 
 class StepPrinter:

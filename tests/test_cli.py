@@ -156,3 +156,21 @@ def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(tmp_path):
     assert result.exit_code == 2
     assert f"ray.address '127.0.0.1:{port}' cannot be reached" in result.output
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flag", ["--quiet", None, "--verbose"])
+def test_run_logs_one_structured_line_per_step_unless_quiet(tmp_path, flag):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'runs'}\nnum_steps: 2\nclock:\n  kind: virtual\nmetrics:\n  enabled: false\n"
+        "task:\n  prompts_per_step: 2\n  samples_per_prompt: 2\nrollout:\n  sampling:\n    max_new_tokens: 24\n"
+    )
+    result = runner.invoke(app, ["run", str(config)] + ([flag] if flag else []))
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "decode_steps=" in line]
+    if flag == "--quiet":
+        assert not lines and "run directory:" in result.output
+    else:
+        assert any("step=0 reward=" in line for line in lines) and any("step=1 reward=" in line for line in lines)
+        assert "report:" in result.output
+    assert (tmp_path / "runs" / "run" / "report" / "summary.md").is_file()
