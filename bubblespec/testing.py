@@ -1,0 +1,217 @@
+"""A conformance suite for engine backends: what every :class:`~bubblespec.interfaces.GenerationEngine` must do.
+
+Plugin authors subclass :class:`EngineConformance` in their own tests (pytest is needed)::
+
+    from bubblespec.testing import EngineConformance
+
+    class TestMyEngine(EngineConformance):
+        backend = "my-engine"        # the entry point name in group bubblespec.backends
+        dtype = "float32"            # the most exact dtype the engine has
+        max_mismatch_rate = 0.02     # share of responses allowed to differ with drafts (0 where exact)
+
+The suite loads the engine with ``from_pretrained(model_path, dtype=..., **engine_settings)`` on the tiny
+Llama model that ships with bubblespec (override the ``model_path`` fixture for another checkpoint; it must be
+a Hugging Face folder whose weights ``update_weights`` takes by name) and checks: keyed determinism (a response
+is a function of its key, whatever the batch), drafts never change outputs and good ones save decode steps,
+preemption within one forward pass with partial responses, weight updates give the new policy, and per-request
+stats that add up.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from bubblespec import plugins
+from bubblespec.errors import DraftError
+from bubblespec.interfaces import (
+    Draft,
+    ForwardPass,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+from bubblespec.rollout import step_requests
+from bubblespec.tasks.arithmetic import ArithmeticTask
+
+
+class EngineConformance:
+    backend: str = "torch"
+    """Entry point name of the backend under test."""
+    dtype: str = "float64"
+    max_mismatch_rate: float = 0.0
+    """Share of responses that may differ between runs that must agree (0: bit-identical)."""
+    engine_settings: dict = {}
+    """Extra ``from_pretrained`` settings, e.g. ``{"max_draft_tokens_per_step": 8}``."""
+    num_prompts: int = 8
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 64
+
+    # -- fixtures a subclass may override ----------------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    def model_path(self) -> Path:
+        return ArithmeticTask.model_path()
+
+    @pytest.fixture(scope="class")
+    def engine(self, model_path) -> GenerationEngine:
+        engine = self.make_engine(model_path)
+        yield engine
+        engine.close()
+
+    def make_engine(self, model_path: Path) -> GenerationEngine:
+        engine_class = plugins.load("backends", self.backend)
+        return engine_class.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
+
+    @pytest.fixture(scope="class")
+    def requests(self) -> list[GenerationRequest]:
+        return self.make_requests()
+
+    def make_requests(self) -> list[GenerationRequest]:
+        """Prompts of the shipped task at temperature 1, several samples each."""
+        task = ArithmeticTask(seed=7, prompts_per_step=self.num_prompts)
+        params = SamplingParams(temperature=1.0, max_new_tokens=self.max_new_tokens)
+        return step_requests(task.batch(0), 3, 0, self.samples_per_prompt, params)
+
+    @pytest.fixture(scope="class")
+    def plain(self, engine, requests) -> dict:
+        """The reference: every request in one batch, no drafts."""
+        return _by_key(engine.generate(requests))
+
+    # -- the checks ----------------------------------------------------------------------------------------------
+
+    def test_a_response_is_a_function_of_its_key_not_of_the_batch(self, engine, requests, plain):
+        shuffled = list(requests)
+        random.Random(0).shuffle(shuffled)
+        one_by_one = [result for request in requests[:6] for result in engine.generate([request])]
+        self._assert_same(plain, _by_key(engine.generate(shuffled)), "the same requests in another order")
+        self._assert_same({r.key: plain[r.key] for r in requests[:6]}, _by_key(one_by_one), "requests one at a time")
+
+    def test_different_keys_give_different_samples(self, plain):
+        assert len({tuple(r.token_ids) for r in plain.values()}) > len(plain) // 2, "keys do not change samples"
+
+    def test_results_are_well_formed(self, engine, requests, plain):
+        assert set(plain) == {r.key for r in requests}
+        for request in requests:
+            result = plain[request.key]
+            assert 0 < len(result.token_ids) <= request.sampling.max_new_tokens
+            assert all(0 <= token < engine.vocab_size for token in result.token_ids)
+            assert len(result.logprobs) == len(result.token_ids) and all(p <= 1e-6 for p in result.logprobs)
+            assert result.finish_reason in ("stop", "length")
+            assert result.finish_reason == "stop" or len(result.token_ids) == request.sampling.max_new_tokens
+
+    def test_drafts_never_change_outputs(self, engine, requests, plain):
+        rng = random.Random(1)
+        variants = {
+            "its own response": lambda r: plain[r.key].token_ids,
+            "its own response, cut in half": lambda r: plain[r.key].token_ids[: len(plain[r.key].token_ids) // 2],
+            "random tokens": lambda r: [rng.randrange(engine.vocab_size) for _ in range(40)],
+            "another key's response": lambda r: plain[requests[(requests.index(r) + 1) % len(requests)].key].token_ids,
+            "its own response, one token changed": lambda r: _changed(plain[r.key].token_ids, rng, engine.vocab_size),
+        }
+        for name, draft_tokens in variants.items():
+            drafted = [_with_draft(r, draft_tokens(r)) for r in requests]
+            self._assert_same(plain, _by_key(engine.generate(drafted)), f"drafts: {name}")
+
+    def test_good_drafts_save_decode_steps(self, engine, requests, plain):
+        drafted = _by_key(engine.generate([_with_draft(r, plain[r.key].token_ids) for r in requests]))
+        without = sum(r.stats.decode_steps for r in plain.values())
+        with_drafts = sum(r.stats.decode_steps for r in drafted.values())
+        assert with_drafts <= 0.5 * without, f"decode steps {without} -> {with_drafts} with perfect drafts"
+        assert sum(r.stats.draft_tokens_accepted for r in drafted.values()) > 0
+
+    def test_stats_add_up(self, engine, requests, plain):
+        drafted = engine.generate([_with_draft(r, plain[r.key].token_ids[:20]) for r in requests])
+        for result in [*plain.values(), *drafted]:
+            stats = result.stats
+            assert 1 <= stats.decode_steps <= len(result.token_ids)
+            assert 0 <= stats.verify_steps <= stats.decode_steps
+            assert 0 <= stats.draft_tokens_accepted <= stats.draft_tokens_proposed
+            assert sum(stats.acceptance_lengths.values()) == stats.verify_steps
+            emitted = sum(length * count for length, count in stats.acceptance_lengths.items())
+            assert emitted == stats.draft_tokens_accepted + stats.verify_steps
+        assert all(r.stats.verify_steps == 0 for r in plain.values())
+        assert sum(r.stats.verify_steps for r in drafted) > 0
+
+    def test_out_of_vocabulary_drafts_are_refused(self, engine, requests):
+        with pytest.raises(DraftError, match="token ids must be integers in"):
+            engine.generate([_with_draft(requests[0], [engine.vocab_size])])
+
+    def test_stop_returns_within_one_forward_pass_with_partial_responses(self, engine, requests, plain):
+        passes: list[ForwardPass] = []
+
+        class AfterTwoPasses:
+            def is_set(self) -> bool:
+                return len(passes) >= 2
+
+        results = _by_key(engine.generate(requests, stop=AfterTwoPasses(), on_forward=passes.append))
+        assert len(passes) == 2, f"{len(passes)} forward passes ran; the stop was set after the second"
+        assert set(results) == set(plain)
+        preempted = [r for r in results.values() if r.finish_reason == "preempted"]
+        assert preempted, "nothing was preempted"
+        for key, result in results.items():
+            assert plain[key].token_ids[: len(result.token_ids)] == result.token_ids, "a partial response diverged"
+            if result.finish_reason != "preempted":
+                assert result.token_ids == plain[key].token_ids
+
+    def test_a_weight_update_gives_the_new_policy(self, model_path, requests, tmp_path):
+        from safetensors.torch import load_file, save_file
+
+        weights = {}
+        for file in sorted(Path(model_path).glob("*.safetensors")):
+            weights |= load_file(str(file))
+        changed = {name: tensor * 1.05 if tensor.ndim == 2 else tensor for name, tensor in weights.items()}
+        folder = tmp_path / "changed"
+        shutil.copytree(model_path, folder)
+        for file in folder.glob("*.safetensors"):
+            file.unlink()
+        save_file({n: t.contiguous() for n, t in changed.items()}, str(folder / "model.safetensors"))
+
+        engine, fresh = self.make_engine(model_path), self.make_engine(folder)
+        try:
+            before = _by_key(engine.generate(requests))
+            engine.update_weights(changed, version=5)
+            assert engine.policy_version == 5
+            after, expected = _by_key(engine.generate(requests)), _by_key(fresh.generate(requests))
+            self._assert_same(expected, after, "after update_weights, against an engine loaded with those weights")
+            assert any(before[k].token_ids != after[k].token_ids for k in before), "the update changed nothing"
+        finally:
+            engine.close()
+            fresh.close()
+
+    def test_release_and_resume_keep_the_weights(self, engine, requests, plain):
+        engine.release()
+        engine.resume()
+        self._assert_same(plain, _by_key(engine.generate(requests)), "after release() and resume()")
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _assert_same(self, expected: dict, actual: dict, what: str) -> None:
+        assert set(expected) == set(actual), f"{what}: other keys came back"
+        differing = [key for key in expected if expected[key].token_ids != actual[key].token_ids]
+        allowed = int(self.max_mismatch_rate * len(expected))
+        assert len(differing) <= allowed, (
+            f"{what}: {len(differing)} of {len(expected)} responses differ (allowed {allowed}), e.g. {differing[0]}"
+        )
+
+
+def _by_key(results: Sequence[GenerationResult]) -> dict:
+    return {result.key: result for result in results}
+
+
+def _with_draft(request: GenerationRequest, tokens: Sequence[int]) -> GenerationRequest:
+    draft = Draft(request.key, tuple(tokens), policy_version=0)
+    return GenerationRequest(request.prompt_token_ids, request.key, request.sampling, draft)
+
+
+def _changed(tokens: Sequence[int], rng: random.Random, vocab_size: int) -> list[int]:
+    changed = list(tokens)
+    if changed:
+        position = rng.randrange(len(changed))
+        changed[position] = (changed[position] + 1) % vocab_size
+    return changed

@@ -1,0 +1,42 @@
+"""The backend conformance suite (bubblespec.testing) on the built-in torch engine."""
+
+from __future__ import annotations
+
+from bubblespec.testing import EngineConformance
+
+
+class TestTorchEngine(EngineConformance):
+    backend = "torch"
+    dtype = "float64"
+
+
+class TestTorchEngineFloat32(EngineConformance):
+    """float32: a rounding near-tie could flip a token in principle; none is allowed on this small set."""
+
+    backend = "torch"
+    dtype = "float32"
+    engine_settings = {"max_draft_tokens_per_step": 4, "adaptive_draft_length": True}
+
+
+def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatch):
+    """The suite has teeth: an engine that accepts draft tokens without verifying them, or that runs on after a
+    stop, fails it."""
+    import pytest
+
+    from bubblespec import sampling
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.tasks import ArithmeticTask
+
+    suite = TestTorchEngine()
+    engine = TorchEngine.from_pretrained(str(ArithmeticTask.model_path()), dtype="float64")
+    requests = suite.make_requests()
+    plain = {r.key: r for r in engine.generate(requests)}
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "count_accepted", lambda sampled, drafts, num_draft: num_draft)
+        with pytest.raises(AssertionError, match="responses differ"):
+            suite.test_drafts_never_change_outputs(engine, requests, plain)
+    with monkeypatch.context() as patch:
+        generate = engine.generate
+        patch.setattr(engine, "generate", lambda reqs, stop=None, on_forward=None: generate(reqs, None, on_forward))
+        with pytest.raises(AssertionError, match="forward passes ran"):
+            suite.test_stop_returns_within_one_forward_pass_with_partial_responses(engine, requests, plain)
