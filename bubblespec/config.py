@@ -42,6 +42,9 @@ class TaskConfig(Section):
     """Responses per prompt (the GRPO group size)."""
     seed: int = 0
     """Seed of the task's prompt stream; batch(step) is a pure function of it."""
+    options: dict[str, Any] = {}
+    """Task-specific keyword arguments for the task's constructor (also for the held-out eval task), e.g. for
+    arithmetic ``{reward: digits, max_digits: 8}``; empty keeps the task's defaults."""
 
     @field_validator("name")
     @classmethod

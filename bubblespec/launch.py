@@ -41,9 +41,15 @@ def model_path(config: RunConfig, task) -> str:
 def make_task(config: RunConfig, held_out: bool = False):
     """The configured task; ``held_out`` gives the same task with another seed (disjoint prompts) for eval."""
     task_class = plugins.load("tasks", config.task.name)
-    if held_out:
-        return task_class(seed=config.task.seed + 1_000_003, prompts_per_step=config.eval_prompts)
-    return task_class(seed=config.task.seed, prompts_per_step=config.task.prompts_per_step)
+    seed = config.task.seed + 1_000_003 if held_out else config.task.seed
+    prompts_per_step = config.eval_prompts if held_out else config.task.prompts_per_step
+    options = dict(config.task.options)
+    try:
+        return task_class(seed=seed, prompts_per_step=prompts_per_step, **options)
+    except TypeError as error:  # an option the task's constructor does not take
+        raise ConfigError(f"task.options {sorted(options)} do not fit task {config.task.name!r}: {error}") from None
+    except ValueError as error:
+        raise ConfigError(f"task.options of task {config.task.name!r}: {error}") from None
 
 
 def sampling_params(config: RunConfig, task) -> SamplingParams:

@@ -153,6 +153,19 @@ def test_config_errors_name_the_field_and_the_choices(tmp_path):
     assert load_config(good_yaml, ["rollout.num_ranks=3"]).rollout.num_ranks == 3
 
 
+def test_task_options_reach_the_task_and_bad_ones_are_config_errors():
+    from bubblespec.launch import make_task
+
+    config = validate({"task": {"options": {"reward": "digits", "max_digits": 5}}, "eval_prompts": 7})
+    task, held_out = make_task(config), make_task(config, held_out=True)
+    assert (task.reward, task.max_digits, held_out.reward, held_out.max_digits) == ("digits", 5, "digits", 5)
+    assert len(held_out.batch(0)) == 7
+    with pytest.raises(ConfigError, match=r"task.options \['colour'\] do not fit task 'arithmetic'"):
+        make_task(validate({"task": {"options": {"colour": "red"}}}))
+    with pytest.raises(ConfigError, match="reward must be one of"):
+        make_task(validate({"task": {"options": {"reward": "partial"}}}))
+
+
 def test_every_shipped_example_parses():
     from pathlib import Path
 

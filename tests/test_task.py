@@ -17,7 +17,9 @@ from bubblespec.tasks.arithmetic import (
     ALPHABET,
     CONTEXT_LENGTH,
     MAX_DIGITS,
+    answer_digits_credit,
     build_tokenizer,
+    max_response_tokens,
     parse_prompt,
     sample_operands,
     worked_solution,
@@ -133,6 +135,52 @@ def test_response_lengths_are_long_tailed_and_fit_the_context():
 def test_bad_constructor_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ArithmeticTask(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"reward": "partial"}, "reward must be one of 'answer', 'digits', got 'partial'"),
+        ({"max_digits": 0}, r"max_digits must be an integer in \[1, 20\], got 0"),
+        ({"max_digits": 21}, "max_digits must be an integer in"),
+        ({"digits_continue_probability": 1.0}, r"digits_continue_probability must be in \[0, 1\)"),
+        ({"digits_continue_probability": "0.5"}, "digits_continue_probability must be a number"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ArithmeticTask(**kwargs)
+
+
+def test_default_options_keep_the_original_prompt_stream():
+    default = ArithmeticTask(seed=3, prompts_per_step=64)
+    explicit = ArithmeticTask(seed=3, prompts_per_step=64, reward="answer", max_digits=MAX_DIGITS)
+    assert default.batch(4) == explicit.batch(4)
+    assert default.max_new_tokens == max_response_tokens()
+
+
+def test_max_digits_caps_problem_sizes_and_the_response_bound():
+    task = ArithmeticTask(seed=0, prompts_per_step=500, max_digits=5)
+    prompts = task.batch(0)
+    assert max(max(map(len, p.text.rstrip("=").split("+"))) for p in prompts) == 5
+    assert task.max_new_tokens == max_response_tokens(5)
+    assert all(len(task.reference_response_ids(p)) <= task.max_new_tokens for p in prompts)
+
+
+def test_digit_credit_is_partial_and_full_only_for_the_right_answer():
+    assert answer_digits_credit("4914", "4914") == 1.0
+    assert answer_digits_credit("4924", "4914") == 0.75
+    assert answer_digits_credit("14914", "4914") == 0.8  # an extra digit costs one position
+    assert answer_digits_credit("914", "4914") == 0.75  # so does a missing one
+    task = ArithmeticTask(seed=0, reward="digits")
+    prompt = task.make_prompt(4821, 93, uid="x")
+    assert task(prompt, task.reference_response_ids(prompt)) == 1.0
+    assert task(prompt, task.encode("1+3=4;4924") + [task.eos_token_id]) == 0.75
+    assert task(prompt, task.encode(";;12") + [task.eos_token_id]) == 0.0
+    rng = random.Random(2)
+    for _ in range(300):
+        response = [rng.randrange(-3, task.vocab_size + 3) for _ in range(rng.randrange(0, 40))]
+        assert 0.0 <= task(prompt, response) <= 1.0
 
 
 def test_bad_steps_and_text_are_refused(task):

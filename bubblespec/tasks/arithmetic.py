@@ -65,11 +65,16 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def sample_operands(rng: random.Random) -> tuple[int, int]:
-    """Draws one problem: the longer operand's digit count is truncated-geometric on [1, MAX_DIGITS], the
-    shorter one's uniform up to it, and either may come first."""
+def sample_operands(
+    rng: random.Random,
+    max_digits: int = MAX_DIGITS,
+    continue_probability: float = DIGITS_CONTINUE_PROBABILITY,
+) -> tuple[int, int]:
+    """Draws one problem: the longer operand's digit count is truncated-geometric on [1, max_digits] (it goes
+    on past n digits with ``continue_probability``), the shorter one's uniform up to it, and either may come
+    first."""
     num_digits_long = 1
-    while num_digits_long < MAX_DIGITS and rng.random() < DIGITS_CONTINUE_PROBABILITY:
+    while num_digits_long < max_digits and rng.random() < continue_probability:
         num_digits_long += 1
     num_digits_short = rng.randint(1, num_digits_long)
     long_operand = _random_number(rng, num_digits_long)
@@ -126,26 +131,72 @@ def max_response_tokens(max_digits: int = MAX_DIGITS) -> int:
     return scratchpad + len(";") + answer + 1  # + <eos>
 
 
+def answer_digits_credit(answer: str, expected: str) -> float:
+    """The fraction of digit positions, aligned at the units digit, where ``answer`` agrees with ``expected``;
+    the longer of the two sets the count, so a missing or an extra digit costs one position.
+
+    >>> answer_digits_credit("4924", "4914")
+    0.75
+    """
+    matches = sum(got == want for got, want in zip(reversed(answer), reversed(expected), strict=False))
+    return matches / max(len(answer), len(expected))
+
+
 def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+REWARDS = ("answer", "digits")
+"""The task's reward functions, see :class:`ArithmeticTask`."""
 
 
 class ArithmeticTask:
     """Prompts of long additions, and the reward for answering them.
 
-    ``batch(step)`` is a pure function of ``(seed, step)``, so the source is peekable. The reward is 1.0 when
-    the answer after ``;`` equals the sum and 0.0 otherwise; anything after the first ``<eos>`` is ignored and
-    a malformed response scores 0.0 without raising. A response without ``<eos>`` is scored as it stands (an
-    engine may strip the stop token), so one cut off inside the answer scores 0.0: its answer is short.
+    ``batch(step)`` is a pure function of ``(seed, step)`` (and the options), so the source is peekable.
+
+    The reward (``reward``) looks at the answer after ``;``:
+
+    * ``"answer"`` (the default): 1.0 when it equals the sum and 0.0 otherwise.
+    * ``"digits"``: partial credit, the fraction of the sum's digits it gets right (aligned at the units digit,
+      see :func:`answer_digits_credit`); 1.0 exactly when the answer is right. A long problem that the model
+      gets almost right scores more than one it gets badly wrong, so GRPO groups of problems the policy never
+      fully solves still carry signal.
+
+    Anything after the first ``<eos>`` is ignored and a malformed response scores 0.0 without raising. A
+    response without ``<eos>`` is scored as it stands (an engine may strip the stop token), so one cut off
+    inside the answer loses the digits it lacks.
+
+    ``max_digits`` and ``digits_continue_probability`` set the problem sizes: the longer operand has n digits
+    with probability ``p**(n-1) * (1-p)``, truncated at ``max_digits``. Smaller problems are easier and give
+    shorter responses. The defaults reproduce the task the shipped model was trained on.
     """
 
-    def __init__(self, seed: int = 0, prompts_per_step: int = 16) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        prompts_per_step: int = 16,
+        reward: str = "answer",
+        max_digits: int = MAX_DIGITS,
+        digits_continue_probability: float = DIGITS_CONTINUE_PROBABILITY,
+    ) -> None:
         if not _is_integer(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if not _is_integer(prompts_per_step) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be an integer >= 1, got {prompts_per_step!r}")
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(map(repr, REWARDS))}, got {reward!r}")
+        if not _is_integer(max_digits) or not 1 <= max_digits <= MAX_DIGITS:
+            raise ValueError(f"max_digits must be an integer in [1, {MAX_DIGITS}], got {max_digits!r}")
+        if isinstance(digits_continue_probability, bool) or not isinstance(digits_continue_probability, int | float):
+            raise ValueError(f"digits_continue_probability must be a number, got {digits_continue_probability!r}")
+        if not 0 <= digits_continue_probability < 1:
+            raise ValueError(f"digits_continue_probability must be in [0, 1), got {digits_continue_probability!r}")
         self.seed = seed
         self.prompts_per_step = prompts_per_step
+        self.reward = reward
+        self.max_digits = max_digits
+        self.digits_continue_probability = float(digits_continue_probability)
         self._tokenizer = build_tokenizer()
 
     @staticmethod
@@ -172,7 +223,7 @@ class ArithmeticTask:
     @property
     def max_new_tokens(self) -> int:
         """Enough new tokens for the longest reference response, ``<eos>`` included."""
-        return max_response_tokens()
+        return max_response_tokens(self.max_digits)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, one per character, no ``<bos>``."""
@@ -191,7 +242,10 @@ class ArithmeticTask:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         rng = random.Random(f"bubblespec.arithmetic\x1f{self.seed}\x1f{step}")
         return [
-            self.make_prompt(*sample_operands(rng), uid=f"arith-{self.seed}-{step}-{i}")
+            self.make_prompt(
+                *sample_operands(rng, self.max_digits, self.digits_continue_probability),
+                uid=f"arith-{self.seed}-{step}-{i}",
+            )
             for i in range(self.prompts_per_step)
         ]
 
@@ -214,9 +268,14 @@ class ArithmeticTask:
         return [*self.encode(self.reference_response(prompt)), self.eos_token_id]
 
     def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float:
-        """1.0 if the final answer of the response equals ``prompt.answer``, else 0.0."""
+        """The reward of a response: with ``reward="answer"`` 1.0 if its final answer equals ``prompt.answer``,
+        else 0.0; with ``reward="digits"`` the fraction of the answer's digits that are right."""
         answer = self.parse_answer(response_token_ids)
-        return 1.0 if answer is not None and answer == prompt.answer else 0.0
+        if answer is None:
+            return 0.0
+        if self.reward == "digits":
+            return answer_digits_credit(answer, prompt.answer)
+        return 1.0 if answer == prompt.answer else 0.0
 
     def parse_answer(self, response_token_ids: Sequence[int]) -> str | None:
         """The answer after ``;`` in a response (up to its first ``<eos>``); ``None`` if it is malformed."""
