@@ -40,3 +40,20 @@ def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatc
         patch.setattr(engine, "generate", lambda reqs, stop=None, on_forward=None: generate(reqs, None, on_forward))
         with pytest.raises(AssertionError, match="forward passes ran"):
             suite.test_stop_returns_within_one_forward_pass_with_partial_responses(engine, requests, plain)
+
+
+class TestMinimalExampleBackend(EngineConformance):
+    """The plugin authors' example (examples/minimal_backend.py) passes the same suite."""
+
+    dtype = "float64"
+    num_prompts = 4
+
+    def make_engine(self, model_path):
+        import importlib.util
+        from pathlib import Path
+
+        path = Path(__file__).parent.parent / "examples" / "minimal_backend.py"
+        spec = importlib.util.spec_from_file_location("minimal_backend", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.MinimalEngine.from_pretrained(model_path, dtype=self.dtype)
