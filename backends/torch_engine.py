@@ -57,6 +57,8 @@ class TorchEngineConfig(BaseModel):
     draft_alignment: Literal["position", "suffix"] = "suffix"
     """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first
     re-align it by matching the response's latest tokens ("suffix", falling back to position)."""
+    rank: int = Field(0, ge=0)
+    """The data-parallel rank this engine serves (informational here; remote backends pick a server by it)."""
     one_hot_seed: int = 0
     """Seed of the RNG that one-hot verification samples with."""
     num_threads: int | None = Field(None, ge=1)

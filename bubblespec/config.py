@@ -86,6 +86,9 @@ class RolloutConfig(Section):
     a forward pass costs in proportion to its tokens (CPU engines), not on memory-bound GPUs."""
     verification: Literal["coupled", "one_hot"] = "coupled"
     """coupled: keyed sampling, identical outputs with and without drafts; one_hot: exact in distribution."""
+    engine_options: dict[str, Any] = {}
+    """Settings only the chosen backend knows, passed to its ``from_pretrained`` with the common ones (e.g. the
+    server URLs of the sglang backend); the backend refuses what it does not know."""
     sampling: SamplingConfig = SamplingConfig()
 
     @field_validator("backend")

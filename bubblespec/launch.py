@@ -62,7 +62,8 @@ def sampling_params(config: RunConfig, task) -> SamplingParams:
     )
 
 
-def engine_settings(config: RunConfig, path: str) -> dict:
+def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
+    """What ``from_pretrained`` of every backend gets: the common settings, then ``rollout.engine_options``."""
     rollout = config.rollout
     return {
         "model_path": path,
@@ -72,7 +73,8 @@ def engine_settings(config: RunConfig, path: str) -> dict:
         "verification": rollout.verification,
         "adaptive_draft_length": rollout.adaptive_draft_length,
         "num_threads": rollout.threads_per_rank,
-    }
+        "rank": rank,
+    } | rollout.engine_options
 
 
 class LocalTrainer:

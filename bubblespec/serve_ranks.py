@@ -28,7 +28,7 @@ class RankReplica:
 
         torch.set_num_threads(engine_settings.get("num_threads") or 1)
         self.rank = rank
-        self.engine = plugins.load("backends", backend).from_pretrained(**engine_settings)
+        self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
         self.stopped_step = -1
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], int]:
