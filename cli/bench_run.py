@@ -2,7 +2,9 @@
 
 Both runs use the same keys, so their rollouts, rewards and weights must be identical; what may differ is the
 number of decode steps and the time the rollout phase takes. Throughput is rollout tokens per second of the
-rollout phase, on the config's clock (virtual seconds of the cost profile, or real seconds on Ray).
+rollout phase, on the config's clock (virtual seconds of the cost profile, or real seconds on Ray);
+``step_seconds_ratio`` compares whole steps (rollout + train + weight sync), which is where drafting while
+training on hardware shared with the trainer shows its cost.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def _aggregate(off: list[dict], on: list[dict], clock: str, num_steps: int) -> d
     seconds_off = sum(s["phase_seconds"]["rollout"] for s in off)
     seconds_on = sum(s["phase_seconds"]["rollout"] for s in on)
     ratio = (tokens / seconds_on) / (tokens / seconds_off)
+    step_off = sum(sum(s["phase_seconds"].values()) for s in off)
+    step_on = sum(sum(s["phase_seconds"].values()) for s in on)
     return {
         "decode_step_reduction": 1 - decode_on / decode_off,
         "acceptance_length_mean": acceptance_length(
@@ -92,6 +96,8 @@ def _aggregate(off: list[dict], on: list[dict], clock: str, num_steps: int) -> d
         "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
         "throughput_ratio_virtual": ratio if clock == "virtual" else None,
         "throughput_ratio_wall": ratio if clock == "wall" else None,
+        # rollout + train + weight sync: drafting while training on shared hardware may slow the trainer
+        "step_seconds_ratio": step_off / step_on,
     }
 
 
