@@ -1,0 +1,651 @@
+"""An engine backend over SGLang 0.5.23's HTTP API: keyed sampling in a custom logit processor, drafts verified
+exactly on the client from prefill-scored top-K logprobs (DESIGN.md §4).
+
+Each step is one batched ``/generate`` round trip over the active sequences (up to ``max_batch_size``):
+
+- **plain generation**: ``input_ids`` = prompt + response so far, ``temperature: 0`` (greedy on processed
+  logits) and :class:`KeyedGumbelProcessor`, which puts the keyed sample ``argmax(mask(z / T) + G(k, i))`` on top.
+  The response position ``i`` is ``custom_params["offset"] + len(__req__.output_ids)``, exact only with
+  ``--disable-overlap-schedule`` (the overlap scheduler samples before the previous token is appended).
+- **verification**: ``input_ids`` = prompt + response + draft chunk, ``max_new_tokens: 1``, input logprobs from the
+  position before the chunk with the top-K candidates; :func:`decide_keyed_samples` computes the keyed sample at
+  each draft position on the client. Draft tokens are accepted while they equal the samples; the first
+  differing sample is emitted; after a fully accepted chunk the processor's sample is the bonus token. Where
+  K < vocabulary and the bound cannot decide a position, acceptance stops there and the next step samples it on
+  the server (exact, only slower).
+
+The processor returns a two-point logit row: 0 at the sample ``y`` and ``lp(y) - 1`` at ``(y + 1) % V`` (the rest
+-inf), where ``lp(y)`` is the log-probability of ``y`` under ``softmax(mask(z / T))`` computed in float64. The
+argmax cannot flip when SGLang casts the row to float32, and the top-2 output logprobs carry ``lp(y)`` back as their
+difference (``lp = B - A + 1``), so no extra round trip is needed for logprobs.
+
+Remote engines report round trips, not device passes: ``on_forward`` is called once per ``/generate`` call (a plain
+generation call runs up to ``tokens_per_call`` device passes); ``RequestStats.decode_steps`` still counts device
+passes that emitted tokens (one per plain-generated token, one per verify call). ``stop`` is polled while a call is
+in flight; once set, the call's requests are aborted (``/abort_request`` matches rid prefixes) and their partial
+``output_ids`` come back ``"preempted"``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import inspect
+import json
+import math
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bubblespec import sampling
+from bubblespec.drafts import realign, validate_draft
+from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
+from bubblespec.interfaces import FinishReason, ForwardPass, GenerationRequest, GenerationResult, RequestStats
+from bubblespec.sampling import keyed_sample
+
+_LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+_POLL_S = 0.005
+
+
+class SGLangError(BubblespecError, RuntimeError):
+    """An SGLang server failed, refused a call or went away; the message names the rank, URL and endpoint."""
+
+
+class SGLangEngineConfig(BaseModel):
+    """Settings of the SGLang backend (``rollout.engine_options`` plus the common rollout settings)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model_path: str
+    """A local Hugging Face model folder; the client reads its config.json (vocabulary, EOS, context length)."""
+    urls: list[str] = []
+    """Running servers, one per rank: this engine uses ``urls[rank % len(urls)]``."""
+    launch: bool = False
+    """Start ``python -m sglang.launch_server`` on 127.0.0.1 at ``base_port + rank`` (needs bubblespec[sglang])."""
+    base_port: int = Field(30000, ge=1, le=65535)
+    """Port of rank 0's launched server."""
+    launch_args: list[str] = []
+    """Extra ``launch_server`` flags, e.g. ["--mem-fraction-static", "0.5"]."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long a launched server may take to answer ``/health_generate``."""
+    connect_timeout_s: float = Field(30.0, gt=0)
+    """How long to wait for a server in ``urls`` to answer ``/health_generate`` before failing."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one HTTP call may take."""
+    top_logprobs_num: int = Field(20, ge=1)
+    """K, the candidates scored per draft position; K >= vocabulary size decides every position."""
+    tokens_per_call: int = Field(64, ge=1)
+    """Tokens one plain-generation call may produce; a batched call returns when its longest item is done."""
+    processor: Literal["reference", "value"] = "reference"
+    """How the logit processor travels: "reference" (the server imports bubblespec) or "value" (dill bytecode;
+    needs dill here and the same Python minor version on the server)."""
+    weights_dir: str | None = None
+    """Where ``update_weights`` writes safetensors for ``/update_weights_from_disk``; the server must read it."""
+    weight_update_session: bool = True
+    """Bracket the disk update with /begin_weight_update and /end_weight_update."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "bfloat16"
+    """The launched server's --dtype; with ``urls``, how the servers were started (not checked)."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences sent in one /generate call."""
+    max_draft_tokens_per_step: int = Field(16, ge=0)
+    """Draft tokens one verify call scores (0 turns speculation off)."""
+    verification: Literal["coupled", "one_hot"] = "coupled"
+    """Only "coupled" (keyed noise): verification happens on the client with the key's noise."""
+    adaptive_draft_length: bool = False
+    """Shrink proposals to what the last verify call accepted (+1); grow again after full acceptance."""
+    draft_alignment: Literal["position", "suffix"] = "suffix"
+    """After a rejected draft token: keep the position, or re-align by suffix match (as the torch engine)."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch threads of the client (noise for verification); None leaves torch's setting alone."""
+    rank: int = Field(0, ge=0)
+    """The data-parallel rank: picks the server."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SGLangEngineConfig:
+        if self.launch == bool(self.urls):
+            raise ValueError("give either urls (running servers) or launch: true, exactly one of them")
+        if self.verification != "coupled":
+            raise ValueError("the sglang backend verifies with keyed noise only: verification must be 'coupled'")
+        if self.launch and self.dtype not in _LAUNCH_DTYPES:
+            raise ValueError(f"SGLang cannot run dtype {self.dtype!r}; choose one of {sorted(_LAUNCH_DTYPES)}")
+        return self
+
+
+class KeyedGumbelProcessor:
+    """SGLang ``CustomLogitProcessor`` (duck-typed, stateless): the keyed sample as a two-point logit row.
+
+    logits: [R, V] float32; custom_param_list[r]: {"seed0", "seed1", "offset", "temperature", "top_k", "top_p",
+    "__req__"}. Returns [R, V]: 0 at y, lp(y) - 1 at (y + 1) % V, -inf elsewhere.
+    """
+
+    def __call__(self, logits, custom_param_list=None):
+        params = custom_param_list
+        device = logits.device
+        seeds_R2 = torch.tensor([[p["seed0"], p["seed1"]] for p in params], dtype=torch.int64, device=device)
+        positions_R1 = torch.tensor(
+            [[p["offset"] + len(p["__req__"].output_ids)] for p in params], dtype=torch.int64, device=device
+        )
+        temperature_R = torch.tensor([p["temperature"] for p in params], dtype=torch.float64, device=device)
+        top_k_R = torch.tensor([p["top_k"] for p in params], dtype=torch.int64, device=device)
+        top_p_R = torch.tensor([p["top_p"] for p in params], dtype=torch.float64, device=device)
+        tokens_R1, logprobs_R1 = keyed_sample(
+            logits[:, None, :], seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R
+        )
+        rows = torch.arange(logits.shape[0], device=device)
+        tokens_R = tokens_R1[:, 0]
+        out = torch.full(logits.shape, float("-inf"), dtype=torch.float64, device=device)
+        out[rows, (tokens_R + 1) % logits.shape[1]] = logprobs_R1[:, 0] - 1.0
+        out[rows, tokens_R] = 0.0
+        return out.to(logits.dtype)
+
+
+def processor_payload(mode: str) -> str:
+    """The ``custom_logit_processor`` string: ``{"callable": hex(pickle of the class)}`` as SGLang's ``to_str``.
+
+    "reference" pickles the class by name (stdlib pickle; SGLang's ``dill.loads`` reads it; the server imports
+    bubblespec). "value" rebuilds the class and bubblespec.sampling in a ``__main__`` namespace so dill pickles
+    their bytecode.
+    """
+    if mode == "reference":
+        return json.dumps({"callable": pickle.dumps(KeyedGumbelProcessor, protocol=4).hex()})
+    try:
+        import dill
+    except ImportError:
+        raise ConfigError(
+            "processor: 'value' needs the dill package on the client (pip install dill), "
+            "or use processor: 'reference' with bubblespec installed on the server"
+        ) from None
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(inspect.getsource(sampling), "<bubblespec.sampling>", "exec"), namespace)
+    exec(compile(inspect.getsource(KeyedGumbelProcessor), "<KeyedGumbelProcessor>", "exec"), namespace)
+    return json.dumps({"callable": dill.dumps(namespace["KeyedGumbelProcessor"]).hex()})
+
+
+def decide_keyed_samples(
+    top_ids_JK: torch.Tensor,
+    top_logprobs_JK: torch.Tensor,
+    seed: tuple[int, int],
+    positions_J: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    vocab_size: int,
+) -> tuple[list[int], list[float]]:
+    """Keyed samples at J scored positions from their top-K raw logprobs; -1 where the sample is not decided.
+
+    top_logprobs are ``log_softmax(z)`` (a per-position shift of z: argmax, top-k and top-p are unchanged).
+    Unlisted tokens have logprob <= l_K (the K-th largest), so when K < V a sample is *decided* iff the best
+    listed ``s_v + G_v`` beats ``l_K / T + max_{v unlisted} G_v`` (or every unlisted token is cut by top-k).
+    Greedy: decided iff the best listed logprob is > l_K. top-p needs the full distribution (K >= V).
+    Logprobs are exact when K >= V, greedy, T == 1 without filters, or top-k keeps listed tokens only;
+    otherwise they are renormalised over the listed tokens (an approximation).
+    """
+    num_positions, num_listed = top_ids_JK.shape
+    complete = num_listed >= vocab_size
+    raw_1JV = torch.full((1, num_positions, vocab_size), float("-inf"), dtype=torch.float64)
+    raw_1JV[0].scatter_(1, top_ids_JK, top_logprobs_JK.to(torch.float64))
+    greedy = temperature == 0
+    if not complete and not greedy and top_p < 1.0:
+        return [-1] * num_positions, [math.nan] * num_positions
+    float64 = torch.float64  # a float32 temperature would be off by ~1e-8 from the server's
+    params = (torch.tensor([temperature], dtype=float64), torch.tensor([top_k]), torch.tensor([top_p], dtype=float64))
+    scores_JV = sampling.mask_logits(raw_1JV, *params)[0]
+    l_K_J = top_logprobs_JK.to(torch.float64).min(-1).values
+    if greedy:
+        best_J = scores_JV.argmax(-1)
+        decided_J = torch.ones_like(best_J, dtype=torch.bool) if complete else scores_JV.max(-1).values > l_K_J
+        logprobs_J = raw_1JV[0].gather(-1, best_J[:, None])[:, 0]
+        return torch.where(decided_J, best_J, -1).tolist(), logprobs_J.tolist()
+    seeds_12 = torch.tensor([seed], dtype=torch.int64)
+    noise_JV = sampling.keyed_gumbel(seeds_12, positions_J[None, :], vocab_size)[0]
+    perturbed_JV = scores_JV + noise_JV
+    best_J = perturbed_JV.argmax(-1)
+    only_listed = 0 < top_k <= num_listed and bool((l_K_J < raw_1JV[0].sort(-1, True).values[:, top_k - 1]).all())
+    if complete or only_listed:
+        decided_J = torch.ones_like(best_J, dtype=torch.bool)
+    else:
+        listed_JV = torch.zeros(num_positions, vocab_size, dtype=torch.bool).scatter_(1, top_ids_JK, True)
+        bound_J = l_K_J / temperature + noise_JV.masked_fill(listed_JV, float("-inf")).max(-1).values
+        decided_J = perturbed_JV.max(-1).values > bound_J
+    if not complete and temperature == 1.0 and (top_k == 0 or top_k >= vocab_size) and top_p == 1.0:
+        logprobs_J = raw_1JV[0].gather(-1, best_J[:, None])[:, 0]
+    else:
+        logprobs_J = torch.log_softmax(scores_JV, -1).gather(-1, best_J[:, None])[:, 0]
+    return torch.where(decided_J, best_J, -1).tolist(), logprobs_J.tolist()
+
+
+@dataclass
+class _Sequence:
+    index: int
+    request: GenerationRequest
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    seed: tuple[int, int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    draft_offset: int = 0
+    proposal_limit: int | None = None
+    plain_next: bool = False  # an undecided draft position: sample it on the server before verifying again
+    finish: FinishReason | None = None
+
+    def draft_chunk(self, limit: int) -> list[int]:
+        draft = self.request.draft
+        if draft is None or limit <= 0 or self.plain_next:
+            return []
+        room = self.max_new_tokens - len(self.tokens) - 1
+        start = len(self.tokens) + self.draft_offset
+        return [] if start < 0 else list(draft.token_ids[start : start + min(limit, room)])
+
+    def emit(self, tokens: list[int], logprobs: list[float]) -> int:
+        """Appends tokens up to and including a stop token; returns how many were kept."""
+        kept = len(tokens)
+        for i, token in enumerate(tokens):
+            if token in self.stop_ids:
+                kept, self.finish = i + 1, "stop"
+                break
+        self.tokens += tokens[:kept]
+        self.logprobs += logprobs[:kept]
+        if self.finish is None and len(self.tokens) >= self.max_new_tokens:
+            self.finish = "length"
+        return kept
+
+
+class SGLangEngine:
+    """A :class:`bubblespec.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self._read_model_config(config.model_path)
+        self._process: subprocess.Popen | None = None
+        self._log_file = None
+        if config.launch:
+            self.url = self._launch()
+        else:
+            self.url = config.urls[config.rank % len(config.urls)].rstrip("/")
+            self._wait_healthy(config.connect_timeout_s, "is not reachable")
+        self._processor = processor_payload(config.processor)
+        self._policy_version = 0
+        self._released = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-rank{config.rank}")
+        self.num_round_trips = 0
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, **settings) -> SGLangEngine:
+        try:
+            config = SGLangEngineConfig(model_path=str(model_path), **settings)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors())
+            valid = ", ".join(sorted(SGLangEngineConfig.model_fields))
+            raise ConfigError(f"sglang backend settings: {problems} (valid settings: {valid})") from None
+        return cls(config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def _read_model_config(self, model_path: str) -> None:
+        config_file = Path(model_path).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"model path {model_path!r} has no config.json (a local Hugging Face folder)")
+        hf = json.loads(config_file.read_text())
+        eos = hf.get("eos_token_id")
+        self._eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        self._vocab_size = int(hf["vocab_size"])
+        self._context_length = int(hf.get("max_position_embeddings", 2048))
+
+    # -- server management ---------------------------------------------------------------------------------------
+
+    def _where(self, endpoint: str) -> str:
+        return f"sglang backend, rank {self.config.rank}, {self.url}{endpoint}"
+
+    def _launch(self) -> str:
+        if importlib.util.find_spec("sglang") is None:
+            raise ConfigError("launch: true needs SGLang installed: pip install 'bubblespec[sglang]'")
+        port = self.config.base_port + self.config.rank
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.config.model_path]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
+        command += ["--enable-custom-logit-processor", "--disable-overlap-schedule"]
+        command += ["--dtype", _LAUNCH_DTYPES[self.config.dtype], *self.config.launch_args]
+        self._log_file = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-rank{self.config.rank}-", suffix=".log")
+        self._process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self.url = url
+        self._wait_healthy(self.config.startup_timeout_s, "did not become healthy")
+        return url
+
+    def _wait_healthy(self, timeout_s: float, failure: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise SGLangError(f"{self._where('')}: the launched server exited ({self._log_tail()})")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=min(5.0, timeout_s)) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+                last = str(getattr(error, "reason", error))
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        self.close()
+        raise SGLangError(f"{self._where('/health_generate')} {failure} within {timeout_s:g} s (last error: {last})")
+
+    def _log_tail(self) -> str:
+        if self._log_file is None:
+            return ""
+        self._log_file.flush()
+        self._log_file.seek(0)
+        return "log: " + self._log_file.read()[-2000:]
+
+    def _call(self, endpoint: str, body: Any = None, method: str = "POST", text: bool = False) -> Any:
+        """One HTTP call; a non-2xx status, a dropped connection or a bad body raises :class:`SGLangError`."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + endpoint, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.request_timeout_s) as reply:
+                raw = reply.read().decode()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:1000]
+            raise SGLangError(f"{self._where(endpoint)}: HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+            reason = getattr(error, "reason", error)
+            gone = f"the server went away ({type(reason).__name__}: {reason})"
+            raise SGLangError(f"{self._where(endpoint)}: {gone}") from None
+        if text:
+            return raw
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            raise SGLangError(f"{self._where(endpoint)}: not JSON: {raw[:200]!r}") from None
+
+    def _checked(self, endpoint: str, body: Any) -> dict:
+        reply = self._call(endpoint, body)
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise SGLangError(f"{self._where(endpoint)}: refused: {reply!r}")
+        return reply
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """pause → begin → write safetensors + /update_weights_from_disk → end → flush → continue.
+
+        Disk, not tensors: ``/update_weights_from_tensor`` sends CUDA IPC handles, usable only from a process on
+        the server's GPU host. ``/end_weight_update`` re-runs post-load processing after a disk load (0.5.23 marks
+        only tensor/distributed loads in the session): harmless for unquantised models; turn the bracket off with
+        ``weight_update_session: false`` for packed/quantised ones.
+        """
+        from safetensors.torch import save_file
+
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"policy version must be an int, got {version!r}")
+        folder = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="bubblespec-sglang-weights-"))
+        folder = folder / f"rank{self.config.rank}-v{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in Path(self.config.model_path).expanduser().iterdir():
+            if file.is_file() and file.suffix != ".safetensors":
+                shutil.copy(file, folder / file.name)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        save_file(tensors, str(folder / "model.safetensors"))
+        reply = self._call("/pause_generation", {"mode": "abort"})
+        if not isinstance(reply, dict) or reply.get("status") != "ok":
+            raise SGLangError(f"{self._where('/pause_generation')}: refused: {reply!r}")
+        try:
+            if self.config.weight_update_session:
+                self._checked("/begin_weight_update", {})
+            body = {"model_path": str(folder), "weight_version": str(version), "flush_cache": True}
+            self._checked("/update_weights_from_disk", body)
+            if self.config.weight_update_session:
+                self._checked("/end_weight_update", {})
+            self._call("/flush_cache", text=True)
+        finally:
+            self._call("/continue_generation", {})
+        shutil.rmtree(folder, ignore_errors=True)
+        self._policy_version = version
+
+    def release(self) -> None:
+        self._call("/release_memory_occupation", {"tags": ["kv_cache"]})
+        self._released = True
+
+    def resume(self) -> None:
+        if self._released:
+            self._call("/resume_memory_occupation", {"tags": ["kv_cache"]})
+            self._released = False
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        stop=None,
+        on_forward: Callable[[ForwardPass], None] | None = None,
+    ) -> list[GenerationResult]:
+        sequences = [self._admit(i, request) for i, request in enumerate(requests)]
+        results: list[GenerationResult | None] = [None] * len(sequences)
+        waiting, active = list(reversed(sequences)), []
+        while waiting or active:
+            if stop is not None and stop.is_set():
+                for sequence in active + waiting:
+                    results[sequence.index] = _result(sequence, "preempted")
+                break
+            while waiting and len(active) < self.config.max_batch_size:
+                active.append(waiting.pop())
+            preempted = self._step(active, stop, on_forward)
+            for sequence in list(active):
+                if sequence.finish is not None or preempted:
+                    results[sequence.index] = _result(sequence, sequence.finish or "preempted")
+                    active.remove(sequence)
+            if preempted:
+                for sequence in waiting:
+                    results[sequence.index] = _result(sequence, "preempted")
+                break
+        return results  # type: ignore[return-value]
+
+    def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
+        if not isinstance(request, GenerationRequest):
+            raise RequestError(f"request {index} is a {type(request).__name__}, expected a GenerationRequest")
+        prompt = request.prompt_token_ids
+        if not prompt or any(not 0 <= t < self.vocab_size for t in prompt):
+            raise RequestError(f"request {index} ({request.key}): empty prompt or ids outside [0, {self.vocab_size})")
+        # SGLang needs input < context and input + max_new_tokens <= context.
+        if len(prompt) + 1 >= self._context_length:
+            raise RequestError(f"request {index} ({request.key}): prompt of {len(prompt)} tokens fills the context")
+        if request.draft is not None:
+            validate_draft(request.draft, self.vocab_size)
+        params = request.sampling
+        eos = () if params.ignore_eos else self._eos_ids
+        return _Sequence(
+            index=index,
+            request=request,
+            max_new_tokens=min(params.max_new_tokens, self._context_length - len(prompt) - 1),
+            stop_ids=frozenset(params.stop_token_ids) | frozenset(eos),
+            seed=request.key.noise_seed(),
+        )
+
+    def _step(self, active: list[_Sequence], stop, on_forward) -> bool:
+        """One batched /generate round trip; returns True when ``stop`` aborted it."""
+        most = self.config.max_draft_tokens_per_step
+        drafts = [s.draft_chunk(most if s.proposal_limit is None else s.proposal_limit) for s in active]
+        body = self._generate_body(active, drafts)
+        replies, aborted = self._generate(body, stop)
+        self.num_round_trips += 1
+        if on_forward is not None:
+            on_forward(_forward_pass(replies))
+        for sequence, draft, reply in zip(active, drafts, replies, strict=True):
+            sequence.plain_next = False
+            if draft:
+                if not aborted or _reason(reply) != "abort":
+                    self._verified(sequence, draft, reply)
+            else:
+                self._generated(sequence, reply)
+        return aborted
+
+    def _generate_body(self, active: list[_Sequence], drafts: list[list[int]]) -> dict:
+        vocab, k = self.vocab_size, min(self.config.top_logprobs_num, self.vocab_size)
+        body: dict[str, list] = {key: [] for key in ("input_ids", "sampling_params", "logprob_start_len")}
+        body["top_logprobs_num"] = []
+        for sequence, draft in zip(active, drafts, strict=True):
+            prompt, params = sequence.request.prompt_token_ids, sequence.request.sampling
+            body["input_ids"].append([*prompt, *sequence.tokens, *draft])
+            left = sequence.max_new_tokens - len(sequence.tokens)
+            custom = {"seed0": sequence.seed[0], "seed1": sequence.seed[1], "offset": len(sequence.tokens) + len(draft)}
+            custom |= {"temperature": float(params.temperature), "top_k": params.top_k, "top_p": float(params.top_p)}
+            body["sampling_params"].append(
+                {
+                    "max_new_tokens": 1 if draft or sequence.plain_next else min(self.config.tokens_per_call, left),
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stop_token_ids": sorted(sequence.stop_ids),
+                    "custom_params": custom,
+                }
+            )
+            body["logprob_start_len"].append(len(prompt) + len(sequence.tokens) - 1 if draft else -1)
+            body["top_logprobs_num"].append(k if draft else min(2, vocab))
+        rid = f"bubblespec-r{self.config.rank}-{uuid.uuid4().hex}"
+        body |= {"rid": [f"{rid}-{i}" for i in range(len(active))], "return_logprob": True}
+        body["custom_logit_processor"] = [self._processor] * len(active)
+        return body
+
+    def _generate(self, body: dict, stop) -> tuple[list[dict], bool]:
+        """Runs /generate in a worker thread while polling ``stop``; on stop, aborts the call's rids by prefix."""
+        future = self._pool.submit(self._call, "/generate", body)
+        aborted = False
+        while True:
+            try:
+                replies = future.result(timeout=_POLL_S)
+                break
+            except FutureTimeout:
+                if not aborted and stop is not None and stop.is_set():
+                    self._call("/abort_request", {"rid": body["rid"][0].rsplit("-", 1)[0]}, text=True)
+                    aborted = True
+        if not isinstance(replies, list) or len(replies) != len(body["input_ids"]):
+            raise SGLangError(f"{self._where('/generate')}: expected {len(body['input_ids'])} results, got {replies!r}")
+        for reply in replies:
+            if _reason(reply) == "abort" and not aborted:
+                raise SGLangError(f"{self._where('/generate')}: the server aborted a request: {reply['meta_info']}")
+        return replies, aborted
+
+    def _generated(self, sequence: _Sequence, reply: dict) -> None:
+        """Plain keyed generation: every output token with its logprob decoded from the processor's top-2."""
+        tokens, logprobs = [], []
+        output_ids = reply.get("output_ids") or []  # a request aborted while waiting may have none
+        top = reply["meta_info"].get("output_top_logprobs") or []
+        if len(top) < len(output_ids) and _reason(reply) != "abort":
+            count = f"{len(top)} output top logprobs for {len(output_ids)} tokens"
+            raise SGLangError(f"{self._where('/generate')}: {count}")
+        for token, candidates in zip(output_ids, top, strict=False):
+            tokens.append(token)
+            logprobs.append(self._decoded_logprob(token, candidates))
+        if not sequence.tokens:
+            sequence.stats.prefill_tokens = len(sequence.request.prompt_token_ids)
+        kept = sequence.emit(tokens, logprobs)
+        sequence.stats.decode_steps += kept
+
+    def _decoded_logprob(self, token: int, candidates: list) -> float:
+        if self.vocab_size == 1:
+            return 0.0
+        if len(candidates) < 2 or candidates[0][1] != token or candidates[1][1] != (token + 1) % self.vocab_size:
+            raise SGLangError(
+                f"{self._where('/generate')}: the keyed logit processor did not run (top logprobs {candidates!r}); "
+                "launch the server with --enable-custom-logit-processor --disable-overlap-schedule"
+            )
+        return candidates[1][0] - candidates[0][0] + 1.0
+
+    def _verified(self, sequence: _Sequence, draft: list[int], reply: dict) -> None:
+        meta = reply["meta_info"]
+        top = meta.get("input_top_logprobs") or []
+        if len(top) != len(draft) + 1:
+            raise SGLangError(f"{self._where('/generate')}: {len(top)} input top logprobs for a chunk of {len(draft)}")
+        ids_JK = torch.tensor([[c[1] for c in entry] for entry in top[1:]], dtype=torch.int64)
+        logprobs_JK = torch.tensor([[c[0] for c in entry] for entry in top[1:]], dtype=torch.float64)
+        positions_J = len(sequence.tokens) + torch.arange(len(draft))
+        params = sequence.request.sampling
+        filters = (params.temperature, params.top_k, params.top_p)
+        samples, lps = decide_keyed_samples(ids_JK, logprobs_JK, sequence.seed, positions_J, *filters, self._vocab_size)
+        accepted = 0
+        while accepted < len(draft) and samples[accepted] == draft[accepted]:
+            accepted += 1
+        emitted, emitted_logprobs = draft[:accepted], lps[:accepted]
+        if accepted == len(draft):  # the bonus token, sampled by the processor
+            bonus = reply["output_ids"][0]
+            emitted = [*emitted, bonus]
+            emitted_logprobs = [*emitted_logprobs, self._decoded_logprob(bonus, meta["output_top_logprobs"][0])]
+        elif samples[accepted] >= 0:  # a decided mismatch: emit the keyed sample
+            emitted, emitted_logprobs = [*emitted, samples[accepted]], [*emitted_logprobs, lps[accepted]]
+        else:  # undecided with K < V: the server samples this position next
+            sequence.plain_next = True
+        if not sequence.tokens:
+            sequence.stats.prefill_tokens = len(sequence.request.prompt_token_ids)
+        kept = sequence.emit(emitted, emitted_logprobs)
+        stats = sequence.stats
+        if kept:
+            # An undecided position emits accepted tokens only: count the last as the step's own sample.
+            counted = min(accepted, kept) - (1 if sequence.plain_next and kept == accepted else 0)
+            stats.decode_steps += 1
+            stats.verify_steps += 1
+            stats.draft_tokens_proposed += len(draft)
+            stats.draft_tokens_accepted += counted
+            stats.acceptance_lengths[counted + 1] = stats.acceptance_lengths.get(counted + 1, 0) + 1
+        if accepted < len(draft) and self.config.draft_alignment == "suffix":
+            found = realign(sequence.tokens, sequence.request.draft.token_ids, sequence.draft_offset)
+            if found is not None:
+                sequence.draft_offset = found
+        if self.config.adaptive_draft_length:
+            full = accepted == len(draft)
+            most = self.config.max_draft_tokens_per_step
+            sequence.proposal_limit = min(most, 2 * len(draft) if full else accepted + 1)
+
+
+def _reason(reply: dict) -> str | None:
+    reason = reply.get("meta_info", {}).get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else None
+
+
+def _forward_pass(replies: list[dict]) -> ForwardPass:
+    """A round trip as one ForwardPass: tokens the server computed (cache misses + outputs) and their context."""
+    fed, context, pairs = 0, 0, 0
+    for reply in replies:
+        meta = reply.get("meta_info", {})
+        prompt, cached = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
+        new = prompt - cached + len(reply.get("output_ids", []))
+        fed, context = fed + new, context + prompt + len(reply.get("output_ids", []))
+        pairs += new * cached + new * (new + 1) // 2
+    return ForwardPass(num_sequences=len(replies), num_tokens=fed, context_tokens=context, attention_pairs=pairs)
+
+
+def _result(sequence: _Sequence, reason: FinishReason) -> GenerationResult:
+    return GenerationResult(sequence.request.key, sequence.tokens, sequence.logprobs, reason, sequence.stats)
