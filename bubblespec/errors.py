@@ -25,3 +25,7 @@ class RequestError(BubblespecError, ValueError):
 
 class ConfigError(BubblespecError, ValueError):
     """A run config that does not parse or validate; the message lists every problem with its field path."""
+
+
+class EngineError(BubblespecError, RuntimeError):
+    """A rollout engine failed while serving a request; the message names the rank and the backend."""

@@ -27,17 +27,37 @@ class RankReplica:
         from bubblespec import plugins
 
         torch.set_num_threads(engine_settings.get("num_threads") or 1)
-        self.rank = rank
+        self.rank, self.backend = rank, backend
         self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
         self.stopped_step = -1
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], int]:
         passes = getattr(self.engine, "num_forward_passes", 0)
-        results = self.engine.generate(requests)
+        results = self._engine_call(self.engine.generate, requests)
         return results, getattr(self.engine, "num_forward_passes", 0) - passes
 
     def draft(self, requests: list[GenerationRequest], step: int) -> list[GenerationResult]:
-        return self.engine.generate(requests, stop=_StepStop(self, step))
+        return self._engine_call(self.engine.generate, requests, stop=_StepStop(self, step))
+
+    def _engine_call(self, method, requests, **kwargs) -> list[GenerationResult]:
+        """An engine failure names this rank and backend; a result list that does not match the requests is one."""
+        from bubblespec.errors import BubblespecError, EngineError
+
+        try:
+            results = method(requests, **kwargs)
+        except BubblespecError:
+            raise
+        except Exception as error:
+            raise EngineError(
+                f"rank {self.rank} (backend {self.backend!r}) failed on {len(requests)} requests: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if len(results) != len(requests) or [r.key for r in results] != [r.key for r in requests]:
+            raise EngineError(
+                f"rank {self.rank} (backend {self.backend!r}) returned {len(results)} results for {len(requests)} "
+                "requests, or in another order: the GenerationEngine contract asks for one per request, in order"
+            )
+        return results
 
     def stop(self, step: int) -> None:
         self.stopped_step = max(self.stopped_step, step)

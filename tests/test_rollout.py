@@ -85,3 +85,25 @@ def test_drafted_tokens_count_only_what_drafting_sampled(engine):
     # the whole draft was accepted: each verify pass sampled one token after the draft tokens it accepted
     assert continued[0].token_ids == first[0].token_ids
     assert drafted_tokens(continued) == continued[0].stats.decode_steps < len(first[0].token_ids)
+
+
+def test_a_failing_engine_names_its_rank_and_backend():
+    from bubblespec.errors import EngineError
+    from bubblespec.serve_ranks import RankReplica
+
+    class Broken:
+        def generate(self, requests, stop=None, on_forward=None):
+            raise RuntimeError("device lost")
+
+    class Silent:
+        def generate(self, requests, stop=None, on_forward=None):
+            return []
+
+    replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
+    replica.rank, replica.backend, replica.stopped_step = 3, "broken", -1
+    replica.engine = Broken()
+    with pytest.raises(EngineError, match=r"rank 3 \(backend 'broken'\) failed on 1 requests: RuntimeError: device"):
+        replica.generate([_request("a")])
+    replica.engine = Silent()
+    with pytest.raises(EngineError, match=r"returned 0 results for 1 requests"):
+        replica.draft([_request("a")], step=1)
