@@ -83,7 +83,9 @@ def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
 def test_run_with_a_missing_model_fails_cleanly_and_writes_nothing(tmp_path):
     config = tmp_path / "config.yaml"
     missing = tmp_path / "no-such-model"
-    config.write_text(f"output_dir: {tmp_path / 'runs'}\nmodel:\n  path: {missing}\nclock:\n  kind: virtual\n")
+    config.write_text(
+        f"output_dir: {tmp_path / 'runs'}\nmodel:\n  path: {missing}\nclock:\n  kind: virtual\nmetrics:\n  port: 0\n"
+    )
     result = runner.invoke(app, ["run", str(config)])
     assert result.exit_code == 2
     assert "no-such-model" in result.output and "no config.json" in result.output

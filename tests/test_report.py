@@ -39,6 +39,7 @@ def run_dir(tmp_path_factory) -> Path:
             "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
             "rollout": {"num_ranks": NUM_RANKS, "sampling": {"max_new_tokens": 48}},
             "clock": {"kind": "virtual", "profile": "h100-7b"},
+            "metrics": {"enabled": False},
             "eval_every": 1,
             "eval_prompts": 4,
         }
