@@ -2,9 +2,13 @@
 
     PYTHONPATH=. python scripts/train_tiny_model.py            # writes bubblespec/tasks/assets/tiny-arith
 
-Teacher forcing on reference responses (loss on response tokens and ``<eos>`` only), AdamW, a few minutes on
-two CPU cores. Training is deliberately short: the model should solve only part of the task, so that
-reinforcement learning has something to learn. The run is a pure function of ``--seed`` and the other flags.
+Teacher forcing on reference responses (loss on response tokens and ``<eos>`` only, label-smoothed), AdamW,
+about ten minutes on one CPU thread. Training is deliberately short: the model should solve only part of the
+task, so that reinforcement learning has something to learn. Label smoothing (0.05) leaves the model less
+sharp than it could be: its greedy answers (about 60% right on the held-out prompts) are better than its
+temperature-1 samples (about 30%), which is the gap GRPO closes visibly in the quickstart. The shipped model is
+this script's output with its default flags; the run is meant to be a pure function of ``--seed`` and the other
+flags (thread count included).
 At the end it prints greedy and temperature-1 accuracy on 256 unseen prompts (``ArithmeticTask(seed=12345)``)
 and the length distribution of the reference responses. Needs ``transformers`` (a dev dependency).
 """
@@ -47,7 +51,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--eval-seed", type=int, default=12345)
     parser.add_argument("--eval-prompts", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=0.05,
+        help="label smoothing of the cross-entropy on response tokens (0 = plain cross-entropy); a smoothed model "
+        "is less sharp, so its temperature-1 samples are worse than its greedy answers",
+    )
     return parser.parse_args()
 
 
@@ -121,7 +132,7 @@ def train(model: LlamaForCausalLM, task: ArithmeticTask, args: argparse.Namespac
         input_ids_BT, attention_mask_BT, labels_BT = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
-        loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
+        loss = training_loss(model, input_ids_BT, attention_mask_BT, labels_BT, args.label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,6 +147,19 @@ def train(model: LlamaForCausalLM, task: ArithmeticTask, args: argparse.Namespac
             )
             running_loss = 0.0
     model.eval()
+
+
+def training_loss(model, input_ids_BT, attention_mask_BT, labels_BT, label_smoothing: float) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (response) positions, optionally label-smoothed."""
+    if label_smoothing == 0.0:  # the model's own loss
+        return model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]),
+        labels_BT[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import yaml
 
 from bubblespec.config import MetricsConfig, validate
 from bubblespec.launch import run
-from bubblespec.metrics import RunMetrics, metric_names
+from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, RunMetrics, metric_names
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 METRIC_NAME = re.compile(r"bubblespec_[a-z_]+")
@@ -46,7 +46,8 @@ PLAUSIBLE = {
     "Bubble seconds per step": (0, math.inf),
     "Preemption latency": (POSITIVE, math.inf),
     "Phase seconds per step": (POSITIVE, math.inf),
-    "Acceptance length": (1, MAX_DRAFT_TOKENS + 1),
+    # quantiles interpolate inside the histogram bucket that holds the longest acceptance (up to le=24)
+    "Acceptance length": (1, min(b for b in ACCEPTANCE_LENGTH_BUCKETS if b >= MAX_DRAFT_TOKENS + 1)),
     "Decode steps saved": (0, 1),
     "Decode steps saved per step": (0, math.inf),
     "Draft coverage": (0, 1),

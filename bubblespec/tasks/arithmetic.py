@@ -12,8 +12,9 @@ truncated geometric distribution, so most responses are short and a few are long
 lengths that bubblespec is about.
 
 :class:`ArithmeticTask` is both the prompt source and the reward function. A tiny Llama model pre-trained on
-the reference responses (by ``scripts/train_tiny_model.py``) ships in ``assets/tiny-arith``; it solves part of
-the task, which leaves reinforcement learning something to learn.
+the reference responses with label smoothing (by ``scripts/train_tiny_model.py``) ships in ``assets/tiny-arith``;
+it solves part of the task, and its temperature-1 samples are worse than its greedy answers, which leaves
+reinforcement learning something to learn.
 """
 
 from __future__ import annotations
