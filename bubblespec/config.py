@@ -209,7 +209,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {override!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or error
+            raise ConfigError(
+                f"override {override!r}: the value {raw!r} is not a YAML scalar ({problem}); quote strings, e.g. "
+                f"{path}='\"text\"'"
+            ) from None
     return data
 
 

@@ -1,0 +1,129 @@
+"""Hostile input, property-based (hypothesis): configs, command-line overrides and drafts.
+
+Every invalid input must end in a clear error (a BubblespecError, or exit code 2 with one ``error:`` line on
+the command line), never a traceback; drafts, whatever they hold, can never change an output.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from bubblespec.cli.main import app
+from bubblespec.config import RunConfig, apply_overrides, validate
+from bubblespec.errors import BubblespecError, DraftError
+from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+
+SECTIONS = ["task", "model", "rollout", "speculation", "trainer", "clock", "ray", "metrics"]
+FIELDS = {name: list(type(getattr(RunConfig(), name)).model_fields) for name in SECTIONS}
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def config_dicts(draw) -> dict:
+    """Mostly real section and field names (so validation gets deep), with arbitrary values and some junk keys."""
+    data = {}
+    for _ in range(draw(st.integers(0, 4))):
+        section = draw(st.sampled_from(SECTIONS + ["num_steps", "name", "seed", "eval_every", "nonsense"]))
+        if section in FIELDS and draw(st.booleans()):
+            field = draw(st.sampled_from(FIELDS[section] + ["typo_field"]))
+            data.setdefault(section, {})
+            if isinstance(data[section], dict):
+                data[section][field] = draw(values)
+        else:
+            data[section] = draw(values)
+    return data
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config_dicts())
+def test_any_config_validates_or_fails_with_a_clear_error(data):
+    try:
+        config = validate(data)
+    except BubblespecError as error:
+        assert str(error).strip(), "an empty error message"
+    else:
+        assert isinstance(config, RunConfig)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=30), max_size=4))
+def test_any_override_applies_or_fails_with_a_clear_error(overrides):
+    try:
+        validate(apply_overrides({}, overrides))
+    except BubblespecError as error:
+        assert str(error).strip()
+
+
+runner = CliRunner()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(override=st.text(min_size=1, max_size=30).filter(lambda s: "\n" not in s))
+def test_the_command_line_never_shows_a_traceback(tmp_path, override):
+    """`bubblespec validate` with a hostile --set: exit 0 (the override was valid) or 2 with one error line."""
+    config = tmp_path / "config.yaml"
+    config.write_text("name: hostile\n")
+    result = runner.invoke(app, ["validate", str(config), "--set", override])
+    assert result.exit_code in (0, 2), result.output
+    assert "Traceback" not in result.output
+    if result.exit_code == 2:
+        assert "error" in result.output.lower()
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.tasks import ArithmeticTask
+
+    return TorchEngine.from_pretrained(str(ArithmeticTask.model_path()), dtype="float64", max_draft_tokens_per_step=8)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    from bubblespec.tasks import ArithmeticTask
+
+    prompt = ArithmeticTask(seed=3, prompts_per_step=1).batch(0)[0]
+    request = GenerationRequest(
+        prompt.token_ids, RolloutKey(0, 0, prompt.uid, 0), SamplingParams(temperature=1.0, max_new_tokens=40)
+    )
+    return request, engine.generate([request])[0]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.lists(st.integers(-5, 30), max_size=60))
+def test_no_draft_changes_an_output_and_a_bad_one_is_refused(engine, reference, tokens):
+    request, expected = reference
+    drafted = GenerationRequest(
+        request.prompt_token_ids, request.key, request.sampling, Draft(request.key, tuple(tokens), 0)
+    )
+    if any(not 0 <= t < engine.vocab_size for t in tokens):
+        with pytest.raises(DraftError, match="token ids must be integers in"):
+            engine.generate([drafted])
+        return
+    assert engine.generate([drafted])[0].token_ids == expected.token_ids
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefix=st.integers(0, 40), noise=st.lists(st.integers(3, 18), max_size=20))
+def test_a_true_prefix_followed_by_anything_changes_nothing(engine, reference, prefix, noise):
+    """The realistic hostile draft: right for a while (an older policy), then wrong."""
+    request, expected = reference
+    tokens = tuple(expected.token_ids[:prefix]) + tuple(noise)
+    drafted = GenerationRequest(request.prompt_token_ids, request.key, request.sampling, Draft(request.key, tokens, 0))
+    assert engine.generate([drafted])[0].token_ids == expected.token_ids
