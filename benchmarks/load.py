@@ -1,0 +1,81 @@
+"""Load: many virtual ranks and many prompts per step, with bounded memory.
+
+    python benchmarks/load.py --ranks 64 --prompts 1000 --steps 4      # a few minutes on 2 cores
+
+Runs the virtual clock (everything in this process) with speculation on, two steps of lookahead and drafting
+while training, and reports per step: the work (generated tokens, forward passes), the host seconds it took and
+seconds per thousand tokens (a step must not get slower than linear in its work), the draft store's size (drafts
+and tokens: it must not grow without bound) and the process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from bubblespec.config import validate
+    from bubblespec.controller import Controller
+    from bubblespec.launch import build_virtual
+    from bubblespec.run_dir import RunDirectory
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        config = validate(
+            {
+                "name": "load",
+                "output_dir": scratch,
+                "num_steps": args.steps,
+                "checkpoint_every": args.steps,
+                "task": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples},
+                "rollout": {"num_ranks": args.ranks, "sampling": {"max_new_tokens": args.max_new_tokens}},
+                "speculation": {"lookahead_steps": 2, "draft_during_training": True},
+                "clock": {"kind": "virtual", "profile": "h100-7b"},
+                "metrics": {"enabled": False},
+            }
+        )
+        parts = build_virtual(config)
+        run_dir = RunDirectory(config.run_dir)
+        run_dir.create(config)
+        controller = Controller(config, parts, run_dir)
+        for step in range(args.steps):
+            started = time.perf_counter()
+            record = controller.step(step)
+            seconds = time.perf_counter() - started
+            row = {
+                "step": step,
+                "generated_tokens": record["generated_tokens"],
+                "decode_steps": record["decode_steps"],
+                "drafts_made": record["drafts_made"],
+                "host_seconds": seconds,
+                "seconds_per_1k_tokens": 1000 * seconds / max(record["generated_tokens"], 1),
+                "draft_store_drafts": len(parts.store),
+                "draft_store_tokens": parts.store.num_tokens,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "steps": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
