@@ -7,11 +7,15 @@ first) and drop a step's drafts once it has been used.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from bubblespec.drafts import validate_draft
+from bubblespec.errors import BubblespecError
 from bubblespec.interfaces import Draft, RolloutKey
+
+logger = logging.getLogger(__name__)
 
 
 class InMemoryDraftStore:
@@ -92,3 +96,49 @@ class RayDraftStore:
         import ray
 
         return ray.get(getattr(self._actor, method).remote(*args))
+
+
+class TolerantDraftStore:
+    """Wraps the configured store so that losing it (a dead actor, a lost node) only costs speed: the first failure
+    is logged, and from then on the run goes on without drafts, which changes no result. Refused drafts
+    (a :class:`~bubblespec.errors.BubblespecError`) still raise: they are a bug, not a loss."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.lost: str | None = None
+
+    def put(self, drafts: Sequence[Draft]) -> None:
+        self._call("put", list(drafts), default=None)
+
+    def get(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
+        return self._call("get", list(keys), default={})
+
+    def drop(self, keys: Sequence[RolloutKey]) -> None:
+        self._call("drop", list(keys), default=None)
+
+    def drop_steps_before(self, step: int) -> None:
+        self._call("drop_steps_before", step, default=None)
+
+    def __len__(self) -> int:
+        return self._call("__len__", default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.lost else getattr(self.store, "num_tokens", 0)
+
+    def _call(self, method: str, *args, default):
+        if self.lost is not None:
+            return default
+        try:
+            return getattr(self.store, method)(*args)
+        except BubblespecError:
+            raise
+        except Exception as error:
+            self.lost = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "the draft store (%s) failed and is given up: %s; the run goes on without drafts (results are "
+                "unchanged, steps are slower)",
+                type(self.store).__name__,
+                self.lost,
+            )
+            return default

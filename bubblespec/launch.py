@@ -15,6 +15,7 @@ from bubblespec import plugins
 from bubblespec.clocks import PROFILES
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
+from bubblespec.draft_store import TolerantDraftStore
 from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams, acceptance_length
 from bubblespec.metrics import RunMetrics
@@ -104,7 +105,8 @@ def build_virtual(config: RunConfig) -> Components:
     engine = backend.from_pretrained(**engine_settings(config, path))
     profile = PROFILES[config.clock.profile]
     trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))
-    store = plugins.load("draft_stores", config.speculation.draft_store)(vocab_size=engine.vocab_size)
+    store_class = plugins.load("draft_stores", config.speculation.draft_store)
+    store = TolerantDraftStore(store_class(vocab_size=engine.vocab_size))
     return Components(
         task=task,
         ranks=VirtualRankPool(engine, config.rollout.num_ranks, profile),

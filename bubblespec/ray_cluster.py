@@ -72,6 +72,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def build_on_ray(config: RunConfig) -> Iterator[Components]:
     from ray import serve
 
+    from bubblespec.draft_store import TolerantDraftStore
     from bubblespec.launch import engine_settings, make_task, model_path, sampling_params
     from bubblespec.ray_train import RayTrainer
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
@@ -101,7 +102,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
                 task=task,
                 ranks=ServeRankPool(handles),
                 trainer=trainer,
-                store=store_class(vocab_size=vocab_size),
+                store=TolerantDraftStore(store_class(vocab_size=vocab_size)),
                 bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
                 sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
                 sampling=sampling_params(config, task),

@@ -221,3 +221,24 @@ def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
     mixed = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (7, 2), group=0, reward=0.0)]
     assert learner.step(mixed)["skipped"] == 0
     assert not _same_weights(learner.state_dict(), before)
+
+
+def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch, caplog):
+    """The store dies after step 0 (a lost actor or node): the run goes on without drafts, results unchanged."""
+    from bubblespec.draft_store import InMemoryDraftStore
+
+    calls = {"get": 0}
+    real_get = InMemoryDraftStore.get
+
+    def dying_get(self, keys):
+        calls["get"] += 1
+        if calls["get"] > 2:
+            raise ConnectionError("the actor died")
+        return real_get(self, keys)
+
+    monkeypatch.setattr(InMemoryDraftStore, "get", dying_get)
+    steps, weights = _run(tmp_path, "store-lost", speculation={"enabled": True})
+    assert "the draft store (InMemoryDraftStore) failed and is given up" in caplog.text
+    assert _rollouts(steps) == _rollouts(baseline[0])
+    assert _same_weights(weights, baseline[1])
+    assert steps[-1]["draft_coverage"] == 0
