@@ -10,12 +10,15 @@ draft call that starts late.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
+
+logger = logging.getLogger(__name__)
 
 
 class RankReplica:
@@ -103,6 +106,10 @@ class ServeRankPool:
         self.on_activity: ActivityListener = _ignore
         """Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
 
+    max_retries = 3
+    """Times a rank's shard is retried after its replica died (Serve starts a new one)."""
+    restore_timeout_s = 120.0
+
     def update_weights(self, state_dict, version: int) -> float:
         import ray
 
@@ -110,8 +117,38 @@ class ServeRankPool:
         reference = ray.put({name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()})
         for response in [handle.update_weights.remote(reference, version) for handle in self.handles]:
             response.result()
-        self.version = version
+        self.version, self._weights = version, reference
         return time.perf_counter() - start
+
+    async def _resilient(self, rank: int, call):
+        """``call(handle)`` on a rank; if the rank's replica died, wait for Serve's replacement, give it the current
+        policy and call again. Keyed sampling makes the retried shard's tokens those of the lost one."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await call(self.handles[rank])
+            except _replica_lost_errors() as error:
+                if attempt == self.max_retries:
+                    from bubblespec.errors import EngineError
+
+                    raise EngineError(f"rank {rank}: its replica died {attempt + 1} times ({error})") from error
+                logger.warning(
+                    "rank %d lost its replica (%s); restoring policy version %d and retrying", rank, error, self.version
+                )
+                await self._restore(rank)
+
+    async def _restore(self, rank: int) -> None:
+        deadline = time.perf_counter() + self.restore_timeout_s
+        while True:
+            try:
+                if getattr(self, "_weights", None) is not None:
+                    await self.handles[rank].update_weights.remote(self._weights, self.version)
+                else:  # version 0: a new replica loads the initial weights itself
+                    await self.handles[rank].stop.remote(-1)
+                return
+            except _replica_lost_errors():
+                if time.perf_counter() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results, _ = self.handles[0].generate.remote(list(requests)).result()
@@ -175,8 +212,10 @@ class ServeRankPool:
         records = [RankRecord(rank) for rank in range(self.num_ranks)]
         activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
         generating = {
-            asyncio.ensure_future(_awaited(handle.generate.remote(list(shard)))): rank
-            for rank, (handle, shard) in enumerate(zip(self.handles, shards, strict=True))
+            asyncio.ensure_future(
+                self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard)))
+            ): rank
+            for rank, shard in enumerate(shards)
         }
         for rank, shard in enumerate(shards):
             with_draft = sum(r.draft is not None for r in shard)
@@ -235,6 +274,14 @@ async def _awaited(response):
 
 
 ActivityListener = Callable[[int, str, str], None]
+
+
+def _replica_lost_errors() -> tuple[type[BaseException], ...]:
+    """What a call to a rank raises when its replica died or is being replaced."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
 def _ignore(rank: int, activity: str, detail: str) -> None:

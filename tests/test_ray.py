@@ -62,3 +62,52 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     assert {(rank, activity) for rank, activity, _ in activities} == {
         (rank, activity) for rank in (0, 1) for activity in ("generate", "draft", "idle")
     }
+
+
+def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_path, caplog):
+    """Kill rank 1's Serve replica while step 1's rollout runs: Serve starts a new one, the pool gives it the
+    current policy and retries the shard; keyed sampling makes every sample the one the lost replica would have
+    made, so the run equals the simulation, with no sample lost or duplicated."""
+    import threading
+    import time
+
+    import ray
+
+    base = {
+        "output_dir": str(tmp_path),
+        "num_steps": 3,
+        "checkpoint_every": 3,
+        "model": {"dtype": "float64"},
+        "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
+        "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
+        "trainer": {"learning_rate": 1e-3},
+        "metrics": {"enabled": False},
+    }
+    wall = validate(base | {"name": "faulty", "clock": {"kind": "wall"}})
+    virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
+    killed = []
+
+    def kill_rank_1_soon(step, phase):
+        if (step, phase) != (1, "rollout"):
+            return
+
+        def kill():
+            time.sleep(0.05)
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["name"].startswith("SERVE_REPLICA::bubblespec-rank-1#"):
+                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                    killed.append(actor["name"])
+
+        threading.Thread(target=kill).start()
+
+    run(wall, on_phase=kill_rank_1_soon)
+    run(virtual)
+    assert killed, "no replica was killed"
+    assert "rank 1 lost its replica" in caplog.text, "the kill did not hit a call in flight"
+    wall_steps = RunDirectory(wall.run_dir).read_steps()
+    virtual_steps = RunDirectory(virtual.run_dir).read_steps()
+    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    assert [s["num_samples"] for s in wall_steps] == [8, 8, 8]
+    wall_weights = load_file(str(RunDirectory(wall.run_dir).latest_checkpoint() / "weights.safetensors"))
+    virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
+    assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
