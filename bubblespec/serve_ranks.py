@@ -115,9 +115,17 @@ class ServeRankPool:
 
         start = time.perf_counter()
         reference = ray.put({name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()})
-        for response in [handle.update_weights.remote(reference, version) for handle in self.handles]:
-            response.result()
-        self.version, self._weights = version, reference
+        self.version, self._weights = version, reference  # a replica restored meanwhile gets these
+
+        async def send_all():
+            await asyncio.gather(
+                *[
+                    self._resilient(rank, lambda handle: handle.update_weights.remote(reference, version))
+                    for rank in range(self.num_ranks)
+                ]
+            )
+
+        asyncio.run(send_all())
         return time.perf_counter() - start
 
     async def _resilient(self, rank: int, call):
@@ -194,7 +202,7 @@ class ServeRankPool:
             now = time.perf_counter() - self._training_started
             for future in done:
                 rank, began = running.pop(future)
-                chunk_results = future.result()
+                chunk_results = _drafts_or_nothing(future, rank)
                 made = drafts_from(chunk_results, policy_version=self.version)
                 self._training.drafts += made
                 record = self._training.ranks[rank]
@@ -242,7 +250,7 @@ class ServeRankPool:
                     self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {passes} passes")
                 else:
                     rank, began = drafting.pop(future)
-                    chunk_results = future.result()
+                    chunk_results = _drafts_or_nothing(future, rank)
                     made = drafts_from(chunk_results, policy_version=self.version)
                     drafts += made
                     records[rank].draft_requests += len(made)
@@ -274,6 +282,16 @@ async def _awaited(response):
 
 
 ActivityListener = Callable[[int, str, str], None]
+
+
+def _drafts_or_nothing(future: asyncio.Future, rank: int) -> list[GenerationResult]:
+    """A draft chunk's results; a replica that died while drafting costs its drafts only (the rank's next shard
+    call restores it)."""
+    try:
+        return future.result()
+    except _replica_lost_errors() as error:
+        logger.warning("rank %d lost its replica while drafting (%s); its chunk's drafts are dropped", rank, error)
+        return []
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:
