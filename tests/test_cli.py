@@ -39,7 +39,7 @@ def test_loading_plugins():
     assert plugins.load("backends", "torch") is TorchEngine
     with pytest.raises(PluginNotFoundError, match=r"unknown backends plugin 'nope'; available: .*torch"):
         plugins.load("backends", "nope")
-    with pytest.raises(PluginNotFoundError, match="kinds: backends, draft_stores, policies, tasks"):
+    with pytest.raises(PluginNotFoundError, match="kinds: backends, draft_stores, draft_sources, policies, tasks"):
         plugins.available("engines")
 
 
