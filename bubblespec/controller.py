@@ -300,6 +300,7 @@ def _step_record(step, outcome: RolloutOutcome, rewards, train_metrics, train_se
         "draft_tokens_proposed": sum(r["draft_tokens_proposed"] for r in ranks),
         "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
         "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(rewards), 1),
+        "proposal_coverage": sum(r["requests_with_proposals"] for r in ranks) / max(len(rewards), 1),
         "bubble_seconds": bubble,
         "bubble_utilization": sum(r["drafting_seconds"] for r in ranks) / bubble if bubble > 0 else 0.0,
         "drafts_made": len(outcome.drafts),

@@ -133,3 +133,24 @@ def test_prompt_grouped_sharding_keeps_every_sample_of_a_prompt_on_one_rank():
         assert sum(r.key.prompt_uid in uids for r in requests) == len(shard)
     # longest group first on the least loaded rank: p4 (150) | p3 (120), p2 (90) -> 210 | p1 (60) -> 210 | p0
     assert [sorted({r.key.prompt_uid for r in shard}) for shard in shards] == [["p0", "p1", "p4"], ["p2", "p3"]]
+
+
+def test_a_dynamic_source_takes_over_when_the_request_draft_runs_out(tmp_path):
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.interfaces import Draft
+    from tests.conftest import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model", seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    request = GenerationRequest((1, 5, 6, 7), RolloutKey(0, 1, "p", 0), params)
+    (plain,) = TorchEngine.from_pretrained(str(path), dtype="float64").generate([request])
+    half = Draft(request.key, tuple(plain.token_ids[:10]), 0)
+    with_half = GenerationRequest(request.prompt_token_ids, request.key, params, half)
+    settings = {"dtype": "float64", "draft_source_options": {"ngram": {"min_n": 1}}}
+    (alone,) = TorchEngine.from_pretrained(str(path), **settings).generate([with_half])
+    (chained,) = TorchEngine.from_pretrained(str(path), draft_chain=("request", "ngram"), **settings).generate(
+        [with_half]
+    )
+    assert alone.token_ids == chained.token_ids == plain.token_ids
+    assert alone.stats.draft_tokens_proposed == 10  # the draft alone: its 10 tokens, then plain decoding
+    assert chained.stats.draft_tokens_proposed > 10 and chained.stats.verify_steps > alone.stats.verify_steps
