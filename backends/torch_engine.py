@@ -366,7 +366,10 @@ def _load_proposer(name: str, options: dict):
             f"draft source {name!r} is not a dynamic source and cannot propose inside the engine; only the "
             f"request's own draft ({REQUEST_DRAFT!r}) and dynamic sources belong in draft_chain"
         )
-    return source(**options)
+    try:
+        return source(**options)
+    except (TypeError, ValueError) as error:  # an option the source does not take, or a bad value
+        raise RequestError(f"draft source {name!r} with options {options}: {error}") from None
 
 
 def _link_siblings(sequences: list[_Sequence]) -> None:

@@ -38,7 +38,8 @@ def parse_variant(text: str) -> list[str]:
 
 
 def _variant(config: RunConfig, sources: list[str], output_dir: Path) -> RunConfig:
-    update = {"enabled": True, "draft_sources": sources}
+    options = {k: v for k, v in config.speculation.draft_source_options.items() if k in sources}
+    update = {"enabled": True, "draft_sources": sources, "draft_source_options": options}
     if "group" in sources:
         update["sharding_policy"] = "prompt-grouped"
     speculation = config.speculation.model_dump() | update

@@ -117,6 +117,8 @@ def test_a_static_source_in_an_engine_chain_is_refused(tmp_path):
     path = write_checkpoint(tmp_path / "model")
     with pytest.raises(RequestError, match="not a dynamic source"):
         TorchEngine.from_pretrained(str(path), draft_chain=("history",))
+    with pytest.raises(RequestError, match="draft source 'ngram' with options {'n': 3}"):
+        TorchEngine.from_pretrained(str(path), draft_chain=("ngram",), draft_source_options={"ngram": {"n": 3}})
 
 
 def test_prompt_grouped_sharding_keeps_every_sample_of_a_prompt_on_one_rank():
