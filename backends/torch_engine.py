@@ -19,8 +19,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from bubblespec import sampling
+from bubblespec import plugins, sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
+from bubblespec.draft_sources import REQUEST_DRAFT, ProposalContext
 from bubblespec.drafts import realign, validate_draft
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import (
@@ -57,6 +58,13 @@ class TorchEngineConfig(BaseModel):
     draft_alignment: Literal["position", "suffix"] = "suffix"
     """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first
     re-align it by matching the response's latest tokens ("suffix", falling back to position)."""
+    draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
+    """Where proposals come from, in priority order: ``"request"`` (the request's own draft) and dynamic draft
+    sources (entry point group ``bubblespec.draft_sources``, e.g. ``"group"``, ``"ngram"``). Each forward pass
+    a sequence takes the first non-empty proposal; the request's draft has none when it is missing, used up or
+    diverged with no suffix re-alignment (see :mod:`bubblespec.draft_sources`)."""
+    draft_source_options: dict[str, dict] = {}
+    """Keyword arguments of each dynamic source's constructor, by source name."""
     rank: int = Field(0, ge=0)
     """The data-parallel rank this engine serves (informational here; remote backends pick a server by it)."""
     one_hot_seed: int = 0
@@ -82,6 +90,10 @@ class _Sequence:
 
     draft_offset: int = 0  # the draft token proposed for response position i is draft[i + draft_offset]
     proposal_limit: int | None = None  # adaptive proposal length; None: max_draft_tokens_per_step
+    # the other samples of the same prompt and step in this generate call (group drafting)
+    siblings: list[_Sequence] = field(default_factory=list, repr=False, compare=False)
+    diverged: bool = False  # the request's draft mismatched and no suffix re-alignment was found (chains only)
+    proposed_by: str = REQUEST_DRAFT  # which source proposed the last chunk
 
     def draft_chunk(self, limit: int) -> list[int]:
         """Draft tokens proposed for the next positions."""
@@ -101,6 +113,25 @@ class _Sequence:
             found = realign(self.tokens, self.request.draft.token_ids, self.draft_offset)
             if found is not None:
                 self.draft_offset = found
+            self.diverged = found is None
+
+    def aligned_draft_chunk(self, limit: int) -> list[int]:
+        """The request draft's proposal when a draft chain has other sources to fall back on: none while the
+        draft has diverged, unless the response's latest tokens re-align to it now."""
+        if self.diverged and self.request.draft is not None:
+            found = realign(self.tokens, self.request.draft.token_ids, self.draft_offset)
+            if found is None:
+                return []
+            self.draft_offset, self.diverged = found, False
+        return self.draft_chunk(limit)
+
+    def context(self) -> ProposalContext:
+        return ProposalContext(
+            key=self.request.key,
+            prompt_token_ids=self.request.prompt_token_ids,
+            tokens=self.tokens,
+            siblings=[s.tokens for s in self.siblings],
+        )
 
 
 class TorchEngine:
@@ -120,6 +151,11 @@ class TorchEngine:
         self._cache: KVCache | None = None
         self._generator = torch.Generator(device=device).manual_seed(config.one_hot_seed)
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
+        self._proposers = {
+            name: _load_proposer(name, config.draft_source_options.get(name, {}))
+            for name in config.draft_chain
+            if name != REQUEST_DRAFT
+        }
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> TorchEngine:
@@ -162,6 +198,8 @@ class TorchEngine:
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
         sequences = [self._admit(i, request) for i, request in enumerate(requests)]
+        if self._proposers:
+            _link_siblings(sequences)
         results: list[GenerationResult | None] = [None] * len(sequences)
         if not sequences:
             return []
@@ -232,7 +270,7 @@ class TorchEngine:
         """One forward pass over every active sequence; returns {slot: finish reason} of those that finished."""
         batch = len(active)
         most = self.config.max_draft_tokens_per_step
-        drafts = [s.draft_chunk(most if s.proposal_limit is None else s.proposal_limit) for s in active]
+        drafts = [self._propose(s, most if s.proposal_limit is None else s.proposal_limit) for s in active]
         chunks = [s.pending + d for s, d in zip(active, drafts, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(d) for d in drafts) + 1
@@ -256,6 +294,25 @@ class TorchEngine:
         num_draft = torch.tensor([len(d) for d in drafts])
         accepted = sampling.count_accepted(sampled, draft_tokens.to(sampled.device), num_draft.to(sampled.device))
         return self._advance(active, drafts, sampled.tolist(), logprobs.tolist(), accepted.tolist())
+
+    def _propose(self, sequence: _Sequence, limit: int) -> list[int]:
+        """The draft tokens ``sequence`` verifies next: the first non-empty proposal of the draft chain."""
+        chain = self.config.draft_chain
+        if chain == (REQUEST_DRAFT,):
+            return sequence.draft_chunk(limit)
+        limit = min(limit, sequence.max_new_tokens - len(sequence.tokens) - 1)  # a sampled token follows
+        if limit <= 0:
+            return []
+        for name in chain:
+            if name == REQUEST_DRAFT:
+                chunk = sequence.aligned_draft_chunk(limit)
+            else:
+                chunk = self._proposers[name].propose(sequence.context(), limit)[:limit]
+            if chunk:
+                sequence.proposed_by = name
+                return chunk
+        sequence.proposed_by = REQUEST_DRAFT  # nothing else proposes: the diverged draft, by position
+        return sequence.draft_chunk(limit) if REQUEST_DRAFT in chain else []
 
     def _sample(self, active: list[_Sequence], logits: torch.Tensor, response_positions: torch.Tensor):
         params = [s.request.sampling for s in active]
@@ -290,7 +347,7 @@ class TorchEngine:
             sequence.tokens += emitted
             sequence.logprobs += emitted_logprobs[: len(emitted)]
             sequence.pending = [emitted[-1]]
-            if num_accepted < len(drafts[slot]):
+            if num_accepted < len(drafts[slot]) and sequence.proposed_by == REQUEST_DRAFT:
                 sequence.after_mismatch(self.config.draft_alignment)
             if self.config.adaptive_draft_length and drafts[slot]:
                 # Propose what the last verify step accepted, plus one; double after a full acceptance. Where a
@@ -300,6 +357,31 @@ class TorchEngine:
                 full = num_accepted == len(drafts[slot])
                 sequence.proposal_limit = min(most, 2 * len(drafts[slot]) if full else num_accepted + 1)
         return finished
+
+
+def _load_proposer(name: str, options: dict):
+    source = plugins.load("draft_sources", name)
+    if getattr(source, "kind", None) != "dynamic":
+        raise RequestError(
+            f"draft source {name!r} is not a dynamic source and cannot propose inside the engine; only the "
+            f"request's own draft ({REQUEST_DRAFT!r}) and dynamic sources belong in draft_chain"
+        )
+    try:
+        return source(**options)
+    except (TypeError, ValueError) as error:  # an option the source does not take, or a bad value
+        raise RequestError(f"draft source {name!r} with options {options}: {error}") from None
+
+
+def _link_siblings(sequences: list[_Sequence]) -> None:
+    """Gives each sequence the others of its prompt and step (the group drafting of dynamic sources)."""
+    groups: dict[tuple[int, int, str], list[_Sequence]] = {}
+    for sequence in sequences:
+        key = sequence.request.key
+        groups.setdefault((key.run_seed, key.step, key.prompt_uid), []).append(sequence)
+    for group in groups.values():
+        group.sort(key=lambda s: s.request.key.sample_index)
+        for sequence in group:
+            sequence.siblings = [s for s in group if s is not sequence]
 
 
 def _forward_pass(active: list[_Sequence], chunks: list[list[int]]) -> ForwardPass:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bubblespec.errors import ConfigError
 
@@ -112,11 +112,48 @@ class SpeculationConfig(Section):
     draft_during_training: bool = False
     """Also draft while the trainer runs. Only right when rollout ranks and trainer use separate hardware:
     then the training phase is a bubble for the ranks too."""
+    draft_sources: list[str] = ["bubble"]
+    """Where drafts come from, in priority order (entry point group ``bubblespec.draft_sources``): ``bubble``
+    (drafts of the next step made in the bubble), ``history`` (the last response to the same prompt, from an
+    earlier epoch), ``group`` (sibling samples of the same prompt on the same rank), ``ngram`` (prompt lookup),
+    or ``none``. A request carries the draft of the first static source (bubble, history) that has one; dynamic
+    sources (group, ngram) propose whenever that draft has nothing to propose (none, used up, diverged)."""
+    draft_source_options: dict[str, dict[str, Any]] = {}
+    """Constructor arguments of dynamic sources by name, e.g. ``{ngram: {max_n: 4, min_n: 2, num_tokens: 8}}``."""
 
     @field_validator("draft_store")
     @classmethod
     def _store_installed(cls, name: str) -> str:
         return _installed("draft_stores", name)
+
+    @field_validator("draft_sources")
+    @classmethod
+    def _sources_installed_once(cls, names: list[str]) -> list[str]:
+        if not names:
+            raise ValueError("name at least one draft source (none for plain decoding)")
+        for name in names:
+            _installed("draft_sources", name)
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"draft source(s) {', '.join(map(repr, repeated))} named more than once in {names}")
+        if "none" in names and len(names) > 1:
+            raise ValueError(f"draft source 'none' cannot be combined with others, got {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _options_for_named_sources(self) -> SpeculationConfig:
+        unused = sorted(set(self.draft_source_options) - set(self.draft_sources))
+        if unused:
+            raise ValueError(
+                f"draft_source_options for {unused} but draft_sources is {self.draft_sources}; options are only "
+                "for sources in use"
+            )
+        return self
+
+    @property
+    def uses_bubble(self) -> bool:
+        """Whether idle ranks draft the next step (the bubble source is on and speculation enabled)."""
+        return self.enabled and "bubble" in self.draft_sources
 
     @field_validator("bubble_policy")
     @classmethod

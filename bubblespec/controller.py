@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bubblespec.config import RunConfig
+from bubblespec.draft_sources import HistoryDrafts
 from bubblespec.interfaces import (
     BubblePolicy,
     Draft,
@@ -79,6 +80,7 @@ class Components:
     sharding_policy: object
     sampling: SamplingParams
     eval_task: object = None  # the task with a held-out seed, for RunConfig.eval_every
+    history: HistoryDrafts | None = None  # the history draft source, when speculation.draft_sources names it
 
 
 class Controller:
@@ -114,8 +116,8 @@ class Controller:
         initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
         prompts = parts.task.batch(step)
         requests = step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, parts.sampling)
-        speculate = cfg.speculation.enabled
-        drafts = parts.store.get([r.key for r in requests]) if speculate else {}
+        speculate = cfg.speculation.uses_bubble
+        drafts = self._static_drafts([r.key for r in requests])
         requests = attach_drafts(requests, drafts)
         predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
         shards = parts.sharding_policy.shard(requests, parts.ranks.num_ranks, predicted)
@@ -130,6 +132,8 @@ class Controller:
 
         by_key = {result.key: result for result in outcome.results}
         results = [by_key[r.key] for r in requests]  # request order, whatever the sharding
+        if parts.history is not None:
+            parts.history.observe(results)
         rewards = self._rewards(prompts, results)
         samples = [
             TrainSample(tuple(req.prompt_token_ids), tuple(res.token_ids), i // cfg.task.samples_per_prompt, reward)
@@ -160,6 +164,22 @@ class Controller:
         self.run_dir.append_step(record)
         self._latest_weights = weights
         return record
+
+    def _static_drafts(self, keys: list) -> dict:
+        """Each key's draft from the first static source (``speculation.draft_sources`` order) that has one."""
+        speculation, parts = self.config.speculation, self.parts
+        drafts: dict = {}
+        if not speculation.enabled:
+            return drafts
+        for name in speculation.draft_sources:
+            if name == "bubble":
+                found = parts.store.get(keys)
+            elif name == "history" and parts.history is not None:
+                found = parts.history.drafts(keys)
+            else:
+                continue
+            drafts = found | drafts  # earlier sources win
+        return drafts
 
     def _plan(self, step: int) -> DraftPlan:
         """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps,
@@ -225,7 +245,7 @@ class Controller:
             for future_step in range(step + 1, step + 1 + self.config.speculation.lookahead_steps)
             for r in self._future_requests(future_step)
         ]
-        pending = list(store.get(future_keys).values()) if self.config.speculation.enabled else []
+        pending = list(store.get(future_keys).values()) if self.config.speculation.uses_bubble else []
         self.run_dir.save_checkpoint(
             step,
             weights=self._latest_weights,
@@ -280,6 +300,7 @@ def _step_record(step, outcome: RolloutOutcome, rewards, train_metrics, train_se
         "draft_tokens_proposed": sum(r["draft_tokens_proposed"] for r in ranks),
         "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
         "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(rewards), 1),
+        "proposal_coverage": sum(r["requests_with_proposals"] for r in ranks) / max(len(rewards), 1),
         "bubble_seconds": bubble,
         "bubble_utilization": sum(r["drafting_seconds"] for r in ranks) / bubble if bubble > 0 else 0.0,
         "drafts_made": len(outcome.drafts),

@@ -15,6 +15,7 @@ from bubblespec import plugins
 from bubblespec.clocks import PROFILES
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
+from bubblespec.draft_sources import REQUEST_DRAFT, HistoryDrafts, draft_chain
 from bubblespec.draft_store import TolerantDraftStore
 from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams, acceptance_length
@@ -45,6 +46,8 @@ def make_task(config: RunConfig, held_out: bool = False):
     seed = config.task.seed + 1_000_003 if held_out else config.task.seed
     prompts_per_step = config.eval_prompts if held_out else config.task.prompts_per_step
     options = dict(config.task.options)
+    if held_out:
+        options.pop("dataset_size", None)  # the held-out set is one batch of its own size
     try:
         return task_class(seed=seed, prompts_per_step=prompts_per_step, **options)
     except TypeError as error:  # an option the task's constructor does not take
@@ -66,16 +69,25 @@ def sampling_params(config: RunConfig, task) -> SamplingParams:
 def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
     """What ``from_pretrained`` of every backend gets: the common settings, then ``rollout.engine_options``."""
     rollout = config.rollout
-    return {
-        "model_path": path,
-        "dtype": config.model.dtype,
-        "max_batch_size": rollout.max_batch_size,
-        "max_draft_tokens_per_step": rollout.max_draft_tokens_per_step,
-        "verification": rollout.verification,
-        "adaptive_draft_length": rollout.adaptive_draft_length,
-        "num_threads": rollout.threads_per_rank,
-        "rank": rank,
-    } | rollout.engine_options
+    speculation = config.speculation
+    chain = draft_chain(speculation.draft_sources) if speculation.enabled else ()
+    dynamic = {}
+    if any(name != REQUEST_DRAFT for name in chain):  # only then: other backends need not know the setting
+        dynamic = {"draft_chain": chain, "draft_source_options": speculation.draft_source_options}
+    return (
+        {
+            "model_path": path,
+            "dtype": config.model.dtype,
+            "max_batch_size": rollout.max_batch_size,
+            "max_draft_tokens_per_step": rollout.max_draft_tokens_per_step,
+            "verification": rollout.verification,
+            "adaptive_draft_length": rollout.adaptive_draft_length,
+            "num_threads": rollout.threads_per_rank,
+            "rank": rank,
+        }
+        | dynamic
+        | rollout.engine_options
+    )
 
 
 class LocalTrainer:
@@ -116,6 +128,7 @@ def build_virtual(config: RunConfig) -> Components:
         sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
         sampling=sampling_params(config, task),
         eval_task=make_task(config, held_out=True),
+        history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
     )
 
 

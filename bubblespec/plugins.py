@@ -19,6 +19,7 @@ from bubblespec.errors import PluginNotFoundError
 KINDS: dict[str, str] = {
     "backends": "bubblespec.backends",
     "draft_stores": "bubblespec.draft_stores",
+    "draft_sources": "bubblespec.draft_sources",
     "policies": "bubblespec.policies",
     "tasks": "bubblespec.tasks",
 }

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from bubblespec import plugins
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components
+from bubblespec.draft_sources import HistoryDrafts
 from bubblespec.errors import BubblespecError, ConfigError
 
 RAY_DEFAULTS = {
@@ -107,6 +108,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
                 sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
                 sampling=sampling_params(config, task),
                 eval_task=make_task(config, held_out=True),
+                history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
             )
         finally:
             if trainer is not None:

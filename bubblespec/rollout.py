@@ -66,6 +66,8 @@ class RankRecord:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     requests_with_draft: int = 0
+    requests_with_proposals: int = 0
+    """Requests that verified at least one proposed token, from their draft or from a dynamic draft source."""
     generation_seconds: float = 0.0
     bubble_seconds: float = 0.0
     drafting_seconds: float = 0.0
@@ -79,6 +81,7 @@ class RankRecord:
         self.num_requests += len(results)
         self.requests_with_draft += sum(had_draft)
         for result in results:
+            self.requests_with_proposals += result.stats.verify_steps > 0
             self.shard_tokens += len(result.token_ids)
             self.decode_steps += result.stats.decode_steps
             self.verify_steps += result.stats.verify_steps

@@ -126,11 +126,14 @@ def bench(
     target: Annotated[
         str,
         typer.Argument(
-            help='"engine" (the built-in engine on the shipped model) or a run CONFIG to run with speculation '
-            "off and on, side by side.",
-            metavar="engine|CONFIG",
+            help='"engine" (the built-in engine on the shipped model), "peers" (draft sources side by side on the '
+            "run CONFIG that follows) or a run CONFIG to run with speculation off and on, side by side.",
+            metavar="engine|peers|CONFIG",
         ),
     ],
+    peers_config: Annotated[
+        Path | None, typer.Argument(help="The run config of `bench peers`.", metavar="[CONFIG]")
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG only).")] = None,
     output_dir: Annotated[
@@ -139,8 +142,35 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
     quick: Annotated[bool, typer.Option(help="A smoke run, not a measurement (engine only).")] = False,
+    sources: Annotated[
+        list[str] | None,
+        typer.Option("--sources", help="A draft-source variant, e.g. bubble+group+ngram; repeat it (peers only)."),
+    ] = None,
+    plot_dir: Annotated[Path | None, typer.Option(help="Write one PNG per question here (peers only).")] = None,
 ) -> None:
     """Measure speed side by side in one run and print a table."""
+    if target == "peers":
+        from bubblespec.cli import bench_peers
+        from bubblespec.config import load_config
+        from bubblespec.errors import ConfigError
+
+        if peers_config is None or not peers_config.is_file():
+            raise ConfigError(f"bench peers needs an existing run config, got {str(peers_config)!r}")
+        variants = list(sources or bench_peers.DEFAULT_VARIANTS)
+        report = bench_peers.run_peers(load_config(peers_config, overrides or []), variants, output_dir)
+        bench_peers.print_report(report)
+        if plot_dir is not None:
+            for path in bench_peers.plot_report(report, plot_dir):
+                typer.echo(f"wrote {path}")
+        _write_json(report, json_path)
+        if not report["identical_rollouts"]:
+            typer.secho("error: a draft source changed a rollout", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
+        return
+    if peers_config is not None:
+        from bubblespec.errors import ConfigError
+
+        raise ConfigError(f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG`")
     if target == "engine":
         from bubblespec.cli.bench_engine import EngineBenchSettings, print_report, run_engine_bench
 
@@ -155,6 +185,10 @@ def bench(
             raise ConfigError(f"benchmark target {target!r} is neither 'engine' nor an existing config file")
         report = run_side_by_side(load_config(target, overrides or []), output_dir)
     print_report(report)
+    _write_json(report, json_path)
+
+
+def _write_json(report: dict, json_path: Path | None) -> None:
     if json_path is not None:
         import json
 

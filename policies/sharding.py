@@ -42,3 +42,28 @@ class LengthBalanced:
             shards[rank].append(request)
             heapq.heappush(load, (total + predicted_lengths.get(request.key, default), rank))
         return shards
+
+
+class PromptGrouped:
+    """Keeps every sample of a prompt on one rank (what group drafting needs: siblings propose for each other
+    only within an engine), whole groups placed longest-predicted-first on the least loaded rank. A group's
+    predicted length is the sum of its samples' (the mean of the known ones for samples without)."""
+
+    role = "sharding"
+
+    def shard(
+        self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
+    ) -> list[list[GenerationRequest]]:
+        known = [predicted_lengths[r.key] for r in requests if r.key in predicted_lengths]
+        default = sum(known) / len(known) if known else 1.0
+        groups: dict[tuple[int, str], list[GenerationRequest]] = {}
+        for request in requests:
+            groups.setdefault((request.key.step, request.key.prompt_uid), []).append(request)
+        sizes = [(sum(predicted_lengths.get(r.key, default) for r in g), i, g) for i, g in enumerate(groups.values())]
+        load = [(0.0, rank) for rank in range(num_ranks)]
+        shards: list[list[GenerationRequest]] = [[] for _ in range(num_ranks)]
+        for size, _, group in sorted(sizes, key=lambda item: (-item[0], item[1])):
+            total, rank = heapq.heappop(load)
+            shards[rank] += group
+            heapq.heappush(load, (total + size, rank))
+        return shards

@@ -39,7 +39,7 @@ def test_loading_plugins():
     assert plugins.load("backends", "torch") is TorchEngine
     with pytest.raises(PluginNotFoundError, match=r"unknown backends plugin 'nope'; available: .*torch"):
         plugins.load("backends", "nope")
-    with pytest.raises(PluginNotFoundError, match="kinds: backends, draft_stores, policies, tasks"):
+    with pytest.raises(PluginNotFoundError, match="kinds: backends, draft_stores, draft_sources, policies, tasks"):
         plugins.available("engines")
 
 
@@ -176,3 +176,25 @@ def test_run_logs_one_structured_line_per_step_unless_quiet(tmp_path, flag):
         assert any("step=0 reward=" in line for line in lines) and any("step=1 reward=" in line for line in lines)
         assert "report:" in result.output
     assert (tmp_path / "runs" / "run" / "report" / "summary.md").is_file()
+
+
+def test_bench_peers_runs_every_source_on_the_same_keys(tmp_path):
+    out = tmp_path / "peers.json"
+    args = ["bench", "peers", "examples/bench-peers.yaml", "--json", str(out), "--plot-dir", str(tmp_path)]
+    small = ["num_steps=3", "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.dataset_size=4"]
+    small += ["rollout.num_ranks=2", "rollout.sampling.max_new_tokens=40"]
+    sources = ["--sources", "ngram", "--sources", "history+group"]
+    result = runner.invoke(app, args + sources + [arg for s in small for arg in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["variants"] == ["none", "ngram", "history+group"] and report["identical_rollouts"] is True
+    assert [len(report["per_step"][v]) for v in report["variants"]] == [3, 3, 3]
+    assert report["steady_state"]["history+group"]["draft_coverage"] == 1.0  # prompts repeat every step
+    assert report["steady_state"]["ngram"]["decode_step_reduction"] > 0
+    assert (tmp_path / "peers-decode-steps.png").is_file() and (tmp_path / "peers-throughput.png").is_file()
+
+
+def test_bench_peers_refuses_unknown_sources_before_running():
+    result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble+oracle"])
+    assert result.exit_code == 2
+    assert "unknown draft source 'oracle'; available: bubble, group, history, ngram, none" in result.output

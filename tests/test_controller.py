@@ -83,6 +83,42 @@ def test_ranks_sharding_and_bubble_policy_change_no_rollout(tmp_path, baseline, 
     assert _same_weights(weights, plain_weights)
 
 
+@pytest.mark.parametrize(
+    "sources", [["none"], ["ngram"], ["group"], ["history"], ["bubble", "group", "ngram"], ["history", "ngram"]]
+)
+def test_draft_sources_change_no_rollout(tmp_path, sources):
+    """Every draft source and combination reproduces plain decoding (prompts repeat every 2 steps, so that
+    history has responses to propose; siblings share a rank, so that group drafting has siblings)."""
+    task = {"options": {"dataset_size": 8}}
+    plain_steps, plain_weights = _run(tmp_path, "plain", task=task, speculation={"enabled": False})
+    speculation = {"draft_sources": sources, "sharding_policy": "prompt-grouped"}
+    steps, weights = _run(tmp_path, "sources", task=task, speculation=speculation)
+    assert _rollouts(steps) == _rollouts(plain_steps)
+    assert _same_weights(weights, plain_weights)
+    if sources == ["group"]:  # siblings decode in lockstep: one is rarely ahead of another to propose
+        pass
+    elif sources != ["none"]:
+        assert sum(s["draft_tokens_accepted"] for s in steps) > 0
+    else:
+        assert all(s["verify_steps"] == 0 and s["drafts_made"] == 0 for s in steps)
+    if sources == ["history"]:  # step 2 repeats step 0's prompts: history drafts from then on only
+        assert [s["draft_coverage"] for s in steps] == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [
+        (["bubble", "telepathy"], "unknown draft source 'telepathy'; available: bubble, group, history, ngram, none"),
+        (["ngram", "bubble", "ngram"], "'ngram' named more than once"),
+        (["none", "ngram"], "'none' cannot be combined"),
+        ([], "at least one draft source"),
+    ],
+)
+def test_draft_source_config_errors(sources, message):
+    with pytest.raises(ConfigError, match=message):
+        validate({"speculation": {"draft_sources": sources}})
+
+
 def test_resume_equals_an_uninterrupted_run(tmp_path):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2)
     config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2)

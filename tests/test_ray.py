@@ -55,13 +55,17 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
         # bubbles are measured from the barrier: the last rank to finish has none, the others are idle or drafting
         assert min(rank["bubble_seconds"] for rank in step["ranks"]) == 0
         assert all(rank["drafting_seconds"] <= rank["bubble_seconds"] + 1e-9 for rank in step["ranks"])
-    # drafting while the trainer ran is recorded per rank, for the timeline picture
-    assert any(entry[0] == "draft" for step in wall_steps[:-1] for rank in step["training_timelines"] for entry in rank)
-    # the live display heard of every phase and of every rank generating, drafting and falling idle
+    # drafting while the trainer ran is recorded per rank, for the timeline picture (steps whose plan was used up
+    # in the rollout bubble have none)
+    training = [entry for step in wall_steps for rank in step.get("training_timelines", []) for entry in rank]
+    assert all(kind == "draft" and 0 <= start <= end for kind, start, end in training)
+    drafted = [entry for step in wall_steps for rank in step["timelines"] for entry in rank if entry[0] == "draft"]
+    assert training or drafted, "no rank drafted at all"
+    # the live display heard of every phase, of every rank generating and falling idle, and of drafting
     assert phases[:3] == [(0, "rollout"), (0, "train"), (0, "weight sync")] and len(phases) == 9
-    assert {(rank, activity) for rank, activity, _ in activities} == {
-        (rank, activity) for rank in (0, 1) for activity in ("generate", "draft", "idle")
-    }
+    heard = {(rank, activity) for rank, activity, _ in activities}
+    assert {(rank, activity) for rank in (0, 1) for activity in ("generate", "idle")} <= heard
+    assert any(activity == "draft" for _, activity in heard)
 
 
 def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_path, caplog):

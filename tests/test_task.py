@@ -264,3 +264,12 @@ def test_model_path_is_inside_the_package():
 
 def test_prompt_dataclass_is_the_interface_one(task):
     assert all(type(p) is Prompt for p in task.batch(0))
+
+
+def test_dataset_size_repeats_the_prompts_every_epoch():
+    task = ArithmeticTask(seed=2, prompts_per_step=4, dataset_size=12)  # an epoch of 3 steps
+    assert task.batch(4) == task.batch(1) and task.batch(6) == task.batch(0)
+    assert task.batch(1) != task.batch(2)
+    assert ArithmeticTask(seed=2, prompts_per_step=4).batch(1) == task.batch(1)  # the same first epoch
+    with pytest.raises(ValueError, match="multiple of prompts_per_step"):
+        ArithmeticTask(prompts_per_step=4, dataset_size=10)

@@ -171,6 +171,10 @@ class ArithmeticTask:
     ``max_digits`` and ``digits_continue_probability`` set the problem sizes: the longer operand has n digits
     with probability ``p**(n-1) * (1-p)``, truncated at ``max_digits``. Smaller problems are easier and give
     shorter responses. The defaults reproduce the task the shipped model was trained on.
+
+    ``dataset_size`` makes the prompts repeat, as in a finite RL dataset: an epoch is ``dataset_size /
+    prompts_per_step`` steps, and step ``s`` gets the prompts (and prompt uids) of epoch position ``s mod`` that.
+    None (the default) draws new prompts at every step.
     """
 
     def __init__(
@@ -180,6 +184,7 @@ class ArithmeticTask:
         reward: str = "answer",
         max_digits: int = MAX_DIGITS,
         digits_continue_probability: float = DIGITS_CONTINUE_PROBABILITY,
+        dataset_size: int | None = None,
     ) -> None:
         if not _is_integer(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -193,7 +198,15 @@ class ArithmeticTask:
             raise ValueError(f"digits_continue_probability must be a number, got {digits_continue_probability!r}")
         if not 0 <= digits_continue_probability < 1:
             raise ValueError(f"digits_continue_probability must be in [0, 1), got {digits_continue_probability!r}")
+        if dataset_size is not None and (
+            not _is_integer(dataset_size) or dataset_size < 1 or dataset_size % prompts_per_step
+        ):
+            raise ValueError(
+                f"dataset_size must be a positive multiple of prompts_per_step ({prompts_per_step}), "
+                f"got {dataset_size!r}"
+            )
         self.seed = seed
+        self.dataset_size = dataset_size
         self.prompts_per_step = prompts_per_step
         self.reward = reward
         self.max_digits = max_digits
@@ -238,9 +251,12 @@ class ArithmeticTask:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def batch(self, step: int) -> list[Prompt]:
-        """The prompts of ``step``: a pure function of ``(seed, step)``."""
+        """The prompts of ``step``: a pure function of ``(seed, step)`` (of the epoch position with
+        ``dataset_size``)."""
         if not _is_integer(step) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if self.dataset_size is not None:
+            step %= self.dataset_size // self.prompts_per_step
         rng = random.Random(f"bubblespec.arithmetic\x1f{self.seed}\x1f{step}")
         return [
             self.make_prompt(
