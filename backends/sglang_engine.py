@@ -53,8 +53,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bubblespec import sampling
-from bubblespec.drafts import realign, validate_draft
-from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
+from bubblespec.drafts import check_request, realign, stop_token_ids
+from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
 from bubblespec.interfaces import FinishReason, ForwardPass, GenerationRequest, GenerationResult, RequestStats
 from bubblespec.sampling import keyed_sample
 
@@ -476,23 +476,15 @@ class SGLangEngine:
         return results  # type: ignore[return-value]
 
     def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
-        if not isinstance(request, GenerationRequest):
-            raise RequestError(f"request {index} is a {type(request).__name__}, expected a GenerationRequest")
-        prompt = request.prompt_token_ids
-        if not prompt or any(not 0 <= t < self.vocab_size for t in prompt):
-            raise RequestError(f"request {index} ({request.key}): empty prompt or ids outside [0, {self.vocab_size})")
         # SGLang needs input < context and input + max_new_tokens <= context.
-        if len(prompt) + 1 >= self._context_length:
-            raise RequestError(f"request {index} ({request.key}): prompt of {len(prompt)} tokens fills the context")
-        if request.draft is not None:
-            validate_draft(request.draft, self.vocab_size)
+        check_request(index, request, self.vocab_size, self._context_length, reserve=1)
+        prompt = request.prompt_token_ids
         params = request.sampling
-        eos = () if params.ignore_eos else self._eos_ids
         return _Sequence(
             index=index,
             request=request,
             max_new_tokens=min(params.max_new_tokens, self._context_length - len(prompt) - 1),
-            stop_ids=frozenset(params.stop_token_ids) | frozenset(eos),
+            stop_ids=stop_token_ids(params, self._eos_ids),
             seed=request.key.noise_seed(),
         )
 

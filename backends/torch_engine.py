@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bubblespec import plugins, sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
 from bubblespec.draft_sources import REQUEST_DRAFT, ProposalContext
-from bubblespec.drafts import realign, validate_draft
+from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import (
     FinishReason,
@@ -226,27 +226,11 @@ class TorchEngine:
 
     def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
         """Checks one request before any work starts; a bad one fails the whole call with a clear error."""
-        if not isinstance(request, GenerationRequest):
-            raise RequestError(f"request {index} is a {type(request).__name__}, expected a GenerationRequest")
-        prompt = request.prompt_token_ids
-        if len(prompt) == 0:
-            raise RequestError(f"request {index} ({request.key}) has an empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"request {index} ({request.key}) has prompt token ids {bad[:5]} outside [0, {self.vocab_size})"
-            )
-        if len(prompt) >= self.context_length:
-            raise RequestError(
-                f"request {index} ({request.key}): prompt of {len(prompt)} tokens leaves no room in the model's "
-                f"context of {self.context_length} tokens"
-            )
-        if request.draft is not None:
-            validate_draft(request.draft, self.vocab_size)
+        check_request(index, request, self.vocab_size, self.context_length)
         params = request.sampling
+        prompt = request.prompt_token_ids
         max_new = min(params.max_new_tokens, self.context_length - len(prompt))
-        eos_ids = () if params.ignore_eos else self.model_config.eos_token_ids
-        stop_ids = frozenset(params.stop_token_ids) | frozenset(eos_ids)
+        stop_ids = stop_token_ids(params, self.model_config.eos_token_ids)
         return _Sequence(
             index=index,
             request=request,

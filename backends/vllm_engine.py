@@ -40,8 +40,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import sampling
-from bubblespec.drafts import realign, validate_draft
-from bubblespec.errors import ModelLoadError, RequestError
+from bubblespec.drafts import check_request, realign, stop_token_ids
+from bubblespec.errors import ModelLoadError
 from bubblespec.interfaces import (
     FinishReason,
     ForwardPass,
@@ -315,24 +315,10 @@ class VLLMEngine:
     # -- requests ------------------------------------------------------------------------------------------------
 
     def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
-        if not isinstance(request, GenerationRequest):
-            raise RequestError(f"request {index} is a {type(request).__name__}, expected a GenerationRequest")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise RequestError(f"request {index} ({request.key}) has an empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"request {index} ({request.key}) has prompt token ids {bad[:5]} outside the vocabulary")
-        if len(prompt) >= self._context_length:
-            raise RequestError(
-                f"request {index} ({request.key}): the prompt fills the context of {self._context_length}"
-            )
-        if request.draft is not None:
-            validate_draft(request.draft, self.vocab_size)
+        check_request(index, request, self.vocab_size, self._context_length)
         params = request.sampling
-        stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self._eos_ids)
-        max_new = min(params.max_new_tokens, self._context_length - len(prompt))
-        return _Sequence(index, request, max_new, stop_ids)
+        max_new = min(params.max_new_tokens, self._context_length - len(request.prompt_token_ids))
+        return _Sequence(index, request, max_new, stop_token_ids(params, self._eos_ids))
 
     def _submit(self, sequence: _Sequence, by_id: dict[str, _Sequence]) -> None:
         """Starts the next vLLM request of a sequence: a verification of its next draft chunk, or plain decoding

@@ -6,7 +6,7 @@ import numbers
 from collections.abc import Sequence
 
 from bubblespec.errors import DraftError
-from bubblespec.interfaces import Draft, RolloutKey
+from bubblespec.interfaces import Draft, RolloutKey, SamplingParams
 
 
 def validate_draft(draft: object, vocab_size: int) -> Draft:
@@ -47,3 +47,33 @@ def realign(
         if match_length <= end <= len(draft) and list(draft[end - match_length : end]) == suffix:
             return offset + delta
     return None
+
+
+def check_request(index: int, request: object, vocab_size: int, context_length: int, reserve: int = 0) -> None:
+    """The checks every engine makes before any work starts; a bad request fails the whole call with a clear error.
+
+    ``reserve`` is context an engine keeps back beyond the prompt (SGLang needs prompt + 1 < context).
+    """
+    from bubblespec.errors import RequestError
+    from bubblespec.interfaces import GenerationRequest
+
+    if not isinstance(request, GenerationRequest):
+        raise RequestError(f"request {index} is a {type(request).__name__}, expected a GenerationRequest")
+    prompt = request.prompt_token_ids
+    if len(prompt) == 0:
+        raise RequestError(f"request {index} ({request.key}) has an empty prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"request {index} ({request.key}) has prompt token ids {bad[:5]} outside [0, {vocab_size})")
+    if len(prompt) + reserve >= context_length:
+        raise RequestError(
+            f"request {index} ({request.key}): prompt of {len(prompt)} tokens leaves no room in the model's "
+            f"context of {context_length} tokens"
+        )
+    if request.draft is not None:
+        validate_draft(request.draft, vocab_size)
+
+
+def stop_token_ids(params: SamplingParams, eos_ids: Sequence[int]) -> frozenset[int]:
+    """The tokens that end a response: the request's stop ids, and the model's EOS ids unless it ignores EOS."""
+    return frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_ids)

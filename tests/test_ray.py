@@ -13,19 +13,22 @@ from bubblespec.run_dir import RunDirectory
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
-    """Real Ray Serve ranks drafting in real bubbles and a real Ray Train trainer give exactly the rollouts and
-    weights of the in-process simulation: keyed sampling makes where and when a token is computed irrelevant."""
-    base = {
+def _small_run(tmp_path, **changes) -> dict:
+    """3 float64 steps of 4 prompts x 2 samples on 2 ranks: small enough for Ray on 2 cores."""
+    return {
         "output_dir": str(tmp_path),
         "num_steps": 3,
-        "checkpoint_every": 1,
         "model": {"dtype": "float64"},
         "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
         "trainer": {"learning_rate": 1e-3},
-        "metrics": {"port": 0},
-    }
+    } | changes
+
+
+def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
+    """Real Ray Serve ranks drafting in real bubbles and a real Ray Train trainer give exactly the rollouts and
+    weights of the in-process simulation: keyed sampling makes where and when a token is computed irrelevant."""
+    base = _small_run(tmp_path, checkpoint_every=1, metrics={"port": 0})
     # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store and drafting while the
     # trainer runs on Ray; one in-process learner and the in-memory store in the simulation.
     wall = validate(
@@ -77,16 +80,7 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
 
     import ray
 
-    base = {
-        "output_dir": str(tmp_path),
-        "num_steps": 3,
-        "checkpoint_every": 3,
-        "model": {"dtype": "float64"},
-        "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
-        "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
-        "trainer": {"learning_rate": 1e-3},
-        "metrics": {"enabled": False},
-    }
+    base = _small_run(tmp_path, checkpoint_every=3, metrics={"enabled": False})
     wall = validate(base | {"name": "faulty", "clock": {"kind": "wall"}})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
     killed = []
