@@ -26,7 +26,7 @@ CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.j
 
 
 class CheckpointError(BubblespecError):
-    """A checkpoint that is missing files or cannot be read."""
+    """A checkpoint or step log that is missing files or cannot be read."""
 
 
 class RunDirectory:
@@ -61,14 +61,31 @@ class RunDirectory:
             out.write(json.dumps(record) + "\n")
 
     def read_steps(self) -> list[dict]:
+        """The step records. A last line without its newline is a write the process did not finish (it was
+        killed): it is left out. Any other line that is not JSON is an error naming the file and line."""
         if not self.steps_file.exists():
             return []
-        return [json.loads(line) for line in self.steps_file.read_text().splitlines() if line.strip()]
+        text = self.steps_file.read_text()
+        lines = text.split("\n")
+        records = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                if number == len(lines):  # no newline after it: torn by a crash while it was written
+                    break
+                raise CheckpointError(f"{self.steps_file} line {number} is not a step record: {error}") from None
+        return records
 
     def truncate_steps(self, last_step: int) -> None:
-        """Keeps the JSONL lines of steps <= last_step (resume from the checkpoint after last_step)."""
+        """Keeps the JSONL lines of steps <= last_step (resume from the checkpoint after last_step). The file is
+        replaced in one rename, so a crash leaves the old or the new one, never half of either."""
         kept = [r for r in self.read_steps() if r["step"] <= last_step]
-        self.steps_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial = self.steps_file.with_name(".steps.jsonl.partial")
+        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.replace(self.steps_file)
 
     def save_checkpoint(self, step: int, weights: dict, trainer_state: dict, drafts: list[Draft], state: dict) -> Path:
         from safetensors.torch import save_file

@@ -142,6 +142,55 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
 
 
+@pytest.mark.slow
+def test_a_killed_controller_resumes_to_an_identical_run(tmp_path):
+    """SIGKILL the whole `bubblespec run` process at an arbitrary moment (mid-step, mid-checkpoint or mid-line of
+    the step log), then `bubblespec run --resume`: the run ends exactly as an uninterrupted one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    uninterrupted, final = _run(tmp_path, "whole", num_steps=6, checkpoint_every=2)
+    config = _config(tmp_path, "killed", num_steps=6, checkpoint_every=2)
+    config_file = tmp_path / "killed.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    command = [sys.executable, "-m", "bubblespec.cli.main", "run", "--quiet"]
+    process = subprocess.Popen([*command, str(config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run_dir = RunDirectory(config.run_dir)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        if run_dir.steps_file.exists() and run_dir.steps_file.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.01)
+    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()}"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert len(run_dir.read_steps()) < 6
+    resumed = subprocess.run([*command, "--resume", str(config.run_dir)], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    strip = ("timelines", "wall")
+    assert [_without(s, strip) for s in run_dir.read_steps()] == [_without(s, strip) for s in uninterrupted]
+    assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
+
+
+def test_a_torn_last_step_line_is_dropped_and_other_bad_lines_are_named(tmp_path):
+    run_dir = RunDirectory(tmp_path)
+    run_dir.append_step({"step": 0})
+    with run_dir.steps_file.open("a") as out:
+        out.write('{"step": 1, "rew')  # the process died while writing this line
+    assert run_dir.read_steps() == [{"step": 0}]
+    run_dir.truncate_steps(0)
+    run_dir.append_step({"step": 1})
+    assert run_dir.read_steps() == [{"step": 0}, {"step": 1}]
+    run_dir.steps_file.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(CheckpointError, match="steps.jsonl line 2"):
+        run_dir.read_steps()
+
+
 def _without(record: dict, keys) -> dict:
     return {k: v for k, v in record.items() if k not in keys}
 
