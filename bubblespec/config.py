@@ -177,6 +177,9 @@ class TrainerConfig(Section):
     """Gradient-norm clipping; empty disables it."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer runs."""
+    max_restarts: int = Field(3, ge=0)
+    """Wall clock: how often Ray Train may restart a failed worker group; each restart rewinds the run to its
+    last checkpoint (or its start) and replays the steps since, with identical results."""
 
 
 class ClockConfig(Section):

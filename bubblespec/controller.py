@@ -19,6 +19,7 @@ from typing import Protocol
 
 from bubblespec.config import RunConfig
 from bubblespec.draft_sources import HistoryDrafts
+from bubblespec.errors import TrainerRestarted
 from bubblespec.interfaces import (
     BubblePolicy,
     Draft,
@@ -65,7 +66,13 @@ class Trainer(Protocol):
 
     def checkpoint_state(self) -> dict: ...
 
-    def load_checkpoint_state(self, state: dict) -> None: ...
+    def load_checkpoint_state(self, state: dict) -> None:
+        """``state``: a checkpoint's trainer state plus its ``weights``."""
+        ...
+
+    def reset(self) -> dict:
+        """Back to the initial model and a fresh optimizer; returns the initial weights."""
+        ...
 
 
 @dataclass
@@ -99,17 +106,47 @@ class Controller:
         self.on_phase = on_phase or (lambda step, phase: None)
         self._warned_unpeekable = False
 
-    def run(self, start_step: int = 0) -> list[dict]:
-        records = []
-        for step in range(start_step, self.config.num_steps):
-            record = self.step(step)
-            records.append(record)
+    def run(self, start_step: int = 0) -> None:
+        """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
+        to its last checkpoint and replays the steps since: keyed sampling makes them come out the same."""
+        step = start_step
+        while step < self.config.num_steps:
+            try:
+                record = self.step(step)
+                if (step + 1) % self.config.checkpoint_every == 0 or step == self.config.num_steps - 1:
+                    self._checkpoint(step)
+            except TrainerRestarted as restart:
+                failed, step = step, self.restore(fresh_parts=False)
+                logger.warning(
+                    "%s in step %d: the run rewinds to its last checkpoint and replays from step %d",
+                    restart,
+                    failed,
+                    step,
+                )
+                continue
             logger.info(step_line(record))
-            last = step == self.config.num_steps - 1
-            if (step + 1) % self.config.checkpoint_every == 0 or last:
-                self._checkpoint(step)
             self.on_step(record)
-        return records
+            step += 1
+
+    def restore(self, fresh_parts: bool = True) -> int:
+        """Loads the latest checkpoint (weights, trainer state, pending drafts) into the parts, forgets the step
+        records after it and returns the step to continue from. Without a checkpoint the run starts over: parts
+        built for this run already hold the initial model (``fresh_parts``); otherwise the trainer is reset and
+        the ranks get its initial weights."""
+        parts, run_dir = self.parts, self.run_dir
+        checkpoint = run_dir.latest_checkpoint()
+        if checkpoint is None:
+            if not fresh_parts:
+                parts.ranks.update_weights(parts.trainer.reset(), version=0)
+            run_dir.truncate_steps(-1)
+            return 0
+        weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
+        step = int(state["step"])
+        parts.trainer.load_checkpoint_state(trainer_state | {"weights": weights})
+        parts.ranks.update_weights(weights, version=step + 1)
+        parts.store.put(drafts)
+        run_dir.truncate_steps(step)
+        return step + 1
 
     def step(self, step: int) -> dict:
         cfg, parts = self.config, self.parts
@@ -143,7 +180,12 @@ class Controller:
         if drafting_while_training:
             parts.ranks.start_drafting(plan)
         self.on_phase(step, "train")
-        train_metrics, weights, train_seconds = parts.trainer.train(samples)
+        try:
+            train_metrics, weights, train_seconds = parts.trainer.train(samples)
+        except TrainerRestarted:
+            if drafting_while_training:
+                parts.ranks.stop_drafting(0.0)  # the ranks stop before the run rewinds
+            raise
         if drafting_while_training:
             training = parts.ranks.stop_drafting(train_seconds)
             self._store(training.drafts)

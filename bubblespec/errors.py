@@ -29,3 +29,7 @@ class ConfigError(BubblespecError, ValueError):
 
 class EngineError(BubblespecError, RuntimeError):
     """A rollout engine failed while serving a request; the message names the rank and the backend."""
+
+
+class TrainerRestarted(BubblespecError, RuntimeError):
+    """The trainer's workers were restarted after a fault and hold the initial model: the run must rewind."""

@@ -94,7 +94,8 @@ class LocalTrainer:
     """The GRPO learner in this process; time is the profile's (virtual clock)."""
 
     def __init__(self, config: RunConfig, path: str, seconds: Callable[[int], float]) -> None:
-        self.learner = GRPOLearner(path, config.model.dtype, config.trainer, config.rollout.sampling.temperature)
+        self.config, self.path, self.temperature = config, path, config.rollout.sampling.temperature
+        self.learner = GRPOLearner(path, config.model.dtype, config.trainer, self.temperature)
         self.seconds = seconds
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
@@ -108,6 +109,10 @@ class LocalTrainer:
         """``state``: a checkpoint's trainer state plus its ``weights``."""
         self.learner.model.load_weights(state["weights"], strict=True)
         self.learner.optimizer.load_state_dict(state["optimizer"])
+
+    def reset(self) -> dict:
+        self.learner = GRPOLearner(self.path, self.config.model.dtype, self.config.trainer, self.temperature)
+        return self.learner.state_dict()
 
 
 def build_virtual(config: RunConfig) -> Components:
@@ -156,16 +161,6 @@ def run(
         else:
             parts = build_virtual(config)
         run_dir = RunDirectory(resume_dir or config.run_dir)
-        start = 0
-        if resume_dir is None:
-            run_dir.create(config)
-        else:
-            start = _restore(run_dir, parts)
-            if metrics is not None:
-                metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
-        started = time.perf_counter()
-        if on_activity is not None and hasattr(parts.ranks, "on_activity"):
-            parts.ranks.on_activity = on_activity
 
         def step_done(record: dict) -> None:
             if metrics is not None:
@@ -174,25 +169,20 @@ def run(
                 on_step(record)
 
         controller = Controller(config, parts, run_dir, step_done, on_phase)
+        start = 0
+        if resume_dir is None:
+            run_dir.create(config)
+        else:
+            start = controller.restore()
+            if metrics is not None:
+                metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
+        started = time.perf_counter()
+        if on_activity is not None and hasattr(parts.ranks, "on_activity"):
+            parts.ranks.on_activity = on_activity
         controller.run(start_step=start)
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
         run_dir.write_summary(summary)
         return summary
-
-
-def _restore(run_dir: RunDirectory, parts: Components) -> int:
-    """Loads the latest checkpoint into the parts; returns the step to continue from."""
-    checkpoint = run_dir.latest_checkpoint()
-    if checkpoint is None:
-        run_dir.truncate_steps(-1)
-        return 0
-    weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
-    step = int(state["step"])
-    parts.trainer.load_checkpoint_state(trainer_state | {"weights": weights})
-    parts.ranks.update_weights(weights, version=step + 1)
-    parts.store.put(drafts)
-    run_dir.truncate_steps(step)
-    return step + 1
 
 
 def bubble_utilization(steps: list[dict], num_steps: int) -> float:

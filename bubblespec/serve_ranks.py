@@ -5,6 +5,10 @@ A rank that finishes its shard is handed chunks of the next step's drafting plan
 (the barrier) every rank is told to stop, and each in-flight draft call returns after its current forward pass
 with partial drafts. Stopping uses a step number rather than a flag to clear, so a stop can never be lost to a
 draft call that starts late.
+
+Faults: Serve replaces a replica that dies, and the replacement starts from the initial model. Every call
+therefore names the policy version it expects; a replica holding another one refuses it (:class:`StalePolicy`),
+and the pool gives the rank the current weights and calls again, as it does when a call fails with the replica.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_to
 logger = logging.getLogger(__name__)
 
 
+class StalePolicy(RuntimeError):
+    """A replica asked to generate with a policy version it does not hold (Serve replaced it meanwhile)."""
+
+
 class RankReplica:
     """The body of one rank's deployment: an engine from the configured backend plugin."""
 
@@ -33,14 +41,21 @@ class RankReplica:
         self.rank, self.backend = rank, backend
         self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
         self.stopped_step = -1
+        self.version = 0
 
-    def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], int]:
+    def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int]:
+        self._check_version(version)
         passes = getattr(self.engine, "num_forward_passes", 0)
         results = self._engine_call(self.engine.generate, requests)
         return results, getattr(self.engine, "num_forward_passes", 0) - passes
 
-    def draft(self, requests: list[GenerationRequest], step: int) -> list[GenerationResult]:
+    def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
+        self._check_version(version)
         return self._engine_call(self.engine.generate, requests, stop=_StepStop(self, step))
+
+    def _check_version(self, version: int) -> None:
+        if version != self.version:
+            raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
 
     def _engine_call(self, method, requests, **kwargs) -> list[GenerationResult]:
         """An engine failure names this rank and backend; a result list that does not match the requests is one."""
@@ -69,6 +84,7 @@ class RankReplica:
         import torch
 
         self.engine.update_weights({name: torch.from_numpy(array.copy()) for name, array in state.items()}, version)
+        self.version = version
         return version
 
 
@@ -151,15 +167,29 @@ class ServeRankPool:
                 if getattr(self, "_weights", None) is not None:
                     await self.handles[rank].update_weights.remote(self._weights, self.version)
                 else:  # version 0: a new replica loads the initial weights itself
-                    await self.handles[rank].stop.remote(-1)
+                    await self.handles[rank].stop.remote(-1)  # waits until the rank has a replica again
                 return
             except _replica_lost_errors():
                 if time.perf_counter() > deadline:
                     raise
                 await asyncio.sleep(0.5)
 
+    async def _stop_all(self, step: int) -> None:
+        """Tells every rank to stop drafting for ``step``. A replica that died has nothing left to stop: the
+        rank's next call restores it."""
+
+        async def stop(rank: int) -> None:
+            try:
+                await self.handles[rank].stop.remote(step)
+            except _replica_lost_errors() as error:
+                logger.warning("rank %d lost its replica (%s); nothing to stop there", rank, error)
+
+        await asyncio.gather(*[stop(rank) for rank in range(self.num_ranks)])
+
     def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results, _ = self.handles[0].generate.remote(list(requests)).result()
+        results, _ = asyncio.run(
+            self._resilient(0, lambda handle: handle.generate.remote(list(requests), self.version))
+        )
         return results
 
     def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
@@ -179,8 +209,7 @@ class ServeRankPool:
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         self._stop_requested.set()
-        for handle in self.handles:
-            handle.stop.remote(self._step).result()
+        asyncio.run(self._stop_all(self._step))
         self._drafter.join()
         self._training.seconds = self._training.barrier_seconds = time.perf_counter() - self._training_started
         return self._training
@@ -191,7 +220,7 @@ class ServeRankPool:
         def hand_out(rank: int) -> None:
             chunk = plan.take()
             self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
-            future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
+            future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step, self.version)))
             running[future] = (rank, time.perf_counter() - self._training_started)
 
         for rank in range(self.num_ranks):
@@ -221,7 +250,7 @@ class ServeRankPool:
         activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
         generating = {
             asyncio.ensure_future(
-                self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard)))
+                self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard), self.version))
             ): rank
             for rank, shard in enumerate(shards)
         }
@@ -265,12 +294,14 @@ class ServeRankPool:
                     chunk = plan.take()
                     if chunk:
                         self.on_activity(rank, "draft", _chunk_detail(chunk, "in the bubble"))
-                        future_draft = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step)))
+                        future_draft = asyncio.ensure_future(
+                            _awaited(self.handles[rank].draft.remote(chunk, step, self.version))
+                        )
                         drafting[future_draft] = (rank, now)
                         pending.add(future_draft)
             if barrier is None and not any(f in generating for f in pending):
                 barrier = now  # when the last shard came back
-                await asyncio.gather(*[_awaited(h.stop.remote(step)) for h in self.handles])
+                await self._stop_all(step)
         end = time.perf_counter() - start
         for record in records:
             record.bubble_seconds = barrier - record.generation_seconds
@@ -295,11 +326,19 @@ def _drafts_or_nothing(future: asyncio.Future, rank: int) -> list[GenerationResu
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:
-    """What a call to a rank raises when its replica died or is being replaced."""
+    """What a call to a rank raises when its replica died, is being replaced, or is a replacement that does not
+    hold the current policy yet."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-    return (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)
+    return (
+        RayActorError,
+        ActorDiedError,
+        ActorUnavailableError,
+        ReplicaUnavailableError,
+        DeploymentUnavailableError,
+        StalePolicy,
+    )
 
 
 def _ignore(rank: int, activity: str, detail: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -106,6 +108,117 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
     assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
     assert [s["num_samples"] for s in wall_steps] == [8, 8, 8]
+    wall_weights = load_file(str(RunDirectory(wall.run_dir).latest_checkpoint() / "weights.safetensors"))
+    virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
+    assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
+
+
+def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothing_changes(tmp_path, caplog):
+    """Kill the Ray Train worker process during step 1 (before any checkpoint) and again while step 2 trains
+    (after the checkpoint of step 1): Ray Train restarts the worker group, the run rewinds to its start and then
+    to that checkpoint, replays, and ends with the rollouts and weights of a run without faults."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
+    wall = validate(base | {"name": "trainer-faults", "clock": {"kind": "wall"}})
+    virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
+    faults = {(1, "rollout"), (2, "train")}  # the worker exists by step 1: it trained step 0
+    killed: list[tuple[int, str]] = []
+
+    def kill_the_trainer_worker(step, phase):
+        if (step, phase) not in faults:
+            return
+        faults.discard((step, phase))  # once: the run replays these steps
+
+        def kill():
+            time.sleep(0.02)
+            for process in psutil.process_iter(["cmdline"]):
+                if (process.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker"):
+                    os.kill(process.pid, signal.SIGKILL)
+                    killed.append((step, phase))
+
+        threading.Thread(target=kill).start()
+
+    run(wall, on_phase=kill_the_trainer_worker)
+    run(virtual)
+    assert killed == [(1, "rollout"), (2, "train")], killed
+    assert "in step 1: the run rewinds to its last checkpoint and replays from step 0" in caplog.text
+    # the second kill may land after step 2's few milliseconds of training: then step 3 notices it
+    assert re.search(r"in step [23]: the run rewinds to its last checkpoint and replays from step 2", caplog.text)
+    wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
+    wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
+    assert [s["step"] for s in wall_steps] == [0, 1, 2, 3]  # replayed steps are recorded once
+    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    wall_weights = load_file(str(wall_dir.latest_checkpoint() / "weights.safetensors"))
+    virtual_weights = load_file(str(virtual_dir.latest_checkpoint() / "weights.safetensors"))
+    assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
+
+
+def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(tmp_path, caplog):
+    """Three faults in one run: rank 0's replica killed while the ranks draft during training; rank 1's replica
+    killed after a weight sync and replaced by Serve before the next rollout (the replacement holds the initial
+    model and must refuse to generate with it); the Ray draft store's actor killed during a rollout. The ranks
+    get the current policy again, the run goes on without stored drafts, and the rollouts and weights are those
+    of the simulation without faults."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+    import ray
+
+    base = _small_run(tmp_path, num_steps=4, checkpoint_every=4, metrics={"enabled": False})
+    speculation = {"draft_store": "ray", "draft_during_training": True, "lookahead_steps": 2}
+    wall = validate(base | {"name": "faults", "clock": {"kind": "wall"}, "speculation": speculation})
+    virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
+    killed = []
+
+    def replicas(rank: int) -> list[str]:
+        prefix = f"SERVE_REPLICA::bubblespec-rank-{rank}#"
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+    def kill_replica(rank: int) -> str:
+        (name,) = replicas(rank)
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        killed.append(f"replica {rank}")
+        return name
+
+    def kill_store():
+        time.sleep(0.05)
+        for process in psutil.process_iter(["cmdline"]):
+            if (process.info["cmdline"] or [""])[0].startswith("ray::InMemoryDraftStore"):
+                os.kill(process.pid, signal.SIGKILL)
+                killed.append("store")
+
+    def on_phase(step, phase):
+        if (step, phase) == (1, "train"):
+            kill_replica(0)
+        if (step, phase) == (2, "rollout"):
+            threading.Thread(target=kill_store).start()
+
+    def on_step(record):
+        if record["step"] == 1:  # weights of version 2 are synced; replace rank 1's replica before step 2
+            old = kill_replica(1)
+            deadline = time.monotonic() + 60
+            while replicas(1) in ([], [old]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # let the replacement finish starting
+
+    run(wall, on_phase=on_phase, on_step=on_step)
+    run(virtual)
+    assert killed == ["replica 0", "replica 1", "store"], killed
+    wall_steps = RunDirectory(wall.run_dir).read_steps()
+    virtual_steps = RunDirectory(virtual.run_dir).read_steps()
+    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    assert "rank 1 holds policy version 0, the call expects 2" in caplog.text
+    assert "without drafts" in caplog.text
+    assert wall_steps[3]["draft_coverage"] == 0  # the store's drafts were lost with it
     wall_weights = load_file(str(RunDirectory(wall.run_dir).latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
