@@ -86,6 +86,77 @@ def test_the_command_line_never_shows_a_traceback(tmp_path, override):
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+class _Reached(Exception):
+    """Raised by the stand-ins of the long-running functions: the input got past every check."""
+
+
+def _reached(*args, **kwargs):
+    raise _Reached
+
+
+FILE_TEXTS = st.one_of(
+    st.text(max_size=60),
+    st.sampled_from(
+        [
+            "name: hostile\nnum_steps: 1\nclock: {kind: virtual}\n",
+            "num_steps: -1\n",
+            "{",
+            "- a\n- b\n",
+            "rollout: {num_ranks: 0}\n",
+            "speculation: {draft_sources: [bubble, bubble]}\n",
+            "task: {name: nowhere}\n",
+            "!!python/object:os.system ls\n",
+        ]
+    ),
+)
+STEP_LINES = st.one_of(st.text(max_size=40), st.just('{"step": 0}\n'), st.just('{"step": 0, "ranks": 7}\n'))
+COMMANDS = ["run", "validate", "report", "bench", "plugins"]
+WORDS = [
+    "engine", "peers", "CONFIG", "CONFIG", "RUN_DIR", "MISSING", "--set", "--resume", "--quiet", "-v", "--json",
+    "--sources", "--plot-dir", "--output-dir", "--threads", "--repeats", "--quick", "--help", "num_steps=2",
+    "rollout.num_ranks=x", "speculation.draft_sources=[ngram]", "bubble+x", "bubble+group", "0", "-1",
+]  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    command=st.sampled_from(COMMANDS),
+    words=st.lists(st.one_of(st.sampled_from(WORDS), st.sampled_from(WORDS), st.text(max_size=12)), max_size=5),
+    config_text=FILE_TEXTS,
+    saved_config=FILE_TEXTS,
+    steps=STEP_LINES,
+)
+def test_no_command_shows_a_traceback_whatever_its_arguments(
+    tmp_path, monkeypatch, command, words, config_text, saved_config, steps
+):
+    """Any argument list for any command, with hostile config files and run directories: it reaches the work
+    (stood in for here: runs and benchmarks are long), prints help, or exits 2 with one error line."""
+    import bubblespec.cli.bench_engine
+    import bubblespec.cli.bench_peers
+    import bubblespec.cli.bench_run
+    import bubblespec.launch
+
+    monkeypatch.setattr(bubblespec.launch, "run", _reached)
+    monkeypatch.setattr(bubblespec.cli.bench_run, "run_side_by_side", _reached)
+    monkeypatch.setattr(bubblespec.cli.bench_peers, "run_peers", _reached)
+    monkeypatch.setattr(bubblespec.cli.bench_engine, "run_engine_bench", _reached)
+    config = tmp_path / "config.yaml"
+    config.write_text(config_text)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "config.yaml").write_text(saved_config)
+    (run_dir / "steps.jsonl").write_text(steps)
+    paths = {"CONFIG": str(config), "RUN_DIR": str(run_dir), "MISSING": str(tmp_path / "missing.yaml")}
+    result = runner.invoke(app, [command, *(paths.get(word, word) for word in words)])
+    if isinstance(result.exception, _Reached):
+        return
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code in (0, 2), result.output
+    if result.exit_code == 2:
+        assert "error" in result.output.lower() or "usage" in result.output.lower()
+
+
 @pytest.fixture(scope="module")
 def engine():
     from bubblespec.backends.torch_engine import TorchEngine
