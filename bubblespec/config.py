@@ -102,6 +102,9 @@ class SpeculationConfig(Section):
     """Draft the next step in the bubble and verify those drafts; off gives plain synchronous RL."""
     draft_store: str = "memory"
     """Draft store plugin (entry point group ``bubblespec.draft_stores``)."""
+    draft_store_max_tokens: int = Field(50_000_000, ge=1)
+    """Cap on the draft tokens the store holds; past it the oldest drafts are evicted first (each step's record
+    counts them: ``drafts_evicted``)."""
     bubble_policy: str = "coverage-first"
     """Which keys an idle rank drafts first (a bubble policy plugin)."""
     sharding_policy: str = "round-robin"

@@ -105,6 +105,7 @@ class Controller:
         self.on_step = on_step or (lambda record: None)
         self.on_phase = on_phase or (lambda step, phase: None)
         self._warned_unpeekable = False
+        self._evicted = 0  # drafts the store had evicted by the end of the last step
 
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
@@ -199,6 +200,11 @@ class Controller:
                 rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced
             record["training_timelines"] = training.timelines
         record["rollout_digest"] = rollout_digest(results)
+        store = parts.store.stats() if hasattr(parts.store, "stats") else {}
+        if store:
+            record["draft_store"] = store
+            record["drafts_evicted"] = store["evicted"] - self._evicted
+            self._evicted = store["evicted"]
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
             record["eval_reward"] = self._evaluate()
         if initial_eval is not None:

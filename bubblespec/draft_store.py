@@ -1,8 +1,9 @@
 """Draft stores: drafts by rollout key, with the policy version that produced them.
 
 ``memory`` keeps them in the controller's process; ``ray`` keeps them in a Ray actor so that ranks on other
-nodes can put and get drafts directly. Both refuse malformed drafts, cap their size (oldest steps are evicted
-first) and drop a step's drafts once it has been used.
+nodes can put and get drafts directly. Both refuse malformed drafts, cap their size and drop a step's drafts once
+it has been used. Past the cap the drafts of the farthest step go first, the newest of them first: the next step's
+drafts are the ones about to pay off, and within a step the plan drafts the most useful keys first.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ class InMemoryDraftStore:
             self._remove(draft.key)
             self._drafts[draft.key] = draft
             self._num_tokens += len(draft.token_ids)
-        while self._num_tokens > self.max_tokens and self._drafts:
-            self._remove(next(iter(self._drafts)))  # first in, first out: drafts arrive in step order
-            self.num_evicted += 1
+        while self._num_tokens > self.max_tokens:
+            farthest = max(key.step for key in self._drafts)
+            for key in [key for key in reversed(self._drafts) if key.step == farthest]:
+                self._remove(key)
+                self.num_evicted += 1
+                if self._num_tokens <= self.max_tokens:
+                    break
 
     def get(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
         return {key: self._drafts[key] for key in keys if key in self._drafts}
@@ -57,6 +62,10 @@ class InMemoryDraftStore:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    def stats(self) -> dict[str, int]:
+        """Drafts and draft tokens held now, and drafts evicted by the cap so far."""
+        return {"drafts": len(self._drafts), "tokens": self._num_tokens, "evicted": self.num_evicted}
 
     def _remove(self, key: RolloutKey) -> None:
         draft = self._drafts.pop(key, None)
@@ -92,6 +101,9 @@ class RayDraftStore:
     def __len__(self) -> int:
         return self._call("__len__")
 
+    def stats(self) -> dict[str, int]:
+        return self._call("stats")
+
     def _call(self, method: str, *args):
         import ray
 
@@ -125,6 +137,12 @@ class TolerantDraftStore:
     @property
     def num_tokens(self) -> int:
         return 0 if self.lost else getattr(self.store, "num_tokens", 0)
+
+    def stats(self) -> dict[str, int]:
+        """The store's :meth:`InMemoryDraftStore.stats`; empty for a store that keeps none, zeros once lost."""
+        if not hasattr(self.store, "stats"):
+            return {}
+        return self._call("stats", default={"drafts": 0, "tokens": 0, "evicted": 0})
 
     def _call(self, method: str, *args, default):
         if self.lost is not None:

@@ -123,7 +123,9 @@ def build_virtual(config: RunConfig) -> Components:
     profile = PROFILES[config.clock.profile]
     trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))
     store_class = plugins.load("draft_stores", config.speculation.draft_store)
-    store = TolerantDraftStore(store_class(vocab_size=engine.vocab_size))
+    store = TolerantDraftStore(
+        store_class(vocab_size=engine.vocab_size, max_tokens=config.speculation.draft_store_max_tokens)
+    )
     return Components(
         task=task,
         ranks=VirtualRankPool(engine, config.rollout.num_ranks, profile),

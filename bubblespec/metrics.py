@@ -94,8 +94,19 @@ class RunMetrics:
         self.eval_reward = Gauge(
             "bubblespec_eval_reward", "Mean reward on the held-out prompts at the last eval.", registry=self.registry
         )
+        self.draft_store_tokens = Gauge(
+            "bubblespec_draft_store_tokens",
+            "Draft tokens the draft store holds after the last step.",
+            registry=self.registry,
+        )
+        self.drafts_evicted = Counter(
+            "bubblespec_drafts_evicted",
+            "Drafts the draft store evicted to stay under speculation.draft_store_max_tokens.",
+            registry=self.registry,
+        )
         # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0.
-        for gauge in (*(gauge for _, gauge in self._step_gauges.values()), self.eval_reward):
+        gauges = (*(gauge for _, gauge in self._step_gauges.values()), self.eval_reward, self.draft_store_tokens)
+        for gauge in gauges:
             gauge.set(float("nan"))
         self._server = None
         self._thread = None
@@ -122,6 +133,9 @@ class RunMetrics:
         self.policy_version.set(record["step"] + 1)
         if "eval_reward" in record:
             self.eval_reward.set(record["eval_reward"])
+        if "draft_store" in record:
+            self.draft_store_tokens.set(record["draft_store"]["tokens"])
+            self.drafts_evicted.inc(record["drafts_evicted"])
 
     def observe_steps(self, records: Iterable[dict]) -> None:
         for record in records:

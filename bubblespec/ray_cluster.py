@@ -103,7 +103,9 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
                 task=task,
                 ranks=ServeRankPool(handles),
                 trainer=trainer,
-                store=TolerantDraftStore(store_class(vocab_size=vocab_size)),
+                store=TolerantDraftStore(
+                    store_class(vocab_size=vocab_size, max_tokens=config.speculation.draft_store_max_tokens)
+                ),
                 bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
                 sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
                 sampling=sampling_params(config, task),

@@ -308,6 +308,16 @@ def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
     assert not _same_weights(learner.state_dict(), before)
 
 
+def test_a_full_draft_store_evicts_reports_it_and_changes_no_rollout(tmp_path, baseline):
+    speculation = {"enabled": True, "draft_store_max_tokens": 100, "draft_during_training": True, "lookahead_steps": 2}
+    steps, weights = _run(tmp_path, "capped", speculation=speculation)
+    assert _rollouts(steps) == _rollouts(baseline[0]) and _same_weights(weights, baseline[1])
+    assert all(s["draft_store"]["tokens"] <= 100 for s in steps)
+    evicted = [s["drafts_evicted"] for s in steps]
+    assert sum(evicted) > 0, "the cap never bit: lower it"
+    assert steps[-1]["draft_store"]["evicted"] == sum(evicted)  # per step: the store's count since the last step
+
+
 def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch, caplog):
     """The store dies after step 0 (a lost actor or node): the run goes on without drafts, results unchanged."""
     from bubblespec.draft_store import InMemoryDraftStore

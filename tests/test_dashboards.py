@@ -56,6 +56,7 @@ PLAUSIBLE = {
     "Rollout tokens per second": (POSITIVE, math.inf),
     "Reward": (0, 1),  # the arithmetic task's reward is 0 or 1 per sample
     "Policy version and steps": (1, NUM_STEPS),
+    "Draft store": (0, 1e6),  # tokens held (a few thousand in this run) and evictions (none under the default cap)
 }
 
 

@@ -26,11 +26,19 @@ def test_store_puts_gets_and_drops_by_key_and_step():
     assert [d.key.step for d in store.get([RolloutKey(0, 2, "a", 0)]).values()] == [2] and len(store) == 1
 
 
-def test_store_caps_its_size_and_evicts_the_oldest_first():
+def test_store_caps_its_size_and_evicts_the_farthest_step_newest_first():
     store = InMemoryDraftStore(vocab_size=100, max_tokens=10)
-    store.put([_draft(1, "old", length=4), _draft(2, "new", length=4), _draft(2, "newer", length=4)])
-    assert store.num_tokens <= 10 and store.num_evicted == 1
-    assert not store.get([RolloutKey(0, 1, "old", 0)])
+    store.put([_draft(2, "far", length=4), _draft(1, "near", length=4)])
+    store.put([_draft(1, "nearer", length=4)])  # over the cap: step 2's draft goes, step 1's stay
+    assert store.num_tokens == 8 and store.num_evicted == 1
+    assert set(store.get([RolloutKey(0, 1, "near", 0), RolloutKey(0, 1, "nearer", 0)])) == {
+        RolloutKey(0, 1, "near", 0),
+        RolloutKey(0, 1, "nearer", 0),
+    }
+    store.put([_draft(1, "last", length=4)])  # one step left: its newest draft goes first
+    assert not store.get([RolloutKey(0, 1, "last", 0)]) and store.num_evicted == 2
+    store.put([_draft(1, "huge", length=11)])  # larger than the cap on its own: refused by eviction, not kept
+    assert store.num_tokens <= 10
 
 
 def test_store_refuses_malformed_drafts_and_keeps_nothing_of_them():

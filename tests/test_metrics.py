@@ -126,6 +126,8 @@ def test_every_metric_has_the_prefix_and_ranked_ones_the_rank_label(tmp_path):
                     "bubblespec_eval_reward",
                     "bubblespec_reward",
                     "bubblespec_rollout_tokens_per_second",
+                    "bubblespec_draft_store_tokens",
+                    "bubblespec_drafts_evicted",
                 }, family.name
 
 
