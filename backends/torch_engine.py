@@ -137,6 +137,9 @@ class _Sequence:
 class TorchEngine:
     """A :class:`bubblespec.interfaces.GenerationEngine` on a Llama/Qwen2-family checkpoint, CPU or CUDA."""
 
+    supports_draft_chain = True
+    """Runs dynamic draft sources (``ngram``, ``group``, plugins) itself: see ``TorchEngineConfig.draft_chain``."""
+
     def __init__(self, config: TorchEngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:

@@ -90,6 +90,28 @@ def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
     )
 
 
+def load_backend(config: RunConfig):
+    """The configured backend's engine class, after checking it can run the configured draft sources."""
+    backend = plugins.load("backends", config.rollout.backend)
+    speculation = config.speculation
+    dynamic = [n for n in draft_chain(speculation.draft_sources) if n != REQUEST_DRAFT] if speculation.enabled else []
+    if dynamic and not getattr(backend, "supports_draft_chain", False):
+        able = [name for name in plugins.available("backends") if _runs_draft_chain(name)]
+        raise ConfigError(
+            f"speculation.draft_sources {dynamic} run inside the engine, and rollout.backend "
+            f"{config.rollout.backend!r} cannot run them; use a backend that can ({', '.join(able)}) or only the "
+            "sources the controller attaches (bubble, history)"
+        )
+    return backend
+
+
+def _runs_draft_chain(name: str) -> bool:
+    try:
+        return bool(getattr(plugins.load("backends", name), "supports_draft_chain", False))
+    except Exception:  # a backend whose engine is not installed cannot run anything here
+        return False
+
+
 class LocalTrainer:
     """The GRPO learner in this process; time is the profile's (virtual clock)."""
 
@@ -118,7 +140,7 @@ class LocalTrainer:
 def build_virtual(config: RunConfig) -> Components:
     task = make_task(config)
     path = model_path(config, task)
-    backend = plugins.load("backends", config.rollout.backend)
+    backend = load_backend(config)
     engine = backend.from_pretrained(**engine_settings(config, path))
     profile = PROFILES[config.clock.profile]
     trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))

@@ -74,13 +74,13 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     from ray import serve
 
     from bubblespec.draft_store import TolerantDraftStore
-    from bubblespec.launch import engine_settings, make_task, model_path, sampling_params
+    from bubblespec.launch import engine_settings, load_backend, make_task, model_path, sampling_params
     from bubblespec.ray_train import RayTrainer
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
 
     task = make_task(config)
     path = model_path(config, task)
-    plugins.load("backends", config.rollout.backend)  # fail here, with the plugin error, not inside a replica
+    load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     rollout, trainer_cfg = config.rollout, config.trainer
     threads = rollout.num_ranks * rollout.threads_per_rank
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).

@@ -119,6 +119,19 @@ def test_draft_source_config_errors(sources, message):
         validate({"speculation": {"draft_sources": sources}})
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path, backend):
+    speculation = {"enabled": True, "draft_sources": ["bubble", "ngram"]}
+    config = _config(tmp_path, backend, speculation=speculation, rollout={"backend": backend})
+    with pytest.raises(
+        ConfigError,
+        match=rf"\['ngram'\] run inside the engine, and rollout.backend '{backend}' "
+        r"cannot run them; use a backend that can \(torch\)",
+    ):
+        run(config)
+    assert not config.run_dir.exists()
+
+
 def test_resume_equals_an_uninterrupted_run(tmp_path):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2)
     config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2)
