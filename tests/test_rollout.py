@@ -100,10 +100,22 @@ def test_a_failing_engine_names_its_rank_and_backend():
             return []
 
     replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
-    replica.rank, replica.backend, replica.stopped_step = 3, "broken", -1
+    replica.rank, replica.backend, replica.stopped_step, replica.version = 3, "broken", -1, 0
     replica.engine = Broken()
     with pytest.raises(EngineError, match=r"rank 3 \(backend 'broken'\) failed on 1 requests: RuntimeError: device"):
-        replica.generate([_request("a")])
+        replica.generate([_request("a")], version=0)
     replica.engine = Silent()
     with pytest.raises(EngineError, match=r"returned 0 results for 1 requests"):
-        replica.draft([_request("a")], step=1)
+        replica.draft([_request("a")], step=1, version=0)
+
+
+def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
+    """A replacement replica starts from the initial model: generating with it would silently change rollouts."""
+    from bubblespec.serve_ranks import RankReplica, StalePolicy
+
+    replica = RankReplica.__new__(RankReplica)
+    replica.rank, replica.backend, replica.stopped_step, replica.version = 1, "torch", -1, 0
+    with pytest.raises(StalePolicy, match="rank 1 holds policy version 0, the call expects 5"):
+        replica.generate([_request("a")], version=5)
+    with pytest.raises(StalePolicy):
+        replica.draft([_request("a")], step=5, version=5)
