@@ -139,13 +139,18 @@ class Controller:
         if checkpoint is None:
             if not fresh_parts:
                 parts.ranks.update_weights(parts.trainer.reset(), version=0)
+                if parts.history is not None:
+                    parts.history.restore([])
             run_dir.truncate_steps(-1)
             return 0
         weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
         step = int(state["step"])
         parts.trainer.load_checkpoint_state(trainer_state | {"weights": weights})
         parts.ranks.update_weights(weights, version=step + 1)
+        parts.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
         parts.store.put(drafts)
+        if parts.history is not None:
+            parts.history.restore(run_dir.load_history(checkpoint))
         run_dir.truncate_steps(step)
         return step + 1
 
@@ -300,6 +305,7 @@ class Controller:
             trainer_state=self.parts.trainer.checkpoint_state(),
             drafts=pending,
             state={"num_steps": self.config.num_steps, "time": time.time()},
+            history=None if self.parts.history is None else self.parts.history.snapshot(),
         )
 
 

@@ -143,6 +143,17 @@ class HistoryDrafts:
                 key = result.key
                 self._latest[(key.prompt_uid, key.sample_index)] = (key.step, tuple(result.token_ids))
 
+    def snapshot(self) -> list[Draft]:
+        """What it remembers, as drafts of the keys that produced them (for checkpoints)."""
+        return [
+            Draft(RolloutKey(-1, step, uid, sample), tokens, policy_version=step, finished=True)
+            for (uid, sample), (step, tokens) in self._latest.items()
+        ]
+
+    def restore(self, remembered: Sequence[Draft]) -> None:
+        """Forgets everything, then remembers ``remembered`` (a :meth:`snapshot`)."""
+        self._latest = {(d.key.prompt_uid, d.key.sample_index): (d.key.step, tuple(d.token_ids)) for d in remembered}
+
     def drafts(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
         """Drafts for ``keys`` from responses of earlier steps; the policy version is the step that made them."""
         found = {}

@@ -6,6 +6,7 @@ a temporary folder and renamed into place, and resuming discards JSONL lines of 
     RUN_DIR/config.yaml                  the resolved config
     RUN_DIR/steps.jsonl                  one JSON object per step
     RUN_DIR/checkpoints/step-000004/     weights.safetensors, trainer.pt, drafts.json, state.json
+                                         (+ history.json with the history draft source)
     RUN_DIR/summary.json                 written at the end
 """
 
@@ -87,7 +88,17 @@ class RunDirectory:
         partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
         partial.replace(self.steps_file)
 
-    def save_checkpoint(self, step: int, weights: dict, trainer_state: dict, drafts: list[Draft], state: dict) -> Path:
+    def save_checkpoint(
+        self,
+        step: int,
+        weights: dict,
+        trainer_state: dict,
+        drafts: list[Draft],
+        state: dict,
+        history: list[Draft] | None = None,
+    ) -> Path:
+        """Writes the checkpoint of ``step``: weights, trainer state, the drafts pending for later steps, the run
+        state and, with the history draft source, the responses it remembers (as drafts of their own keys)."""
         from safetensors.torch import save_file
 
         final = self.checkpoints / f"step-{step:06d}"
@@ -98,6 +109,8 @@ class RunDirectory:
         torch.save(trainer_state, partial / "trainer.pt")
         (partial / "drafts.json").write_text(json.dumps([_draft_to_json(d) for d in drafts]))
         (partial / "state.json").write_text(json.dumps(state | {"step": step}))
+        if history is not None:
+            (partial / "history.json").write_text(json.dumps([_draft_to_json(d) for d in history]))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
@@ -129,6 +142,16 @@ class RunDirectory:
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"cannot read the drafts or state of checkpoint {folder}: {error}") from None
         return weights, trainer_state, drafts, state
+
+    def load_history(self, folder: Path) -> list[Draft]:
+        """The history draft source's responses saved with a checkpoint; none if it was not saved."""
+        file = folder / "history.json"
+        if not file.is_file():
+            return []
+        try:
+            return [_draft_from_json(d) for d in json.loads(file.read_text())]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"cannot read {file}: {error}") from None
 
     def write_summary(self, summary: dict) -> None:
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -132,9 +132,18 @@ def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path, backe
     assert not config.run_dir.exists()
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path):
-    uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2)
-    config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2)
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        # history drafts come back with the checkpoint: the resumed run is as fast, step by step, as the other
+        {"speculation": {"draft_sources": ["history", "bubble"]}, "task": {"options": {"dataset_size": 8}}},
+    ],
+    ids=["bubble", "history"],
+)
+def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
+    uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2, **changes)
+    config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2, **changes)
 
     class Crash(Exception):
         pass
