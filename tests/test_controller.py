@@ -168,32 +168,14 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
 def test_a_killed_controller_resumes_to_an_identical_run(tmp_path):
     """SIGKILL the whole `bubblespec run` process at an arbitrary moment (mid-step, mid-checkpoint or mid-line of
     the step log), then `bubblespec run --resume`: the run ends exactly as an uninterrupted one."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import yaml
+    from tests.crash import kill_after_steps, resume
 
     uninterrupted, final = _run(tmp_path, "whole", num_steps=6, checkpoint_every=2)
     config = _config(tmp_path, "killed", num_steps=6, checkpoint_every=2)
-    config_file = tmp_path / "killed.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    command = [sys.executable, "-m", "bubblespec.cli.main", "run", "--quiet"]
-    process = subprocess.Popen([*command, str(config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    kill_after_steps(config, 3)
     run_dir = RunDirectory(config.run_dir)
-    deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        if run_dir.steps_file.exists() and run_dir.steps_file.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.01)
-    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()}"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
     assert len(run_dir.read_steps()) < 6
-    resumed = subprocess.run([*command, "--resume", str(config.run_dir)], capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    resume(config)
     strip = ("timelines", "wall")
     assert [_without(s, strip) for s in run_dir.read_steps()] == [_without(s, strip) for s in uninterrupted]
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)

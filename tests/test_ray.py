@@ -227,33 +227,15 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
 def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_path):
     """SIGKILL `bubblespec run` on the wall clock (its local Ray goes down with it) after a few steps, then
     `bubblespec run --resume` on a fresh Ray: the run ends as the simulation without the fault does."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import yaml
+    from tests.crash import kill_after_steps, resume
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
     wall = validate(base | {"name": "killed", "clock": {"kind": "wall"}})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
-    config_file = tmp_path / "killed.yaml"
-    config_file.write_text(yaml.safe_dump(wall.model_dump(mode="json")))
-    command = [sys.executable, "-m", "bubblespec.cli.main", "run", "--quiet"]
-    process = subprocess.Popen([*command, str(config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    kill_after_steps(wall, 3)
     run_dir = RunDirectory(wall.run_dir)
-    deadline = time.monotonic() + 300
-    while process.poll() is None and time.monotonic() < deadline:
-        if run_dir.steps_file.exists() and run_dir.steps_file.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.05)
-    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()}"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
     assert len(run_dir.read_steps()) == 3  # steps 0-2 logged; the checkpoint of step 1 is the newest
-    resumed = subprocess.run([*command, "--resume", str(wall.run_dir)], capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(wall)
     run(virtual)
     wall_steps = run_dir.read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
