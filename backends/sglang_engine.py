@@ -50,9 +50,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bubblespec import sampling
+from bubblespec.config import engine_config
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
 from bubblespec.interfaces import FinishReason, ForwardPass, GenerationRequest, GenerationResult, RequestStats
@@ -269,6 +270,8 @@ class _Sequence:
 class SGLangEngine:
     """A :class:`bubblespec.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
 
+    config_class = SGLangEngineConfig
+
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:
@@ -289,13 +292,7 @@ class SGLangEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> SGLangEngine:
-        try:
-            config = SGLangEngineConfig(model_path=str(model_path), **settings)
-        except ValidationError as error:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors())
-            valid = ", ".join(sorted(SGLangEngineConfig.model_fields))
-            raise ConfigError(f"sglang backend settings: {problems} (valid settings: {valid})") from None
-        return cls(config)
+        return cls(engine_config("sglang", SGLangEngineConfig, {"model_path": str(model_path), **settings}))
 
     @property
     def vocab_size(self) -> int:

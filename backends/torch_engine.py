@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import plugins, sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
+from bubblespec.config import engine_config
 from bubblespec.draft_sources import REQUEST_DRAFT, ProposalContext
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import RequestError
@@ -137,6 +138,7 @@ class _Sequence:
 class TorchEngine:
     """A :class:`bubblespec.interfaces.GenerationEngine` on a Llama/Qwen2-family checkpoint, CPU or CUDA."""
 
+    config_class = TorchEngineConfig
     supports_draft_chain = True
     """Runs dynamic draft sources (``ngram``, ``group``, plugins) itself: see ``TorchEngineConfig.draft_chain``."""
 
@@ -162,7 +164,7 @@ class TorchEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> TorchEngine:
-        return cls(TorchEngineConfig(model_path=str(model_path), **settings))
+        return cls(engine_config("torch", TorchEngineConfig, {"model_path": str(model_path), **settings}))
 
     @property
     def vocab_size(self) -> int:

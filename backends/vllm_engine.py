@@ -40,6 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import sampling
+from bubblespec.config import engine_config
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import ModelLoadError
 from bubblespec.interfaces import (
@@ -191,6 +192,8 @@ class _Sequence:
 class VLLMEngine:
     """A :class:`bubblespec.interfaces.GenerationEngine` on ``vllm.LLM`` (one engine per rank)."""
 
+    config_class = VLLMEngineConfig
+
     _ids = itertools.count()
     _request_ids = itertools.count()
 
@@ -245,7 +248,7 @@ class VLLMEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> VLLMEngine:
-        return cls(VLLMEngineConfig(model_path=str(model_path), **settings))
+        return cls(engine_config("vllm", VLLMEngineConfig, {"model_path": str(model_path), **settings}))
 
     @property
     def vocab_size(self) -> int:

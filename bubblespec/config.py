@@ -292,3 +292,17 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
         lines.append(f"  {where}: {problem['msg']}{shown}")
     return "\n".join(lines)
+
+
+def engine_config(backend: str, model: type[BaseModel], settings: dict[str, Any]) -> BaseModel:
+    """``model(**settings)``: a backend's settings (the common ones plus ``rollout.engine_options``); a bad one is
+    a :class:`ConfigError` that names it and lists the backend's valid settings."""
+    try:
+        return model(**settings)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors())
+        valid = ", ".join(sorted(model.model_fields))
+        raise ConfigError(
+            f"{backend} backend settings (rollout.engine_options and the rollout fields it gets): {problems} "
+            f"(valid settings: {valid})"
+        ) from None

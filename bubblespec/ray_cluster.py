@@ -73,6 +73,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def build_on_ray(config: RunConfig) -> Iterator[Components]:
     from ray import serve
 
+    from bubblespec.config import engine_config
     from bubblespec.draft_store import TolerantDraftStore
     from bubblespec.launch import engine_settings, load_backend, make_task, model_path, sampling_params
     from bubblespec.ray_train import RayTrainer
@@ -80,8 +81,11 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
 
     task = make_task(config)
     path = model_path(config, task)
-    load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
+    backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     rollout, trainer_cfg = config.rollout, config.trainer
+    settings = engine_settings(config, path)
+    if hasattr(backend, "config_class"):  # bad engine settings: an error before Ray starts, not a failed deployment
+        engine_config(rollout.backend, backend.config_class, settings)
     threads = rollout.num_ranks * rollout.threads_per_rank
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = threads + trainer_cfg.num_workers
@@ -93,7 +97,6 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
         )
         trainer = None
         try:
-            settings = engine_settings(config, path)
             handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, float(rollout.threads_per_rank))
             storage = config.run_dir / "ray_train"
             trainer = RayTrainer(config, path, storage, cpus_per_worker=1.0)

@@ -65,6 +65,14 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     assert steps[0]["draft_coverage"] == 0 and steps[1]["draft_coverage"] > 0
 
 
+@pytest.mark.parametrize("clock", ["virtual", "wall"])
+def test_a_bad_engine_option_is_a_config_error_before_anything_starts(tmp_path, clock):
+    config = _config(tmp_path, clock, clock={"kind": clock}, rollout={"engine_options": {"bogus": 1}})
+    with pytest.raises(ConfigError, match=r"torch backend settings .*bogus: Extra inputs .*valid settings: .*dtype"):
+        run(config)  # on the wall clock: before Ray starts, not as a failed Serve deployment
+    assert not config.run_dir.exists()
+
+
 @pytest.mark.parametrize(
     "changes",
     [
