@@ -108,7 +108,26 @@ def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, cpus_per_r
         RunTarget(deployment.bind(rank, backend, engine_settings), name=f"bubblespec-rank-{rank}", route_prefix=None)
         for rank in range(num_ranks)
     ]
-    return list(serve.run_many(targets))
+    try:
+        return list(serve.run_many(targets))
+    except RuntimeError as error:  # Serve says only "failed to update the deployments"; the replica said why
+        from bubblespec.errors import EngineError
+
+        raise EngineError(_why_a_rank_failed_to_start(num_ranks, backend) or str(error)) from None
+
+
+def _why_a_rank_failed_to_start(num_ranks: int, backend: str) -> str | None:
+    """The first failed rank and the last line of its replica's error (the exception and its message)."""
+    from ray import serve
+
+    applications = serve.status().applications
+    for rank in range(num_ranks):
+        application = applications.get(f"bubblespec-rank-{rank}")
+        for deployment in application.deployments.values() if application else ():
+            lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+            if str(deployment.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines:
+                return f"rank {rank} could not start its engine (backend {backend!r}): {lines[-1]}"
+    return None
 
 
 class ServeRankPool:

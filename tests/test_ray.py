@@ -244,3 +244,23 @@ def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_pa
     wall_weights = load_file(str(run_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
+
+
+def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
+    """The replica's own error (here: a model folder without weights), not Serve's "failed to update"."""
+    from bubblespec.errors import EngineError
+
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "vocab_size": 19}')
+    config = validate(
+        _small_run(tmp_path, name="broken", metrics={"enabled": False})
+        | {"clock": {"kind": "wall"}, "model": {"path": str(broken)}, "rollout": {"num_ranks": 1}}
+    )
+    with pytest.raises(
+        EngineError,
+        match=r"rank 0 could not start its engine \(backend 'torch'\): .*ModelLoadError: "
+        r"model path .* has no \*\.safetensors weights",
+    ):
+        run(config)
+    assert not config.run_dir.exists()
