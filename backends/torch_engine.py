@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bubblespec import plugins, sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
@@ -46,6 +46,17 @@ class TorchEngineConfig(BaseModel):
     """Weights and activations; float64 makes speculation bit-identical to plain decoding."""
     device: str = "cpu"
     """A torch device: "cpu", "cuda" or "cuda:N"."""
+
+    @field_validator("device")
+    @classmethod
+    def _is_a_device(cls, device: str) -> str:
+        # Only the spelling: settings are checked where the run starts, which need not be where ranks run.
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        return device
+
     max_batch_size: int = Field(64, ge=1)
     """Sequences decoded together in one forward pass; more requests wait for a free slot."""
     max_draft_tokens_per_step: int = Field(16, ge=0)

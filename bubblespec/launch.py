@@ -138,6 +138,10 @@ class LocalTrainer:
 
 
 def build_virtual(config: RunConfig) -> Components:
+    import torch
+
+    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device 'cuda': this machine has no CUDA device torch {torch.__version__} can use")
     task = make_task(config)
     path = model_path(config, task)
     backend = load_backend(config)

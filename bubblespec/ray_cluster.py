@@ -90,6 +90,8 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = threads + trainer_cfg.num_workers
     with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)) as owns_ray:
+        if owns_ray:
+            check_local_gpus(config)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(
             proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
@@ -121,6 +123,21 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
             if not owns_ray:  # on a shared cluster remove only our applications; a local Ray goes down whole
                 for rank in range(rollout.num_ranks):
                     serve.delete(f"bubblespec-rank-{rank}")
+
+
+def check_local_gpus(config: RunConfig) -> None:
+    """A trainer on CUDA needs GPUs: on the local Ray this run started, none appear later, and Ray Train would wait
+    for them forever. (A cluster given by ray.address may add GPU nodes on demand: it is not checked.)"""
+    import ray
+
+    if config.trainer.device != "cuda":
+        return
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < config.trainer.num_workers:
+        raise ConfigError(
+            f"trainer.device 'cuda' with trainer.num_workers {config.trainer.num_workers} needs as many GPUs; this "
+            f"machine's Ray has {gpus}. Use trainer.device: cpu, fewer workers, or ray.address of a cluster with GPUs"
+        )
 
 
 def _vocab_size(path: str) -> int:

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from bubblespec.config import load_config, validate
-from bubblespec.errors import ConfigError
+from bubblespec.errors import BubblespecError, ConfigError
 from bubblespec.launch import run
 from bubblespec.run_dir import CheckpointError, RunDirectory
 
@@ -63,6 +63,22 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     assert all(s["draft_tokens_accepted"] > 0 for s in steps[1:])
     assert sum(s["decode_steps"] for s in steps) < sum(s["decode_steps"] for s in plain_steps)
     assert steps[0]["draft_coverage"] == 0 and steps[1]["draft_coverage"] > 0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"trainer": {"device": "cuda"}}, "trainer.device 'cuda': this machine has no CUDA device"),
+        ({"rollout": {"engine_options": {"device": "cuda:0"}}}, "device 'cuda:0' was asked for but torch sees no CUDA"),
+        ({"rollout": {"engine_options": {"device": "tpu7"}}}, "device: .*'tpu7' is not a torch device"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_a_clear_error(tmp_path, changes, message):
+    config = _config(tmp_path, "device", **changes)
+    with pytest.raises(BubblespecError, match=message):
+        run(config)
+    assert not config.run_dir.exists()
 
 
 @pytest.mark.parametrize("clock", ["virtual", "wall"])

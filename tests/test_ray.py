@@ -264,3 +264,17 @@ def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
     ):
         run(config)
     assert not config.run_dir.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_trainer_on_a_local_ray_without_gpus_fails_at_once(tmp_path):
+    """Ray Train would wait for a GPU forever: the local Ray this run started will never have one."""
+    from bubblespec.errors import ConfigError
+
+    config = validate(
+        _small_run(tmp_path, name="no-gpu", metrics={"enabled": False})
+        | {"clock": {"kind": "wall"}, "trainer": {"device": "cuda"}}
+    )
+    with pytest.raises(ConfigError, match=r"trainer.device 'cuda' with trainer.num_workers 1 needs as many GPUs"):
+        run(config)
+    assert not config.run_dir.exists()
