@@ -96,17 +96,39 @@ def run(
 
     console = Console()
     setup_logging(console, "WARNING" if quiet else "DEBUG" if verbose else "INFO")
-    if quiet:
-        run_config(config, resume_dir=resume)
-        write_report(resume or config.run_dir)
-        typer.echo(f"run directory: {resume or config.run_dir}")
-        return
-    with StepPrinter(config, console) as printer:
-        summary = run_config(
-            config, resume_dir=resume, on_step=printer.step, on_phase=printer.phase, on_activity=printer.activity
-        )
-    printer.summary(summary, resume or config.run_dir)
-    typer.echo(f"report: {write_report(resume or config.run_dir) / 'summary.md'}")
+    run_dir = resume or config.run_dir
+    try:
+        if quiet:
+            run_config(config, resume_dir=resume)
+            write_report(run_dir)
+            typer.echo(f"run directory: {run_dir}")
+            return
+        with StepPrinter(config, console) as printer:
+            summary = run_config(
+                config, resume_dir=resume, on_step=printer.step, on_phase=printer.phase, on_activity=printer.activity
+            )
+    except KeyboardInterrupt:
+        typer.secho(f"interrupted: {_where_it_stopped(Path(run_dir))}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=130) from None
+    printer.summary(summary, run_dir)
+    typer.echo(f"report: {write_report(run_dir) / 'summary.md'}")
+
+
+def _where_it_stopped(run_dir: Path) -> str:
+    from bubblespec.run_dir import RunDirectory
+
+    folder = RunDirectory(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        return "before the run directory was written; nothing to resume"
+    steps = len(folder.read_steps())
+    checkpoint = folder.latest_checkpoint()
+    if checkpoint is None:
+        resume = f"`bubblespec run --resume {run_dir}`"
+        return f"{steps} steps done, none checkpointed yet (see checkpoint_every); {resume} starts over"
+    return (
+        f"{steps} steps done, the last checkpoint is {checkpoint.name}; `bubblespec run --resume {run_dir}` continues "
+        "from it exactly"
+    )
 
 
 @app.command()

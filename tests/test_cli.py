@@ -198,3 +198,23 @@ def test_bench_peers_refuses_unknown_sources_before_running():
     result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble+oracle"])
     assert result.exit_code == 2
     assert "unknown draft source 'oracle'; available: bubble, group, history, ngram, none" in result.output
+
+
+def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypatch):
+    import bubblespec.launch
+    from bubblespec.run_dir import RunDirectory
+
+    def interrupted_after_two_steps(config, **kwargs):
+        folder = RunDirectory(config.run_dir)
+        folder.create(config)
+        for step in range(2):
+            folder.append_step({"step": step})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bubblespec.launch, "run", interrupted_after_two_steps)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"name: stopped\noutput_dir: {tmp_path}\nclock: {{kind: virtual}}\n")
+    result = runner.invoke(app, ["run", "--quiet", str(config)])
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert "interrupted: 2 steps done, none checkpointed yet" in result.output
+    assert f"bubblespec run --resume {tmp_path / 'stopped'}" in result.output
