@@ -268,19 +268,19 @@ def plot_report(report: dict, folder: Path, prefix: str = "peers") -> list[Path]
         ("decode_step_reduction", "decode steps saved vs baseline (per token)", "decode-steps"),
         ("throughput_ratio", "rollout throughput vs baseline (x)", "throughput"),
     ):
-        figure, axes = plt.subplots(figsize=(7, 4))
+        figure, axes = plt.subplots(figsize=(9, 4))
         for variant in report["variants"]:
             rows = report["per_step"][variant]
-            coupled = report["verification"][variant] == "coupled"
-            legend = variant if coupled else f"{variant} (vs {report['baselines'][variant]})"
-            style = "o-" if coupled else "s--"
+            baseline = report["baselines"][variant]
+            legend = variant if baseline in ("none", variant) else f"{variant} (vs {baseline})"
+            style = "o-" if report["verification"][variant] == "coupled" else "s--"
             axes.plot([r["step"] + 1 for r in rows], [r[field] for r in rows], style, label=legend)
         axes.set_xlabel("step")
         axes.set_ylabel(label)
         title = f"{report['config']}: {report['num_ranks']} ranks, {report['profile'] or report['clock']}"
         axes.set_title(title)
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay readable
         figure.tight_layout()
         path = folder / f"{prefix}-{name}.png"
         figure.savefig(path, dpi=110)
