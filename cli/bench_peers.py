@@ -48,9 +48,9 @@ _SUFFIX_OF = {verification: suffix for suffix, verification in VERIFICATION_SUFF
 def parse_variant(text: str) -> tuple[list[str], str]:
     """``"bubble+group+ngram"`` -> ``(["bubble", "group", "ngram"], "coupled")``; ``"bubble:one-hot"`` ->
     ``(["bubble"], "one_hot")``. Suffixes are checked here, source names with the config."""
-    names, _, suffix = text.partition(":")
+    names, colon, suffix = text.partition(":")
     sources = [name.strip() for name in names.split("+") if name.strip()]
-    if not suffix:
+    if not colon:
         return sources, "coupled"
     if suffix.strip() not in VERIFICATION_SUFFIXES:
         allowed = ", ".join(map(repr, VERIFICATION_SUFFIXES))
