@@ -1,11 +1,18 @@
 """``bubblespec bench peers CONFIG``: the draft sources users would pick instead of ours, side by side.
 
 Every variant is the config's run with another ``speculation.draft_sources`` (``none`` is plain decoding), on the
-same keys, so every variant's rollouts must equal plain decoding's, step by step (checked: the rollout digests).
-Per step and variant: decode steps and their reduction against ``none``, acceptance length (tokens per verify
-step), draft coverage (requests that arrived with a draft), proposal coverage (requests that verified at least
-one proposed token, whatever proposed it) and the rollout throughput ratio against ``none`` (rollout-phase
-seconds, on the config's clock).
+same keys and with coupled verification, so every variant's rollouts must equal plain decoding's, step by step
+(checked: the rollout digests). Per step and variant: decode steps and their reduction against the baseline,
+acceptance length (tokens per verify step), draft coverage (requests that arrived with a draft), proposal coverage
+(requests that verified at least one proposed token, whatever proposed it) and the rollout throughput ratio
+against the baseline (generated tokens per rollout-phase second, on the config's clock).
+
+A variant with the suffix ``:one-hot`` (``bubble:one-hot``) runs with ``rollout.verification: one_hot``: the
+engine samples with its own RNG, which is exact in distribution only, so its rollouts are other samples than
+plain decoding's and cannot be compared by digest. Its baseline is ``none:one-hot`` (plain decoding with the
+engine's RNG, added when a one-hot variant is asked for), and its reduction and throughput are per generated
+token, since the two runs generate different tokens (for coupled variants the tokens are the same and the
+normalisation changes nothing). Variants without a suffix run coupled whatever the config says.
 
 Variants that use ``group`` run with ``prompt-grouped`` sharding (every sample of a prompt on one rank, as Seer
 deploys it: siblings can only propose for each other inside one engine); the others keep the config's.
@@ -18,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bubblespec.config import RunConfig
+from bubblespec.errors import ConfigError
 from bubblespec.interfaces import acceptance_length
 
 DEFAULT_VARIANTS = (
@@ -29,23 +37,70 @@ DEFAULT_VARIANTS = (
     "bubble",
     "bubble+ngram",
     "bubble+group+ngram",
+    "bubble:one-hot",
 )
 
+VERIFICATION_SUFFIXES = {"one-hot": "one_hot"}
+"""Variant suffixes (``bubble:one-hot``) and the ``rollout.verification`` they run with; no suffix is coupled."""
+_SUFFIX_OF = {verification: suffix for suffix, verification in VERIFICATION_SUFFIXES.items()}
 
-def parse_variant(text: str) -> list[str]:
-    """``"bubble+group+ngram"`` -> ``["bubble", "group", "ngram"]`` (validated with the config)."""
-    return [name.strip() for name in text.split("+") if name.strip()]
+
+def parse_variant(text: str) -> tuple[list[str], str]:
+    """``"bubble+group+ngram"`` -> ``(["bubble", "group", "ngram"], "coupled")``; ``"bubble:one-hot"`` ->
+    ``(["bubble"], "one_hot")``. Suffixes are checked here, source names with the config."""
+    names, colon, suffix = text.partition(":")
+    sources = [name.strip() for name in names.split("+") if name.strip()]
+    if not colon:
+        return sources, "coupled"
+    if suffix.strip() not in VERIFICATION_SUFFIXES:
+        allowed = ", ".join(map(repr, VERIFICATION_SUFFIXES))
+        raise ConfigError(
+            f"unknown verification suffix {suffix!r} in variant {text!r}; allowed: {allowed} (as in 'bubble:one-hot'), "
+            "or no suffix for coupled verification"
+        )
+    return sources, VERIFICATION_SUFFIXES[suffix.strip()]
 
 
-def _variant(config: RunConfig, sources: list[str], output_dir: Path) -> RunConfig:
+def canonical_variant(text: str) -> str:
+    """The variant's name in reports: ``"bubble + ngram:one-hot"`` -> ``"bubble+ngram:one-hot"``."""
+    sources, verification = parse_variant(text)
+    return "+".join(sources) + (f":{_SUFFIX_OF[verification]}" if verification in _SUFFIX_OF else "")
+
+
+def baseline_of(variant: str) -> str:
+    """Plain decoding with the variant's verification: what its speed is measured against."""
+    verification = parse_variant(variant)[1]
+    return f"none:{_SUFFIX_OF[verification]}" if verification in _SUFFIX_OF else "none"
+
+
+def with_baselines(variants: list[str]) -> list[str]:
+    """``variants`` in canonical form with ``none`` first and every other baseline just before its first user;
+    a variant named twice is refused."""
+    canonical = [canonical_variant(v) for v in variants]
+    repeated = sorted({v for v in canonical if canonical.count(v) > 1})
+    if repeated:
+        raise ConfigError(f"variant(s) {', '.join(map(repr, repeated))} named more than once in {variants}")
+    ordered = [] if "none" in canonical else ["none"]
+    for variant in canonical:
+        baseline = baseline_of(variant)
+        if baseline not in ordered and baseline not in canonical:
+            ordered.append(baseline)
+        ordered.append(variant)
+    return ordered
+
+
+def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
+    sources, verification = parse_variant(variant)
     options = {k: v for k, v in config.speculation.draft_source_options.items() if k in sources}
     update = {"enabled": True, "draft_sources": sources, "draft_source_options": options}
     if "group" in sources:
         update["sharding_policy"] = "prompt-grouped"
     speculation = config.speculation.model_dump() | update
+    suffix = "" if verification == "coupled" else f"-{verification}"
     data = config.model_dump() | {
         "speculation": speculation,
-        "name": f"{config.name}-{'.'.join(sources)}",
+        "rollout": config.rollout.model_dump() | {"verification": verification},
+        "name": f"{config.name}-{'.'.join(sources)}{suffix}",
         "output_dir": str(output_dir),
     }
     return RunConfig.model_validate(data)  # validates the source names too
@@ -55,9 +110,8 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
     from bubblespec.launch import run
     from bubblespec.run_dir import RunDirectory
 
-    if "none" not in variants:
-        variants = ["none", *variants]
-    configs = {v: _variant(config, parse_variant(v), Path(".")) for v in variants}  # fail before any run
+    variants = with_baselines(variants)
+    configs = {v: _variant(config, v, Path(".")) for v in variants}  # fail before any run
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-")) if scratch else output_dir
     steps: dict[str, list[dict]] = {}
@@ -70,7 +124,7 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
         if scratch:
             shutil.rmtree(output_dir, ignore_errors=True)
     epoch = _epoch_steps(config)
-    plain = steps["none"]
+    baselines = {v: baseline_of(v) for v in variants}
     report = {
         "config": config.name,
         "clock": config.clock.kind,
@@ -79,11 +133,18 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
         "num_steps": config.num_steps,
         "epoch_steps": epoch,
         "variants": variants,
-        "per_step": {v: [_compare(off, on) for off, on in zip(plain, steps[v], strict=True)] for v in variants},
-        "from_step_2": {v: _aggregate(plain[1:], steps[v][1:]) for v in variants},
-        "steady_state": {v: _aggregate(plain[epoch:], steps[v][epoch:]) for v in variants},
+        "baselines": baselines,
+        "verification": {v: parse_variant(v)[1] for v in variants},
+        "per_step": {
+            v: [_compare(off, on, v) for off, on in zip(steps[baselines[v]], steps[v], strict=True)] for v in variants
+        },
+        "from_step_2": {v: _aggregate(steps[baselines[v]][1:], steps[v][1:]) for v in variants},
+        "steady_state": {v: _aggregate(steps[baselines[v]][epoch:], steps[v][epoch:]) for v in variants},
     }
-    report["identical_rollouts"] = all(s["identical_rollouts"] for v in variants for s in report["per_step"][v])
+    # Only coupled variants can be compared token for token; one-hot ones are exact in distribution only (None).
+    report["identical_rollouts"] = all(
+        s["identical_rollouts"] for v in variants for s in report["per_step"][v] if s["identical_rollouts"] is not None
+    )
     return report
 
 
@@ -93,34 +154,53 @@ def _epoch_steps(config: RunConfig) -> int:
     return max(1, size // config.task.prompts_per_step) if size else 1
 
 
-def _compare(off: dict, on: dict) -> dict:
+def _per_token(decode_steps: int, generated_tokens: int) -> float:
+    return decode_steps / generated_tokens if generated_tokens else 1.0
+
+
+def _compare(off: dict, on: dict, variant: str) -> dict:
+    """One step of ``variant`` (``on``) against the same step of its baseline (``off``)."""
+    same = off["rollout_digest"] == on["rollout_digest"] and off["reward_mean"] == on["reward_mean"]
+    steps_per_token_off = _per_token(off["decode_steps"], off["generated_tokens"])
+    tokens_per_second_off = off["generated_tokens"] / off["phase_seconds"]["rollout"]
     return {
         "step": on["step"],
         "decode_steps": on["decode_steps"],
-        "decode_step_reduction": 1 - on["decode_steps"] / off["decode_steps"] if off["decode_steps"] else 0.0,
+        "generated_tokens": on["generated_tokens"],
+        "decode_step_reduction": 1 - _per_token(on["decode_steps"], on["generated_tokens"]) / steps_per_token_off,
         "acceptance_length_mean": acceptance_length(on["draft_tokens_accepted"], on["verify_steps"]),
         "draft_coverage": on["draft_coverage"],
         "proposal_coverage": on.get("proposal_coverage", 0.0),
         "rollout_seconds": on["phase_seconds"]["rollout"],
-        "throughput_ratio": off["phase_seconds"]["rollout"] / on["phase_seconds"]["rollout"],
-        "identical_rollouts": off["rollout_digest"] == on["rollout_digest"] and off["reward_mean"] == on["reward_mean"],
+        "throughput_ratio": on["generated_tokens"] / on["phase_seconds"]["rollout"] / tokens_per_second_off,
+        "identical_rollouts": same if parse_variant(variant)[1] == "coupled" else None,  # one-hot: other samples
     }
 
 
 def _aggregate(off: list[dict], on: list[dict]) -> dict:
     if not on:
         return {}
-    seconds_off = sum(s["phase_seconds"]["rollout"] for s in off)
-    seconds_on = sum(s["phase_seconds"]["rollout"] for s in on)
+
+    def total(steps: list[dict], field: str) -> int:
+        return sum(s[field] for s in steps)
+
+    def rollout_seconds(steps: list[dict]) -> float:
+        return sum(s["phase_seconds"]["rollout"] for s in steps)
+
+    tokens_off, tokens_on = total(off, "generated_tokens"), total(on, "generated_tokens")
+    steps_per_token_off = _per_token(total(off, "decode_steps"), tokens_off)
     return {
-        "decode_step_reduction": 1 - sum(s["decode_steps"] for s in on) / sum(s["decode_steps"] for s in off),
-        "acceptance_length_mean": acceptance_length(
-            sum(s["draft_tokens_accepted"] for s in on), sum(s["verify_steps"] for s in on)
-        ),
+        "decode_step_reduction": 1 - _per_token(total(on, "decode_steps"), tokens_on) / steps_per_token_off,
+        "acceptance_length_mean": acceptance_length(total(on, "draft_tokens_accepted"), total(on, "verify_steps")),
         "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
         "proposal_coverage": sum(s.get("proposal_coverage", 0.0) for s in on) / len(on),
-        "throughput_ratio": seconds_off / seconds_on,  # same tokens: the ratio of tokens per second
+        "generated_tokens": tokens_on,
+        "throughput_ratio": tokens_on / rollout_seconds(on) / (tokens_off / rollout_seconds(off)),
     }
+
+
+def _rollouts(identical: bool | None) -> str:
+    return "in distribution" if identical is None else "identical" if identical else "DIFFERENT"
 
 
 def print_report(report: dict) -> None:
@@ -128,31 +208,37 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     console = Console(width=160)
-    title = f"{report['config']}: draft sources per step (from 1), against none ({report['clock']} clock)"
+    title = f"{report['config']}: draft sources per step (from 1), against the baseline ({report['clock']} clock)"
     table = Table(title=title)
-    for column in ("source", "step", "decode steps", "reduction", "acceptance", "draft cov", "proposal cov", "speed"):
+    columns = ("source", "vs", "step", "decode steps", "tokens", "reduction", "acceptance", "draft cov")
+    for column in (*columns, "proposal cov", "speed", "rollouts"):
         table.add_column(column, justify="right")
     for variant in report["variants"]:
         for s in report["per_step"][variant]:
             table.add_row(
                 variant,
+                report["baselines"][variant],
                 str(s["step"] + 1),
                 str(s["decode_steps"]),
+                str(s["generated_tokens"]),
                 f"{s['decode_step_reduction']:.1%}",
                 f"{s['acceptance_length_mean']:.2f}",
                 f"{s['draft_coverage']:.2f}",
                 f"{s['proposal_coverage']:.2f}",
-                f"{s['throughput_ratio']:.2f}x" + ("" if s["identical_rollouts"] else " DIFFERENT"),
+                f"{s['throughput_ratio']:.2f}x",
+                _rollouts(s["identical_rollouts"]),
             )
     console.print(table)
     for label in ("from_step_2", "steady_state"):
         first = 2 if label == "from_step_2" else report["epoch_steps"] + 1
         summary = Table(title=f"{label.replace('_', ' ')}: steps {first} to {report['num_steps']}")
-        for column in ("source", "reduction", "acceptance", "draft cov", "proposal cov", "throughput"):
+        for column in ("source", "vs", "tokens", "reduction", "acceptance", "draft cov", "proposal cov", "throughput"):
             summary.add_column(column, justify="right")
         for variant, a in report[label].items():
             summary.add_row(
                 variant,
+                report["baselines"][variant],
+                str(a["generated_tokens"]),
                 f"{a['decode_step_reduction']:.1%}",
                 f"{a['acceptance_length_mean']:.2f}",
                 f"{a['draft_coverage']:.2f}",
@@ -160,11 +246,17 @@ def print_report(report: dict) -> None:
                 f"{a['throughput_ratio']:.2f}x",
             )
         console.print(summary)
-    console.print(f"identical_rollouts={report['identical_rollouts']}")
+    if any(v != "coupled" for v in report["verification"].values()):
+        console.print(
+            "one-hot variants sample with the engine's RNG (exact in distribution only): their rollouts are other "
+            "samples than plain decoding's, so they are compared with none:one-hot per generated token, not by digest"
+        )
+    console.print(f"identical_rollouts={report['identical_rollouts']} (coupled variants against none)")
 
 
-def plot_report(report: dict, folder: Path) -> list[Path]:
-    """One PNG per question: decode-step reduction per step, and rollout throughput ratio per step."""
+def plot_report(report: dict, folder: Path, prefix: str = "peers") -> list[Path]:
+    """One PNG per question: decode-step reduction per step, and rollout throughput ratio per step, each against
+    the variant's baseline (one-hot variants dashed): ``{prefix}-decode-steps.png``, ``{prefix}-throughput.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,21 +265,24 @@ def plot_report(report: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for field, label, name in (
-        ("decode_step_reduction", "decode steps saved vs none", "peers-decode-steps.png"),
-        ("throughput_ratio", "rollout throughput vs none (x)", "peers-throughput.png"),
+        ("decode_step_reduction", "decode steps saved vs baseline (per token)", "decode-steps"),
+        ("throughput_ratio", "rollout throughput vs baseline (x)", "throughput"),
     ):
-        figure, axes = plt.subplots(figsize=(7, 4))
+        figure, axes = plt.subplots(figsize=(9, 4))
         for variant in report["variants"]:
             rows = report["per_step"][variant]
-            axes.plot([r["step"] + 1 for r in rows], [r[field] for r in rows], "o-", label=variant)
+            baseline = report["baselines"][variant]
+            legend = variant if baseline in ("none", variant) else f"{variant} (vs {baseline})"
+            style = "o-" if report["verification"][variant] == "coupled" else "s--"
+            axes.plot([r["step"] + 1 for r in rows], [r[field] for r in rows], style, label=legend)
         axes.set_xlabel("step")
         axes.set_ylabel(label)
         title = f"{report['config']}: {report['num_ranks']} ranks, {report['profile'] or report['clock']}"
         axes.set_title(title)
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay readable
         figure.tight_layout()
-        path = folder / name
+        path = folder / f"{prefix}-{name}.png"
         figure.savefig(path, dpi=110)
         plt.close(figure)
         written.append(path)

@@ -166,9 +166,16 @@ def bench(
     quick: Annotated[bool, typer.Option(help="A smoke run, not a measurement (engine only).")] = False,
     sources: Annotated[
         list[str] | None,
-        typer.Option("--sources", help="A draft-source variant, e.g. bubble+group+ngram; repeat it (peers only)."),
+        typer.Option(
+            "--sources",
+            help="A draft-source variant, e.g. bubble+group+ngram, or bubble:one-hot for one-hot verification; "
+            "repeat it (peers only).",
+        ),
     ] = None,
     plot_dir: Annotated[Path | None, typer.Option(help="Write one PNG per question here (peers only).")] = None,
+    plot_prefix: Annotated[
+        str, typer.Option(help="File name prefix of the PNGs: PREFIX-decode-steps.png, ... (peers only).")
+    ] = "peers",
 ) -> None:
     """Measure speed side by side in one run and print a table."""
     if target == "peers":
@@ -182,11 +189,11 @@ def bench(
         report = bench_peers.run_peers(load_config(peers_config, overrides or []), variants, output_dir)
         bench_peers.print_report(report)
         if plot_dir is not None:
-            for path in bench_peers.plot_report(report, plot_dir):
+            for path in bench_peers.plot_report(report, plot_dir, plot_prefix):
                 typer.echo(f"wrote {path}")
         _write_json(report, json_path)
         if not report["identical_rollouts"]:
-            typer.secho("error: a draft source changed a rollout", fg=typer.colors.RED, err=True)
+            typer.secho("error: a draft source changed a rollout (coupled verification)", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1)
         return
     if peers_config is not None:

@@ -194,10 +194,42 @@ def test_bench_peers_runs_every_source_on_the_same_keys(tmp_path):
     assert (tmp_path / "peers-decode-steps.png").is_file() and (tmp_path / "peers-throughput.png").is_file()
 
 
+def test_bench_peers_compares_one_hot_bubble_with_one_hot_plain_decoding(tmp_path):
+    out = tmp_path / "peers.json"
+    args = ["bench", "peers", "examples/bench-peers.yaml", "--json", str(out), "--sources", "bubble:one-hot"]
+    small = ["num_steps=3", "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.dataset_size=4"]
+    small += ["rollout.num_ranks=2", "rollout.sampling.max_new_tokens=40", "rollout.verification=one_hot"]
+    result = runner.invoke(app, args + [arg for s in small for arg in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["variants"] == ["none", "none:one-hot", "bubble:one-hot"]
+    # The config's one_hot is overridden: a variant without suffix runs coupled.
+    assert report["verification"] == {"none": "coupled", "none:one-hot": "one_hot", "bubble:one-hot": "one_hot"}
+    assert report["baselines"] == {"none": "none", "none:one-hot": "none:one-hot", "bubble:one-hot": "none:one-hot"}
+    plain, one_hot = report["per_step"]["none:one-hot"], report["per_step"]["bubble:one-hot"]
+    assert [s["identical_rollouts"] for s in one_hot] == [None, None, None] and report["identical_rollouts"] is True
+    # Step 1 has no drafts: the same engine RNG draws the same samples as the baseline.
+    assert one_hot[0]["generated_tokens"] == plain[0]["generated_tokens"] == one_hot[0]["decode_steps"]
+    for step, baseline in zip(one_hot[1:], plain[1:], strict=True):
+        assert step["draft_coverage"] == 1.0 and step["acceptance_length_mean"] > 1
+        # Other samples than the baseline's, so both numbers are per generated token.
+        assert step["decode_step_reduction"] == pytest.approx(1 - step["decode_steps"] / step["generated_tokens"])
+        tokens_per_second = [s["generated_tokens"] / s["rollout_seconds"] for s in (step, baseline)]
+        assert step["throughput_ratio"] == pytest.approx(tokens_per_second[0] / tokens_per_second[1])
+    assert "in distribution" in result.output
+
+
 def test_bench_peers_refuses_unknown_sources_before_running():
     result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble+oracle"])
     assert result.exit_code == 2
     assert "unknown draft source 'oracle'; available: bubble, group, history, ngram, none" in result.output
+    result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble:onehot"])
+    assert result.exit_code == 2
+    assert "unknown verification suffix 'onehot' in variant 'bubble:onehot'; allowed: 'one-hot'" in result.output
+    result = runner.invoke(
+        app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble", "--sources", "bubble "]
+    )
+    assert result.exit_code == 2 and "variant(s) 'bubble' named more than once" in result.output
 
 
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypatch):
