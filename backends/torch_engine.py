@@ -78,9 +78,11 @@ class TorchEngineConfig(BaseModel):
     draft_source_options: dict[str, dict] = {}
     """Keyword arguments of each dynamic source's constructor, by source name."""
     rank: int = Field(0, ge=0)
-    """The data-parallel rank this engine serves (informational here; remote backends pick a server by it)."""
+    """The data-parallel rank this engine serves (it seeds the one-hot RNG stream; remote backends pick a server
+    by it)."""
     one_hot_seed: int = 0
-    """Seed of the RNG that one-hot verification samples with."""
+    """Seed of the RNG that one-hot verification samples with (a run passes its ``seed``); every rank draws from
+    its own stream, seeded by (one_hot_seed, rank), so that ranks never draw the same numbers."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads; None leaves torch's setting alone."""
 
@@ -165,7 +167,8 @@ class TorchEngine:
         self.device = device
         self._policy_version = 0
         self._cache: KVCache | None = None
-        self._generator = torch.Generator(device=device).manual_seed(config.one_hot_seed)
+        stream = (config.one_hot_seed * 1_000_003 + config.rank) % 2**63
+        self._generator = torch.Generator(device=device).manual_seed(stream)
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
         self._proposers = {
             name: _load_proposer(name, config.draft_source_options.get(name, {}))

@@ -74,6 +74,8 @@ def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
     dynamic = {}
     if any(name != REQUEST_DRAFT for name in chain):  # only then: other backends need not know the setting
         dynamic = {"draft_chain": chain, "draft_source_options": speculation.draft_source_options}
+    if rollout.verification == "one_hot":  # the engine's own RNG is seeded by the run (and by its rank)
+        dynamic["one_hot_seed"] = config.seed
     return (
         {
             "model_path": path,

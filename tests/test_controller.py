@@ -242,6 +242,15 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
         run(config)
 
 
+def test_one_hot_engines_get_the_run_seed():
+    from bubblespec.launch import engine_settings
+
+    coupled = validate({"seed": 7})
+    one_hot = validate({"seed": 7, "rollout": {"verification": "one_hot"}})
+    assert "one_hot_seed" not in engine_settings(coupled, "model")  # other backends need not know the setting
+    assert engine_settings(one_hot, "model")["one_hot_seed"] == 7
+
+
 def test_config_errors_name_the_field_and_the_choices(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.backend: .*unknown backend 'nope'; available: .*torch"):
         validate({"rollout": {"backend": "nope"}})

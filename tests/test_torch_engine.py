@@ -264,6 +264,21 @@ def test_one_hot_verification_runs_and_accepts_own_drafts(llama_path):
     assert all(r.stats.decode_steps <= 2 for r in greedy_spec)
 
 
+def test_one_hot_ranks_draw_their_own_numbers_and_the_run_seed_sets_them(llama_path):
+    """Ranks with the same batch must not draw the same samples (samples of one prompt on two ranks would be
+    copies), and a run's seed must reach the one-hot RNG as it reaches keyed sampling."""
+
+    def samples(seed: int, rank: int) -> list[tuple[int, ...]]:
+        engine = TorchEngine.from_pretrained(
+            llama_path, dtype="float64", verification="one_hot", one_hot_seed=seed, rank=rank
+        )
+        return [r.token_ids for r in engine.generate(_requests(6, seed=3, max_new_tokens=20))]
+
+    assert samples(0, 0) == samples(0, 0)
+    assert samples(0, 0) != samples(0, 1)
+    assert samples(0, 0) != samples(1, 0)
+
+
 def test_out_of_vocabulary_drafts_are_refused(engine64):
     request = _requests(1)[0]
     for bad in ([VOCAB], [-1], [3, 4, VOCAB + 100]):
