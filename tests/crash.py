@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import yaml
 
 from bubblespec.config import RunConfig
@@ -29,8 +31,15 @@ def kill_after_steps(config: RunConfig, num_steps: int, timeout_s: float = 300.0
             break
         time.sleep(0.01)
     assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()}"
+    # As when its machine dies: the process and everything it started (a local Ray's processes; some of Ray's
+    # agents outlive a killed driver and would load the next test's Ray).
+    tree = psutil.Process(process.pid).children(recursive=True)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def resume(config: RunConfig) -> None:

@@ -225,8 +225,8 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
 
 
 def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_path):
-    """SIGKILL `bubblespec run` on the wall clock (its local Ray goes down with it) after a few steps, then
-    `bubblespec run --resume` on a fresh Ray: the run ends as the simulation without the fault does."""
+    """SIGKILL `bubblespec run` on the wall clock and the local Ray it started (as when its machine dies) after a
+    few steps, then `bubblespec run --resume` on a fresh Ray: the run ends as the simulation without the fault."""
     from tests.crash import kill_after_steps, resume
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
