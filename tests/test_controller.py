@@ -249,6 +249,9 @@ def test_one_hot_engines_get_the_run_seed():
     one_hot = validate({"seed": 7, "rollout": {"verification": "one_hot"}})
     assert "one_hot_seed" not in engine_settings(coupled, "model")  # other backends need not know the setting
     assert engine_settings(one_hot, "model")["one_hot_seed"] == 7
+    # vLLM verifies coupled only: its error is about verification, not about a setting the user never gave
+    vllm = validate({"seed": 7, "rollout": {"backend": "vllm", "verification": "one_hot"}})
+    assert "one_hot_seed" not in engine_settings(vllm, "model")
 
 
 def test_config_errors_name_the_field_and_the_choices(tmp_path):
