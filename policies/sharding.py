@@ -30,8 +30,7 @@ class LengthBalanced:
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
     ) -> list[list[GenerationRequest]]:
-        known = [predicted_lengths[r.key] for r in requests if r.key in predicted_lengths]
-        default = sum(known) / len(known) if known else 1.0
+        default = _mean_prediction(requests, predicted_lengths)
         load = [(0.0, rank) for rank in range(num_ranks)]
         shards: list[list[GenerationRequest]] = [[] for _ in range(num_ranks)]
         by_length = sorted(
@@ -54,8 +53,7 @@ class PromptGrouped:
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
     ) -> list[list[GenerationRequest]]:
-        known = [predicted_lengths[r.key] for r in requests if r.key in predicted_lengths]
-        default = sum(known) / len(known) if known else 1.0
+        default = _mean_prediction(requests, predicted_lengths)
         groups: dict[tuple[int, str], list[GenerationRequest]] = {}
         for request in requests:
             groups.setdefault((request.key.step, request.key.prompt_uid), []).append(request)
@@ -67,3 +65,9 @@ class PromptGrouped:
             shards[rank] += group
             heapq.heappush(load, (total + size, rank))
         return shards
+
+
+def _mean_prediction(requests: Sequence[GenerationRequest], predicted_lengths: Mapping[RolloutKey, int]) -> float:
+    """What a request without a predicted length counts as: the mean of the known ones (1 if none is known)."""
+    known = [predicted_lengths[r.key] for r in requests if r.key in predicted_lengths]
+    return sum(known) / len(known) if known else 1.0
