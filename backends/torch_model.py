@@ -1,14 +1,20 @@
-"""A Llama/Qwen2-family decoder in plain torch, with a slotted KV cache, for the built-in engine.
+"""A Llama/Qwen2/Qwen3/Mistral decoder in plain torch, with a slotted KV cache, for the built-in engine.
 
 Weights keep their Hugging Face names, so a checkpoint folder (``config.json`` + ``*.safetensors``) loads as it
 is and a trainer's ``state_dict`` can be applied by name. The cache is addressed by absolute position, which is
 what makes speculative verification cheap: a rejected draft token needs no undo, its cache entry is simply
 overwritten by the next token fed at that position and never read before that (causal masking by position).
+
+Families: Llama (plain RoPE or Llama 3.x ``llama3`` rotary scaling; attention biases if configured), Qwen2
+(q/k/v biases, tied embeddings, sliding windows on the layers ``layer_types`` names), Qwen3 (per-head RMSNorm of
+queries and keys before RoPE) and Mistral (a sliding window on every layer). A window is a mask by position: the
+cache still holds every position, so windows need no eviction bookkeeping (and save no cache memory).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +24,20 @@ import torch.nn.functional as F
 
 from bubblespec.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1/3.2 rotary scaling (``rope_type: llama3``): see :func:`rope_inverse_frequency`."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,16 @@ class DecoderConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
+    """Qwen3: a per-head RMSNorm (``q_norm``, ``k_norm``, weights of size head_dim) on queries and keys, before
+    the rotary embedding."""
+    output_bias: bool = False
+    """A bias on ``o_proj`` (Llama/Qwen3 with ``attention_bias``; Qwen2 has q/k/v biases only)."""
+    rope_llama3: Llama3RopeScaling | None = None
+    """Llama 3.x frequency-dependent rotary scaling; None: plain RoPE."""
+    sliding_windows: tuple[int | None, ...] = ()
+    """Per layer, how many latest positions (the query's own included) a query attends; None or a missing
+    entry: all of them."""
 
     @classmethod
     def from_hf(cls, config: Mapping, source: str) -> DecoderConfig:
@@ -49,30 +77,39 @@ class DecoderConfig:
                 f"{source}: model_type {model_type!r} is not supported by the torch backend; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported; supported: 'default'")
+        _check_mlp(config, source)
+        rope_theta, rope_llama3 = _read_rope(config, source)
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        num_layers = int(config["num_hidden_layers"])
+        # Qwen2 always has q/k/v biases and Mistral never; Llama and Qwen3 follow attention_bias, o_proj included.
+        configurable_bias = model_type in ("llama", "qwen3") and bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or hidden // num_heads),
             intermediate_size=int(config["intermediate_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            attention_bias=model_type == "qwen2" or configurable_bias,
             eos_token_ids=eos_ids,
+            qk_norm=model_type == "qwen3",
+            output_bias=configurable_bias,
+            rope_llama3=rope_llama3,
+            sliding_windows=_read_sliding_windows(config, model_type, num_layers, source),
         )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for full attention."""
+        return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight the forward pass reads, by Hugging Face name."""
@@ -102,7 +139,111 @@ class DecoderConfig:
                     prefix + "self_attn.k_proj.bias": (kv_size,),
                     prefix + "self_attn.v_proj.bias": (kv_size,),
                 }
+            if self.output_bias:
+                shapes[prefix + "self_attn.o_proj.bias"] = (self.hidden_size,)
+            if self.qk_norm:
+                shapes[prefix + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[prefix + "self_attn.k_norm.weight"] = (self.head_dim,)
         return shapes
+
+
+def _check_mlp(config: Mapping, source: str) -> None:
+    """The forward pass computes ``down(silu(gate(x)) * up(x))`` without biases."""
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {activation!r} is not supported; supported: 'silu'")
+    if config.get("mlp_bias", False):
+        raise ModelLoadError(f"{source}: mlp_bias true is not supported; supported: mlp_bias false")
+
+
+def _read_rope(config: Mapping, source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """``rope_theta`` and the Llama 3 scaling, from transformers 5's ``rope_parameters`` (which holds
+    ``rope_theta`` and ``rope_type``) or 4.x's top-level ``rope_theta`` with ``rope_scaling``."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if any(isinstance(value, Mapping) for value in rope.values()):
+        raise ModelLoadError(
+            f"{source}: rotary parameters per layer type ({sorted(rope)}) are not supported; "
+            f"supported: one set of rotary parameters with rope_type in {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: "
+            + ", ".join(repr(t) for t in SUPPORTED_ROPE_TYPES)
+        )
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {partial!r} is not supported; supported: 1.0")
+    theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+    if missing:
+        raise ModelLoadError(f"{source}: rope type 'llama3' needs {missing} in its rotary parameters")
+    # Like transformers: a top-level original_max_position_embeddings wins, then the rotary parameters' own.
+    original = (
+        config.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or config.get("max_position_embeddings", 8192)
+    )
+    scaling = Llama3RopeScaling(
+        float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]), int(original)
+    )
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ModelLoadError(
+            f"{source}: llama3 rope needs high_freq_factor > low_freq_factor, got {scaling.high_freq_factor} "
+            f"and {scaling.low_freq_factor}"
+        )
+    return theta, scaling
+
+
+def _read_sliding_windows(config: Mapping, model_type: str, num_layers: int, source: str) -> tuple[int | None, ...]:
+    """Per-layer attention windows as transformers applies them. Mistral: ``sliding_window`` on every layer.
+    Qwen2/Qwen3: only with ``use_sliding_window``, on the layers that ``layer_types`` marks
+    ``sliding_attention`` (without ``layer_types``: layers ``max_window_layers`` and above). Llama: none."""
+    # A missing key takes the transformers config class's default (sliding_window 4096, max_window_layers 28).
+    if model_type == "mistral":
+        window = config.get("sliding_window", 4096)
+        kinds = ["sliding_attention"] * num_layers
+    elif model_type in ("qwen2", "qwen3") and config.get("use_sliding_window", False):
+        window = config.get("sliding_window", 4096)
+        first = int(config.get("max_window_layers", 28))
+        kinds = config.get("layer_types") or [_ATTENTION_KINDS[i >= first] for i in range(num_layers)]
+    else:
+        return ()
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window {window!r} is not a positive number of positions")
+    unknown = sorted({kind for kind in kinds if kind not in _ATTENTION_KINDS})
+    if unknown or len(kinds) != num_layers:
+        raise ModelLoadError(
+            f"{source}: layer_types {kinds!r} must name {num_layers} layers, each one of {list(_ATTENTION_KINDS)}"
+        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def rope_inverse_frequency(head_dim: int, theta: float, llama3: Llama3RopeScaling | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] in float64: ``f_d = theta^(-2d / head_dim)``.
+
+    Llama 3 scaling (as transformers' ``_compute_llama3_parameters``), with wavelength ``l_d = 2 pi / f_d`` and
+    original context ``L``: ``f_d`` is kept where ``l_d < L / high_freq_factor``, divided by ``factor`` where
+    ``l_d > L / low_freq_factor``, and in between interpolated as ``(1 - s) f_d / factor + s f_d`` with
+    ``s = (L / l_d - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    """
+    frequency_d = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if llama3 is None:
+        return frequency_d
+    original = llama3.original_max_position_embeddings
+    wavelength_d = 2 * math.pi / frequency_d
+    smooth_d = (original / wavelength_d - llama3.low_freq_factor) / (llama3.high_freq_factor - llama3.low_freq_factor)
+    interpolated_d = (1 - smooth_d) * frequency_d / llama3.factor + smooth_d * frequency_d
+    scaled_d = torch.where(wavelength_d > original / llama3.low_freq_factor, frequency_d / llama3.factor, frequency_d)
+    is_medium_d = (wavelength_d >= original / llama3.high_freq_factor) & (
+        wavelength_d <= original / llama3.low_freq_factor
+    )
+    return torch.where(is_medium_d, interpolated_d, scaled_d)
 
 
 def read_checkpoint(model_path: str | Path) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
@@ -150,7 +291,7 @@ class KVCache:
 
 
 class DecoderModel:
-    """The forward pass of a Llama/Qwen2-family decoder over a batch of variable-length chunks."""
+    """The forward pass of a Llama/Qwen2/Qwen3/Mistral decoder over a batch of variable-length chunks."""
 
     def __init__(self, config: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> None:
         self.config = config
@@ -158,9 +299,7 @@ class DecoderModel:
         self.device = torch.device(device)
         self.weights = self._allocate_weights()
         self.load_weights(weights, strict=True)
-        inverse_frequency = 1.0 / config.rope_theta ** (
-            torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-        )
+        inverse_frequency = rope_inverse_frequency(config.head_dim, config.rope_theta, config.rope_llama3)
         self._inverse_frequency = inverse_frequency.to(self.device)
 
     def _allocate_weights(self) -> dict[str, torch.Tensor]:
@@ -233,16 +372,14 @@ class DecoderModel:
 
         With a cache, ``tokens_BT`` are fed at ``positions_BT`` into cache slots ``[0, B)`` and attend to
         everything cached before them. Without one (training), each row is a whole sequence from position 0,
-        right-padded, attending causally within itself.
+        right-padded, attending causally within itself. A layer with a sliding window ``w`` lets the query at
+        position ``p`` attend positions ``(p - w, p]`` only.
         """
         w, cfg = self.weights, self.config
         batch, length = tokens_BT.shape
         cos_BT1D, sin_BT1D = self._rope(positions_BT)
-        if cache is not None:
-            span = int(positions_BT.max()) + 1  # attend to cache positions [0, span)
-            slots_BT = torch.arange(batch, device=self.device)[:, None].expand(batch, length)
-            # A query attends every cache position at or before its own: the causal mask by absolute position.
-            mask_B1TS = (torch.arange(span, device=self.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
+        masks = {window: self._mask(positions_BT, cache, window) for window in {None, *cfg.sliding_windows}}
+        slots_BT = None if cache is None else torch.arange(batch, device=self.device)[:, None].expand(batch, length)
         qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         hidden_BTH = F.embedding(tokens_BT, w["model.embed_tokens.weight"])
         for i in range(cfg.num_layers):
@@ -250,30 +387,19 @@ class DecoderModel:
             x_BTH = self._rms_norm(hidden_BTH, w[p + "input_layernorm.weight"])
             fused = self._fused[i]
             q, k, v = F.linear(x_BTH, fused["qkv"], fused["qkv_bias"]).split(qkv_sizes, dim=-1)
-            q_BTND = _rotate(q.view(batch, length, cfg.num_heads, cfg.head_dim), cos_BT1D, sin_BT1D)
-            k_BTND = _rotate(k.view(batch, length, cfg.num_kv_heads, cfg.head_dim), cos_BT1D, sin_BT1D)
+            q_BTND = q.view(batch, length, cfg.num_heads, cfg.head_dim)
+            k_BTND = k.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q_BTND = self._rms_norm(q_BTND, w[p + "self_attn.q_norm.weight"])
+                k_BTND = self._rms_norm(k_BTND, w[p + "self_attn.k_norm.weight"])
+            q_BTND = _rotate(q_BTND, cos_BT1D, sin_BT1D)
+            k_BTND = _rotate(k_BTND, cos_BT1D, sin_BT1D)
             v_BTND = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
-            gqa = cfg.num_heads != cfg.num_kv_heads
-            if cache is None:
-                attention_BNTD = F.scaled_dot_product_attention(
-                    q_BTND.transpose(1, 2),
-                    k_BTND.transpose(1, 2),
-                    v_BTND.transpose(1, 2),
-                    is_causal=True,
-                    enable_gqa=gqa,
-                )
-            else:
-                cache.keys[i, slots_BT, :, positions_BT] = k_BTND
-                cache.values[i, slots_BT, :, positions_BT] = v_BTND
-                attention_BNTD = F.scaled_dot_product_attention(
-                    q_BTND.transpose(1, 2),
-                    cache.keys[i, :batch, :, :span],
-                    cache.values[i, :batch, :, :span],
-                    attn_mask=mask_B1TS,
-                    enable_gqa=gqa,
-                )
+            mask = masks[cfg.layer_window(i)]
+            attention_BNTD = self._attention(i, q_BTND, k_BTND, v_BTND, cache, (slots_BT, positions_BT), mask)
             attention_BTH = attention_BNTD.transpose(1, 2).reshape(batch, length, -1)
-            hidden_BTH = hidden_BTH + F.linear(attention_BTH, w[p + "self_attn.o_proj.weight"])
+            output_bias = w.get(p + "self_attn.o_proj.bias")
+            hidden_BTH = hidden_BTH + F.linear(attention_BTH, w[p + "self_attn.o_proj.weight"], output_bias)
             x_BTH = self._rms_norm(hidden_BTH, w[p + "post_attention_layernorm.weight"])
             gate, up = F.linear(x_BTH, fused["gate_up"]).chunk(2, dim=-1)
             gate = F.silu(gate) * up
@@ -284,6 +410,57 @@ class DecoderModel:
             selected_BWH = torch.gather(hidden_BTH, 1, select_BW[:, :, None].expand(-1, -1, hidden_BTH.shape[-1]))
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         return F.linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
+
+    def _mask(
+        self, positions_BT: torch.Tensor, cache: KVCache | None, window: int | None
+    ) -> tuple[int, torch.Tensor | None]:
+        """The first key position a query of this forward pass can see, and the boolean attention mask over
+        key positions ``[start, ...)``: ``key <= query`` and, with a window, ``key > query - window``.
+
+        Without a cache and a window the mask is None (causal attention by index). With a cache, keys are cache
+        positions ``[start, span)`` with ``span`` one past the last fed position: a window also skips the cache
+        positions no query of the batch can see."""
+        if cache is None:
+            if window is None:
+                return 0, None
+            keys_B1S = positions_BT[:, None, :]
+            queries_BT1 = positions_BT[:, :, None]
+            return 0, ((keys_B1S <= queries_BT1) & (keys_B1S > queries_BT1 - window))[:, None]
+        span = int(positions_BT.max()) + 1
+        start = 0 if window is None else max(0, int(positions_BT.min()) - window + 1)
+        keys_11S = torch.arange(start, span, device=self.device)[None, None, :]
+        queries_BT1 = positions_BT[:, :, None]
+        visible_BTS = keys_11S <= queries_BT1
+        if window is not None:
+            visible_BTS = visible_BTS & (keys_11S > queries_BT1 - window)
+        return start, visible_BTS[:, None]
+
+    def _attention(self, layer, q_BTND, k_BTND, v_BTND, cache, where, mask) -> torch.Tensor:
+        """Attention [B, N, T, D]: within the chunk (no cache) or over the cache after writing the chunk's keys and
+        values at ``where`` = (cache slots [B, T], positions [B, T]); ``mask`` is :meth:`_mask`'s."""
+        gqa = self.config.num_heads != self.config.num_kv_heads
+        start, mask_B1TS = mask
+        if cache is None:
+            return F.scaled_dot_product_attention(
+                q_BTND.transpose(1, 2),
+                k_BTND.transpose(1, 2),
+                v_BTND.transpose(1, 2),
+                attn_mask=mask_B1TS,
+                is_causal=mask_B1TS is None,
+                enable_gqa=gqa,
+            )
+        slots_BT, positions_BT = where
+        batch = slots_BT.shape[0]
+        cache.keys[layer, slots_BT, :, positions_BT] = k_BTND
+        cache.values[layer, slots_BT, :, positions_BT] = v_BTND
+        span = start + mask_B1TS.shape[-1]
+        return F.scaled_dot_product_attention(
+            q_BTND.transpose(1, 2),
+            cache.keys[layer, :batch, :, start:span],
+            cache.values[layer, :batch, :, start:span],
+            attn_mask=mask_B1TS,
+            enable_gqa=gqa,
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Like Hugging Face: normalise in at least float32, scale in the model's dtype.
