@@ -23,7 +23,7 @@ def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatc
     stop, fails it."""
     import pytest
 
-    from bubblespec import sampling
+    from bubblespec import decoding
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.tasks import ArithmeticTask
 
@@ -32,7 +32,7 @@ def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatc
     requests = suite.make_requests()
     plain = {r.key: r for r in engine.generate(requests)}
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "count_accepted", lambda sampled, drafts, num_draft: num_draft)
+        patch.setattr(decoding, "accepted_length", lambda samples, draft: len(draft))
         with pytest.raises(AssertionError, match="responses differ"):
             suite.test_drafts_never_change_outputs(engine, requests, plain)
     with monkeypatch.context() as patch:
