@@ -120,6 +120,9 @@ class RequestStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     prefill_tokens: int = 0
+    undecided_steps: int = 0
+    """Verify steps that stopped at a position the engine's top-K log-probabilities could not decide: they emit
+    their accepted tokens only, and the next step decodes that position plainly."""
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps by their acceptance length: the distribution behind the mean (and the metrics histogram)."""
 
