@@ -8,68 +8,234 @@ where ``mask`` applies top-k then top-p (computed from ``z`` itself, masked entr
 standard Gumbel noise from a counter-based hash of ``(k, i, v)``. This is an exact sample of
 ``softmax(mask(z / T))`` and needs no RNG state, so any engine, batch composition or verification pass that
 computes the logits of position ``i`` of key ``k`` picks the same token. ``T == 0`` is greedy (first argmax).
+Ties in the perturbed scores go to the lowest token id.
+
+The noise. The key's 64-bit seed ``(w0, w1)`` and the position ``i`` give a 64-bit stream state ``(a, b)``; for
+a fixed position the map from seeds to states is a bijection, so two keys never share a stream. Token ``v``
+gets the 32-bit word ``h = f2(f1(a ^ t(v)) ^ b)``, with ``t(v)`` a hash of the token id (computed once per
+vocabulary size) and ``f1``, ``f2`` the two halves of the "lowbias32" finaliser (C. Wellons); for a fixed stream
+``v -> h`` is a bijection. A second word ``l = hash32(h ^ c)`` (``c`` from the stream) refines it:
+
+    U = ((h ^ 2**31) * 2**20 + (l >> 12) + 0.5) / 2**52,    G = -log(-log U)
+
+``h ^ 2**31`` is the word read as a signed 32-bit integer plus 2**31, so the signed order of ``h`` is the order
+of ``U``. U has 52 random bits, so G is the Gumbel noise of a uniform rounded to a grid of step 2**-52 and
+capped at ``-log(-log(1 - 2**-53)) = 36.7``. The sample's distribution differs from ``softmax`` by at most the
+chance that some token's noise falls in a grid cell shared with a competitor or beyond the cap, about
+``V * 2**-52 < 4e-11`` at V = 152k: no test can measure it (it would take some 1e21 samples).
+
+Cheap exact selection. ``keyed_sample`` does not compute G for every token. A token whose word is below the
+top 2**-10 of its range ("not lucky") has ``U < 1 - 2**-10`` hence ``G < 6.94``; the lucky tokens (about
+V / 1024) and the best-scoring token give a score ``L`` that the winner reaches, so the winner is lucky or has
+``mask(z / T)[v] > L - 6.94``. Only those candidates get the exact float64 noise, and the result is the argmax
+over every token, bit for bit (a test checks it against the full noise). Noise and selection are computed
+from the logits converted to float64 whatever the model's dtype, so float32 and float64 engines share the
+noise; greedy rows draw no noise.
+
+Independent streams. ``stream_seeds(seeds, s)`` gives the seeds of stream ``s`` of each key: stream 0 is the
+key itself, other streams are independent noise for the same key and positions (e.g. one-hot verification).
 
 Coupled verification. A draft made with the same noise is checked against the keyed samples of one forward
 pass over ``[last_token, d_1 .. d_K]``: accept ``d_j`` while ``y_j == d_j``; at the first mismatch emit ``y_j``;
 if all match also emit ``y_{K+1}`` (the *bonus* token). The emitted tokens are exactly the ones plain keyed
 decoding emits.
 
-One-hot verification, for samplers that cannot take keyed noise: ``y_j ~ softmax(mask(z_j / T))`` from the
-engine's own RNG, accepted iff ``y_j == d_j``. Exact in distribution (a mismatching ``y_j`` is a sample of the
-residual ``p`` without ``d_j``), lower acceptance.
+One-hot verification, for samplers that cannot take keyed noise: ``y_j ~ softmax(mask(z_j / T))`` from
+randomness independent of the draft's, accepted iff ``y_j == d_j``. Exact in distribution (a mismatching
+``y_j`` is a sample of the residual ``p`` without ``d_j``), lower acceptance.
 
-Noise and the final selection are computed in float64 whatever the model's dtype, so float32 and float64
-engines share the same noise. Shapes: B batch rows, T positions, V vocabulary, K draft tokens.
+This module imports torch and the standard library only: the SGLang backend ships its source to a server.
+Shapes: B batch rows, T positions, V vocabulary, K draft tokens, R = B * T flattened rows, N candidates.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
-# Distinct odd constants that separate the hash streams of keys, positions and vocabulary ids.
-_KEY_SALT = 0x9E3779B9
+_BIT31 = 1 << 31
+
+
+def _int32(constant: int) -> int:
+    """The signed 32-bit integer with the bits of ``constant`` (in [0, 2**32))."""
+    return constant - (1 << 32) if constant >= _BIT31 else constant
+
+
+# lowbias32's multipliers, and distinct odd salts that separate the streams of seeds, positions and token ids.
+_MULTIPLIER_1 = _int32(0x7FEB352D)
+_MULTIPLIER_2 = _int32(0x846CA68B)
 _POSITION_SALT = 0x85EBCA6B
-_VOCAB_SALT_HI = 0xC2B2AE35
-_VOCAB_SALT_LO = 0x27D4EB2F
-_SECOND_WORD_SALT = 0x165667B1
+_STATE_SALT = 0xC2B2AE35
+_REFINE_SALT = 0x27D4EB2F
+_VOCAB_SALT = 0x165667B1
+_STREAM_SALT_0 = 0x9E3779B9
+_STREAM_SALT_1 = 0xD3A2646D
+# A token is lucky when its word is in the top 2**-10 of its range: the signed word is >= this.
+_LUCKY_BITS = 10
+_LUCKY_WORD = _BIT31 - (1 << (32 - _LUCKY_BITS))
+# Bound on G for the other tokens (U < 1 - 2**-10), rounded up for float64 rounding of log.
+_UNLUCKY_GUMBEL_BOUND = -math.log(-math.log1p(-(2.0**-_LUCKY_BITS))) + 1e-9
+# keyed_sample on CPU: rows per block such that a block holds about this many logits.
+_CPU_BLOCK_ELEMENTS = 1 << 21
+
+
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
+    """``x ^= x >>> shift`` in place on int32, the logical shift made from the arithmetic one and a mask."""
+    torch.bitwise_right_shift(x, shift, out=scratch)
+    scratch.bitwise_and_((1 << (32 - shift)) - 1)
+    x.bitwise_xor_(scratch)
+
+
+def _mix_first_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+    """First half of lowbias32 in place: ``x ^= x >>> 16; x *= M1; x ^= x >>> 15`` (wrap-around product)."""
+    _xorshift_(x, 16, scratch)
+    x.mul_(_MULTIPLIER_1)
+    _xorshift_(x, 15, scratch)
+
+
+def _mix_second_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Second half of lowbias32 in place: ``x *= M2; x ^= x >>> 16``."""
+    x.mul_(_MULTIPLIER_2)
+    _xorshift_(x, 16, scratch)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser ("lowbias32", C. Wellons) on int64 tensors holding values in [0, 2**32).
+    """The 32-bit finaliser "lowbias32" (C. Wellons), a bijection, on int32 tensors (bits as two's complement)."""
+    x = x.to(torch.int32, copy=True)
+    scratch = torch.empty_like(x)
+    _mix_first_(x, scratch)
+    _mix_second_(x, scratch)
+    return x
 
-    The products overflow int64 for large inputs; two's-complement wrap-around keeps the low 32 bits exact.
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) (or any int64: taken modulo 2**32) as int32 with the same low 32 bits."""
+    low = words.to(torch.int64) & _MASK32
+    return torch.where(low >= _BIT31, low - (1 << 32), low).to(torch.int32)
+
+
+def _from_int32(words: torch.Tensor) -> torch.Tensor:
+    """int32 words as int64 values in [0, 2**32)."""
+    return words.to(torch.int64) & _MASK32
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed_token_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """t(v) = hash32(v ^ VOCAB_SALT) for v < vocab_size, [V] int32: the same for every key, so computed once."""
+    token_ids_V = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    return hash32(_to_int32(token_ids_V ^ _VOCAB_SALT))
+
+
+def _stream_state(seeds_B2: torch.Tensor, positions_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The stream words (a, b, c) of every (key, position), each [B, T] int32.
+
+    ``a = hash32(w0 ^ hash32(w1 ^ hash32(i ^ POSITION_SALT)))`` and ``b = hash32(w1 ^ hash32(a ^ STATE_SALT))``:
+    for a fixed position, (w0, w1) -> (a, b) is a bijection (w1 is recovered from b and a, then w0 from a).
+    ``c = hash32(b ^ REFINE_SALT)`` seeds the refining word.
     """
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    if seeds_B2.dim() != 2 or seeds_B2.shape[1] != 2 or seeds_B2.shape[0] != positions_BT.shape[0]:
+        raise ValueError(
+            f"seeds must have shape [batch, 2] with batch = {positions_BT.shape[0]}, got {tuple(seeds_B2.shape)}"
+        )
+    seeds_B2 = _to_int32(seeds_B2.to(positions_BT.device))
+    position_hash_BT = hash32(_to_int32(positions_BT) ^ _int32(_POSITION_SALT))
+    a_BT = hash32(seeds_B2[:, 0, None] ^ hash32(seeds_B2[:, 1, None] ^ position_hash_BT))
+    b_BT = hash32(seeds_B2[:, 1, None] ^ hash32(a_BT ^ _int32(_STATE_SALT)))
+    return a_BT, b_BT, hash32(b_BT ^ _int32(_REFINE_SALT))
+
+
+def _token_words(a_R1: torch.Tensor, b_R1: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
+    """h = f2(f1(a ^ t(v)) ^ b) for rows of stream words a, b [R, 1] and hashed token ids [V] (or [R, N]):
+    [R, V] int32."""
+    words = torch.bitwise_xor(a_R1, hashed_ids)
+    scratch = torch.empty_like(words)
+    _mix_first_(words, scratch)
+    words.bitwise_xor_(b_R1)
+    _mix_second_(words, scratch)
+    return words
+
+
+def _uniform_of_words(words: torch.Tensor, refine_seeds: torch.Tensor) -> torch.Tensor:
+    """U in (0, 1), float64, from token words h and the stream's refining seed c (broadcastable shapes)."""
+    low_bits = _from_int32(hash32(words ^ refine_seeds)) >> 12
+    high_bits = words.to(torch.int64) + _BIT31  # = h ^ 2**31 read unsigned
+    # A 52-bit integer; + 0.5 is exact in float64 and keeps U inside (0, 1).
+    return ((high_bits * (1 << 20) + low_bits).to(torch.float64) + 0.5) / float(1 << 52)
+
+
+def _gumbel_of_words(words: torch.Tensor, refine_seeds: torch.Tensor) -> torch.Tensor:
+    """G = -log(-log U), float64."""
+    return -torch.log(-torch.log(_uniform_of_words(words, refine_seeds)))
+
+
+def stream_seeds(seeds_B2: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
+    """Seeds of noise stream ``stream`` of each key: [B, 2] int64 words in [0, 2**32).
+
+    Stream 0 is the key's own noise (the seeds are returned unchanged); stream ``s > 0`` is independent noise for
+    the same key and positions: ``w0' = hash32(w0 ^ hash32(w1 ^ hash32(s ^ SALT0)))``,
+    ``w1' = hash32(w1 ^ hash32(w0' ^ SALT1))``, a bijection of (w0, w1) for each s, so keys never share a
+    stream. ``stream`` is an int or a [B] integer tensor with values in [0, 2**32).
+    """
+    if isinstance(stream, int) and not 0 <= stream <= _MASK32:
+        raise ValueError(f"stream must be in [0, 2**32), got {stream!r}")
+    stream_B = torch.as_tensor(stream, dtype=torch.int64, device=seeds_B2.device).expand(seeds_B2.shape[0])
+    if stream_B.numel() and (int(stream_B.min()) < 0 or int(stream_B.max()) > _MASK32):
+        raise ValueError(f"stream must be in [0, 2**32), got {stream!r}")
+    words_B2 = _to_int32(seeds_B2)
+    stream_hash_B = hash32(hash32(_to_int32(stream_B) ^ _int32(_STREAM_SALT_0)) ^ words_B2[:, 1])
+    first_B = hash32(words_B2[:, 0] ^ stream_hash_B)
+    second_B = hash32(words_B2[:, 1] ^ hash32(first_B ^ _int32(_STREAM_SALT_1)))
+    derived_B2 = _from_int32(torch.stack([first_B, second_B], dim=1))
+    return torch.where((stream_B == 0)[:, None], seeds_B2.to(torch.int64), derived_B2)
+
+
+def _words_of_rows(
+    seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token words h [R, V] int32 and refining seeds c [R, 1] int32 of every (key, position) row."""
+    a_BT, b_BT, c_BT = _stream_state(seeds_B2, positions_BT.to(torch.int64))
+    hashed_ids_V = _hashed_token_ids(vocab_size, positions_BT.device)
+    return _token_words(a_BT.reshape(-1, 1), b_BT.reshape(-1, 1), hashed_ids_V), c_BT.reshape(-1, 1)
 
 
 def keyed_uniform(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise in (0, 1) with 52 random bits, a pure function of (seed, position, token id).
+    """Uniform noise U(k, i, v) in (0, 1) with 52 random bits, a pure function of (seed, position, token id).
 
     seeds_B2: [B, 2] int64, two 32-bit words per rollout key (``RolloutKey.noise_seed()``).
     positions_BT: [B, T] int64 response positions (0 = first generated token).
     Returns [B, T, V] float64.
     """
-    device = positions_BT.device
-    seeds_B2 = seeds_B2.to(device=device, dtype=torch.int64)
-    key_B = hash32(seeds_B2[:, 0] ^ hash32(seeds_B2[:, 1] ^ _KEY_SALT))
-    stream_BT = hash32(key_B[:, None] ^ hash32((positions_BT.to(torch.int64) + _POSITION_SALT) & _MASK32))
-    stream2_BT = hash32(stream_BT ^ _SECOND_WORD_SALT)
-    vocab_V = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    high_BTV = hash32(stream_BT[..., None] ^ hash32(vocab_V ^ _VOCAB_SALT_HI))
-    low_BTV = hash32(stream2_BT[..., None] ^ hash32(vocab_V ^ _VOCAB_SALT_LO))
-    # Two 26-bit halves make a 52-bit integer; + 0.5 is exact in float64 and keeps the result inside (0, 1).
-    bits_BTV = (high_BTV >> 6) * (1 << 26) + (low_BTV >> 6)
-    return (bits_BTV.to(torch.float64) + 0.5) / float(1 << 52)
+    words_RV, refine_R1 = _words_of_rows(seeds_B2, positions_BT, vocab_size)
+    return _uniform_of_words(words_RV, refine_R1).reshape(*positions_BT.shape, vocab_size)
 
 
 def keyed_gumbel(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise G(k, i, v), [B, T, V] float64."""
+    """Standard Gumbel noise G(k, i, v) = -log(-log U(k, i, v)) for every token, [B, T, V] float64."""
     return -torch.log(-torch.log(keyed_uniform(seeds_B2, positions_BT, vocab_size)))
+
+
+def keyed_gumbel_max_outside(
+    seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int, excluded_BTK: torch.Tensor
+) -> torch.Tensor:
+    """``max over v not in excluded[b, t] of G(k_b, i_bt, v)``, [B, T] float64 (-inf if every token is excluded).
+
+    Equal to ``keyed_gumbel(...).scatter(-1, excluded, -inf).max(-1)`` but computes one 32-bit word per token and
+    one logarithm pair per row: G is increasing in U, U is ordered by the signed word h (the refining bits only
+    break ties within a word), and for a fixed stream no two tokens share a word. The bound of top-K
+    verification (DESIGN.md §4) uses it. excluded_BTK: [B, T, K] int64 token ids (repeats allowed).
+    """
+    batch, num_positions = positions_BT.shape
+    words_RV, refine_R1 = _words_of_rows(seeds_B2, positions_BT, vocab_size)
+    excluded_RK = excluded_BTK.to(words_RV.device, torch.int64).reshape(batch * num_positions, -1)
+    outside_RV = torch.ones_like(words_RV, dtype=torch.bool).scatter_(1, excluded_RK, False)
+    lowest = torch.iinfo(torch.int32).min
+    best_word_R = words_RV.masked_fill(~outside_RV, lowest).max(-1).values
+    gumbel_R = _gumbel_of_words(best_word_R[:, None], refine_R1)[:, 0]
+    any_outside_R = outside_RV.any(-1)
+    return torch.where(any_outside_R, gumbel_R, float("-inf")).reshape(batch, num_positions)
 
 
 def mask_logits(
@@ -79,34 +245,77 @@ def mask_logits(
 
     top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept); ``k == 0`` keeps
     all. top-p keeps, in order of decreasing probability (ties: lower token id first), each token whose
-    preceding cumulative probability is < p, so the most likely token is always kept. Rows with ``T == 0`` are
-    returned unscaled (greedy ignores the filters).
+    preceding cumulative probability (summed in that order) is < p, so the most likely token is always kept.
+    Rows with ``T == 0`` are returned unscaled (greedy ignores the filters). Returns a new tensor.
     """
-    scores = logits_BTV.to(torch.float64)
-    batch, _, vocab = scores.shape
-    temperature = temperature_B.to(scores.device, torch.float64)
-    greedy_B = temperature == 0
-    scores = scores / torch.where(greedy_B, 1.0, temperature)[:, None, None]
+    batch, num_positions, vocab = logits_BTV.shape
+    device = logits_BTV.device
+    temperature_B = temperature_B.to(device, torch.float64)
+    greedy_B = temperature_B == 0
+    divisor_B = torch.where(greedy_B, 1.0, temperature_B)
+    if bool((divisor_B == 1.0).all()):
+        scores_BTV = logits_BTV.to(torch.float64, copy=True)  # z / 1 == z exactly
+    else:
+        scores_BTV = logits_BTV.to(torch.float64) / divisor_B[:, None, None]
 
-    top_k = top_k_B.to(scores.device, torch.int64)
-    use_top_k_B = (top_k > 0) & (top_k < vocab) & ~greedy_B
-    if use_top_k_B.any():
-        sorted_desc = torch.sort(scores, dim=-1, descending=True).values
-        kth_index = (top_k.clamp(1, vocab) - 1)[:, None, None].expand(batch, scores.shape[1], 1)
-        threshold_BT1 = torch.gather(sorted_desc, -1, kth_index)
-        drop = (scores < threshold_BT1) & use_top_k_B[:, None, None]
-        scores = scores.masked_fill(drop, float("-inf"))
+    top_k_B = top_k_B.to(device, torch.int64)
+    use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B
+    if bool(use_top_k_B.any()):
+        rows = use_top_k_B.nonzero()[:, 0]
+        selected_STV = scores_BTV[rows]
+        largest_STW = torch.topk(selected_STV, int(top_k_B[rows].max()), dim=-1).values
+        kth_index_ST1 = (top_k_B[rows] - 1)[:, None, None].expand(-1, num_positions, 1)
+        threshold_ST1 = largest_STW.gather(-1, kth_index_ST1)
+        scores_BTV[rows] = selected_STV.masked_fill_(selected_STV < threshold_ST1, float("-inf"))
 
-    top_p = top_p_B.to(scores.device, torch.float64)
-    use_top_p_B = (top_p < 1.0) & ~greedy_B
-    if use_top_p_B.any():
-        probs = torch.softmax(scores, dim=-1)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        preceding = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = (preceding >= top_p[:, None, None]) & use_top_p_B[:, None, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
+    top_p_B = top_p_B.to(device, torch.float64)
+    use_top_p_B = (top_p_B < 1.0) & ~greedy_B
+    if bool(use_top_p_B.any()):
+        rows = use_top_p_B.nonzero()[:, 0]
+        selected_STV = scores_BTV[rows]
+        probs_RV = torch.softmax(selected_STV, dim=-1).reshape(-1, vocab)
+        top_p_R = top_p_B[rows].repeat_interleave(num_positions)
+        keep_STV = _nucleus(probs_RV, top_p_R).reshape(selected_STV.shape)
+        scores_BTV[rows] = selected_STV.masked_fill_(~keep_STV, float("-inf"))
+    return scores_BTV
+
+
+def _nucleus(probs_RV: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
+    """The top-p keep mask [R, V] bool: sorting only the most probable tokens when they decide the cut.
+
+    Tokens above the W-th largest probability are a prefix of the full (probability desc, id asc) order, and
+    the preceding cumulative probability never decreases along it; when it reaches p inside that prefix the cut
+    is decided without sorting the rest. Otherwise W grows 8-fold, up to a full sort.
+    """
+    num_rows, vocab = probs_RV.shape
+    keep_RV = torch.zeros_like(probs_RV, dtype=torch.bool)
+    pending_R = torch.arange(num_rows, device=probs_RV.device)
+    width = min(64, vocab)
+    while pending_R.numel():
+        probs_PV, top_p_P = probs_RV[pending_R], top_p_R[pending_R]
+        if width >= vocab:
+            order_probs_PW, order_ids_PW = torch.sort(probs_PV, dim=-1, descending=True, stable=True)
+            known_P = torch.full_like(top_p_P, vocab, dtype=torch.int64)
+        else:
+            largest_PW, ids_PW = torch.topk(probs_PV, width, dim=-1)
+            # The same tokens in (probability desc, id asc) order: sort by id, then stably by probability.
+            ids_PW, by_id_PW = torch.sort(ids_PW, dim=-1)
+            by_id_probs_PW = largest_PW.gather(-1, by_id_PW)
+            order_probs_PW, by_prob_PW = torch.sort(by_id_probs_PW, dim=-1, descending=True, stable=True)
+            order_ids_PW = ids_PW.gather(-1, by_prob_PW)
+            # Entries tied with the W-th largest may be other tokens of equal probability: order known before them.
+            known_P = (order_probs_PW > order_probs_PW[:, -1:]).sum(-1)
+        # Exclusive running sum: the probability of the tokens before each one.
+        preceding_PW = torch.cat([torch.zeros_like(order_probs_PW[:, :1]), order_probs_PW.cumsum(-1)[:, :-1]], -1)
+        at_boundary_P = preceding_PW.gather(-1, known_P.clamp(max=width - 1)[:, None])[:, 0]
+        decided_P = (known_P >= vocab) | (at_boundary_P >= top_p_P)
+        slot_PW = torch.arange(order_probs_PW.shape[1], device=probs_RV.device)
+        kept_PW = (preceding_PW < top_p_P[:, None]) & (slot_PW < known_P[:, None])
+        done = decided_P.nonzero()[:, 0]
+        keep_RV[pending_R[done]] = keep_RV[pending_R[done]].scatter_(1, order_ids_PW[done], kept_PW[done])
+        pending_R = pending_R[~decided_P]
+        width = min(8 * width, vocab)
+    return keep_RV
 
 
 def keyed_sample(
@@ -117,17 +326,81 @@ def keyed_sample(
     top_k_B: torch.Tensor,
     top_p_B: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keyed samples and their log-probabilities at every position.
+    """Keyed samples ``argmax_v(mask(z / T)[v] + G(k, i, v))`` and their log-probabilities at every position.
 
     Returns tokens [B, T] int64 and logprobs [B, T] float64 (under ``softmax(mask(z / T))``; under the raw
-    distribution for greedy rows).
+    distribution for greedy rows). Rows (b, t) are independent; on CPU they are processed a few at a time so
+    that the float64 temporaries stay small (fresh large allocations cost more than the arithmetic there).
     """
-    scores_BTV = mask_logits(logits_BTV, temperature_B, top_k_B, top_p_B)
-    greedy_B = temperature_B.to(scores_BTV.device) == 0
-    noise_BTV = keyed_gumbel(seeds_B2, positions_BT, scores_BTV.shape[-1])
-    perturbed = torch.where(greedy_B[:, None, None], scores_BTV, scores_BTV + noise_BTV)
-    tokens_BT = torch.argmax(perturbed, dim=-1)
-    return tokens_BT, _logprobs_of(scores_BTV, tokens_BT)
+    batch, num_positions, vocab = logits_BTV.shape
+    device = logits_BTV.device
+    num_rows = batch * num_positions
+    per_row = [
+        seeds_B2.to(device, torch.int64).repeat_interleave(num_positions, dim=0),
+        positions_BT.to(device, torch.int64).reshape(num_rows, 1),
+        *(x.to(device).repeat_interleave(num_positions) for x in (temperature_B, top_k_B, top_p_B)),
+    ]
+    logits_R1V = logits_BTV.reshape(num_rows, 1, vocab)
+    tokens_R = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs_R = torch.empty(num_rows, dtype=torch.float64, device=device)
+    block = num_rows if device.type != "cpu" else max(1, _CPU_BLOCK_ELEMENTS // vocab)
+    for start in range(0, num_rows, block):
+        rows = slice(start, start + block)
+        tokens_R[rows], logprobs_R[rows] = _keyed_sample_rows(logits_R1V[rows], *(x[rows] for x in per_row))
+    return tokens_R.view(batch, num_positions), logprobs_R.view(batch, num_positions)
+
+
+def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R):
+    """:func:`keyed_sample` for rows of one position each: tokens [R] int64, logprobs [R] float64."""
+    scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R)
+    scores_RV = scores_R1V[:, 0]
+    best_R, tokens_R = scores_RV.max(-1)  # the first argmax: greedy rows' token
+    log_normaliser_R = torch.sub(scores_RV, best_R[:, None]).exp_().sum(-1).log_().add_(best_R)
+    sampled_R = temperature_R != 0
+    if bool(sampled_R.all()):
+        tokens_R = _perturbed_argmax(scores_RV, seeds_R2, positions_R1, tokens_R)
+    elif bool(sampled_R.any()):
+        tokens_R[sampled_R] = _perturbed_argmax(
+            scores_RV[sampled_R], seeds_R2[sampled_R], positions_R1[sampled_R], tokens_R[sampled_R]
+        )
+    return tokens_R, scores_RV.gather(-1, tokens_R[:, None])[:, 0] - log_normaliser_R
+
+
+def _perturbed_argmax(
+    scores_RV: torch.Tensor, seeds_B2: torch.Tensor, positions_BT: torch.Tensor, best_token_R: torch.Tensor
+) -> torch.Tensor:
+    """``argmax_v(scores[r, v] + G[r, v])`` (first on ties) for rows r = (b, t), [R] int64, with the exact float64
+    noise of the lucky tokens and of those whose score is within the unlucky-noise bound of the best known.
+
+    Lucky tokens and the best-scoring one give ``L_r = max(score + G)``, reached by the winner; an unlucky token
+    has ``G < 6.94``, so it can only win if ``score > L_r - 6.94`` (less a margin for float64 rounding of
+    ``score + G``). Among candidates sorted by token id the first maximum is the first maximum overall.
+    """
+    num_rows, vocab = scores_RV.shape
+    words_RV, refine_R1 = _words_of_rows(seeds_B2, positions_BT, vocab)
+    lucky_rows, lucky_tokens = (words_RV >= _LUCKY_WORD).nonzero(as_tuple=True)
+    all_rows = torch.arange(num_rows, device=scores_RV.device)
+    rows_N, tokens_N = torch.cat([lucky_rows, all_rows]), torch.cat([lucky_tokens, best_token_R])
+    reached_R = _row_max(_candidate_scores(scores_RV, words_RV, refine_R1, rows_N, tokens_N), rows_N, num_rows)
+    threshold_R = reached_R - _UNLUCKY_GUMBEL_BOUND - 1e-6 * (1.0 + reached_R.abs())
+    close_rows, close_tokens = (scores_RV >= threshold_R[:, None]).nonzero(as_tuple=True)
+    rows_N, tokens_N = torch.cat([rows_N, close_rows]), torch.cat([tokens_N, close_tokens])
+    perturbed_N = _candidate_scores(scores_RV, words_RV, refine_R1, rows_N, tokens_N)
+    is_best_N = perturbed_N == _row_max(perturbed_N, rows_N, num_rows)[rows_N]
+    first_R = torch.full((num_rows,), vocab, dtype=torch.int64, device=scores_RV.device)
+    return first_R.scatter_reduce_(0, rows_N[is_best_N], tokens_N[is_best_N], "amin")
+
+
+def _candidate_scores(scores_RV, words_RV, refine_R1, rows_N, tokens_N) -> torch.Tensor:
+    """``scores[r, v] + G[r, v]`` at the candidate (row, token) pairs, [N] float64."""
+    gumbel_N = _gumbel_of_words(words_RV[rows_N, tokens_N], refine_R1[rows_N, 0])
+    return scores_RV[rows_N, tokens_N] + gumbel_N
+
+
+def _row_max(values_N: torch.Tensor, rows_N: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Per-row maximum of values at (row-indexed) candidates, [R] float64 (-inf for rows without candidates)."""
+    initial_R = torch.full((num_rows,), float("-inf"), dtype=values_N.dtype, device=values_N.device)
+    return initial_R.scatter_reduce_(0, rows_N, values_N, "amax")
 
 
 def engine_sample(
@@ -137,19 +410,15 @@ def engine_sample(
     top_p_B: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples from ``softmax(mask(z / T))`` with an RNG instead of keyed noise (the one-hot verification path).
-    Returns tokens [B, T] and logprobs [B, T] like :func:`keyed_sample`."""
+    """Samples from ``softmax(mask(z / T))`` with an RNG instead of keyed noise (the old one-hot verification
+    path; ``keyed_sample`` with :func:`stream_seeds` replaces it). Returns tokens [B, T] and logprobs [B, T]."""
     scores_BTV = mask_logits(logits_BTV, temperature_B, top_k_B, top_p_B)
     batch, positions, vocab = scores_BTV.shape
     probs = torch.softmax(scores_BTV, dim=-1).reshape(batch * positions, vocab)
     sampled_BT = torch.multinomial(probs, 1, generator=generator).reshape(batch, positions)
     greedy_B = temperature_B.to(scores_BTV.device) == 0
     tokens_BT = torch.where(greedy_B[:, None], scores_BTV.argmax(-1), sampled_BT)
-    return tokens_BT, _logprobs_of(scores_BTV, tokens_BT)
-
-
-def _logprobs_of(scores_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(scores_BTV, dim=-1).gather(-1, tokens_BT[..., None]).squeeze(-1)
+    return tokens_BT, torch.log_softmax(scores_BTV, dim=-1).gather(-1, tokens_BT[..., None]).squeeze(-1)
 
 
 def count_accepted(sampled_BT: torch.Tensor, draft_BK: torch.Tensor, num_draft_B: torch.Tensor) -> torch.Tensor:

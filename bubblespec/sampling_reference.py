@@ -15,23 +15,62 @@ from bubblespec import sampling as _vectorised
 _MASK32 = 0xFFFFFFFF
 
 
-def hash32(x: int) -> int:
+def _mix_first(x: int) -> int:
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
+    return x ^ (x >> 15)
+
+
+def _mix_second(x: int) -> int:
     x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
 
 
+def hash32(x: int) -> int:
+    """lowbias32 on an integer in [0, 2**32)."""
+    return _mix_second(_mix_first(x))
+
+
+def stream_state(seed: tuple[int, int], position: int) -> tuple[int, int, int]:
+    """The stream words (a, b, c) of one key seed (w0, w1) at one response position."""
+    w0, w1 = seed
+    position_hash = hash32((position & _MASK32) ^ _vectorised._POSITION_SALT)
+    a = hash32(w0 ^ hash32(w1 ^ position_hash))
+    b = hash32(w1 ^ hash32(a ^ _vectorised._STATE_SALT))
+    return a, b, hash32(b ^ _vectorised._REFINE_SALT)
+
+
+def token_word(seed: tuple[int, int], position: int, token: int) -> int:
+    """The 32-bit word h of one token: ``f2(f1(a ^ t(v)) ^ b)``, unsigned."""
+    a, b, _ = stream_state(seed, position)
+    return _mix_second(_mix_first(a ^ hash32(token ^ _vectorised._VOCAB_SALT)) ^ b)
+
+
+def keyed_uniform(seed: tuple[int, int], position: int, token: int) -> float:
+    """U(k, i, v): 32 bits of the token word (top bit flipped) then 20 bits of the refining word."""
+    word = token_word(seed, position, token)
+    refine = hash32(word ^ stream_state(seed, position)[2])
+    return (((word ^ (1 << 31)) << 20) + (refine >> 12) + 0.5) / float(1 << 52)
+
+
 def keyed_gumbel(seed: tuple[int, int], position: int, token: int) -> float:
     """G(k, i, v) for one key seed, one response position and one token id."""
-    key = hash32(seed[0] ^ hash32(seed[1] ^ _vectorised._KEY_SALT))
-    stream = hash32(key ^ hash32((position + _vectorised._POSITION_SALT) & _MASK32))
-    stream2 = hash32(stream ^ _vectorised._SECOND_WORD_SALT)
-    high = hash32(stream ^ hash32(token ^ _vectorised._VOCAB_SALT_HI))
-    low = hash32(stream2 ^ hash32(token ^ _vectorised._VOCAB_SALT_LO))
-    uniform = ((high >> 6) * (1 << 26) + (low >> 6) + 0.5) / float(1 << 52)
-    return -math.log(-math.log(uniform))
+    return -math.log(-math.log(keyed_uniform(seed, position, token)))
+
+
+def keyed_gumbel_max_outside(seed: tuple[int, int], position: int, vocab: int, excluded: Sequence[int]) -> float:
+    """The largest G(k, i, v) over tokens v not in ``excluded``."""
+    outside = set(range(vocab)) - set(excluded)
+    return max((keyed_gumbel(seed, position, v) for v in outside), default=-math.inf)
+
+
+def stream_seeds(seed: tuple[int, int], stream: int) -> tuple[int, int]:
+    """The seed of noise stream ``stream`` of a key: itself for stream 0."""
+    if stream == 0:
+        return seed
+    w0, w1 = seed
+    first = hash32(w0 ^ hash32(w1 ^ hash32(stream ^ _vectorised._STREAM_SALT_0)))
+    return first, hash32(w1 ^ hash32(first ^ _vectorised._STREAM_SALT_1))
 
 
 def mask_logits(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> list[float]:

@@ -144,7 +144,31 @@ def _exact_sequence_distribution(probs_fn, length: int, vocab: int) -> dict[tupl
     return table
 
 
-def test_one_hot_verification_is_exact_in_distribution():
+def _engine_rng_sampler():
+    generator = torch.Generator().manual_seed(4)
+
+    def sample(logits, temperature, seeds, positions):
+        rows = logits.shape[0]
+        no_top_k, no_top_p = torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dtype=torch.float64)
+        return sampling.engine_sample(logits, temperature, no_top_k, no_top_p, generator=generator)[0]
+
+    return sample
+
+
+def _keyed_stream_sampler(stream: int):
+    """One-hot verification with counter-based randomness: keyed samples of an independent noise stream."""
+
+    def sample(logits, temperature, seeds, positions):
+        rows = logits.shape[0]
+        no_top_k, no_top_p = torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dtype=torch.float64)
+        stream_seeds = sampling.stream_seeds(seeds, stream)
+        return sampling.keyed_sample(logits, stream_seeds, positions, temperature, no_top_k, no_top_p)[0]
+
+    return sample
+
+
+@pytest.mark.parametrize("make_sampler", [_engine_rng_sampler, lambda: _keyed_stream_sampler(7)], ids=["rng", "stream"])
+def test_one_hot_verification_is_exact_in_distribution(make_sampler):
     """One-hot verification of a fixed, wrong-ish draft yields exactly the target's sequence distribution."""
     vocab, length, trials = 3, 3, 30_000
     generator = torch.Generator().manual_seed(21)
@@ -160,28 +184,27 @@ def test_one_hot_verification_is_exact_in_distribution():
         return torch.softmax(target_logits(prefix) / temperature, -1).tolist()
 
     draft = [2, 0, 1]
-    rng_generator = torch.Generator().manual_seed(4)
+    sample = make_sampler()
+    trial_seeds = _random_seeds(random.Random(8), trials)
     # All trials advance together; rows that share an emitted prefix share the verifier's logits.
-    pending: dict[tuple[int, ...], int] = {(): trials}
+    pending: dict[tuple[int, ...], list[int]] = {(): list(range(trials))}
     counts: dict[tuple[int, ...], int] = {}
     while pending:
-        prefix, rows = pending.popitem()
+        prefix, trial_ids = pending.popitem()
+        rows = len(trial_ids)
         proposal = draft[len(prefix) : length - 1]  # leave room for the token sampled after the draft
         logits = torch.stack([target_logits(list(prefix) + proposal[:j]) for j in range(len(proposal) + 1)])
-        tokens, _ = sampling.engine_sample(
-            logits.expand(rows, -1, -1),
-            temperature.expand(rows),
-            torch.zeros(rows, dtype=torch.int64),
-            torch.ones(rows, dtype=torch.float64),
-            generator=rng_generator,
-        )
+        positions = torch.arange(len(prefix), len(prefix) + len(proposal) + 1).repeat(rows, 1)
+        tokens = sample(logits.expand(rows, -1, -1), temperature.expand(rows), trial_seeds[trial_ids], positions)
         accepted = sampling.count_accepted(
             tokens, torch.tensor([proposal] * rows).reshape(rows, -1), torch.full((rows,), len(proposal))
         )
-        for row in range(rows):
+        for row, trial in enumerate(trial_ids):
             emitted = prefix + tuple(tokens[row, : int(accepted[row]) + 1].tolist())
-            table = counts if len(emitted) >= length else pending
-            table[emitted[:length]] = table.get(emitted[:length], 0) + 1
+            if len(emitted) >= length:
+                counts[emitted[:length]] = counts.get(emitted[:length], 0) + 1
+            else:
+                pending.setdefault(emitted, []).append(trial)
     exact = _exact_sequence_distribution(probs_fn, length, vocab)
     total_variation = 0.5 * sum(abs(counts.get(s, 0) / trials - p) for s, p in exact.items())
     chi_square = sum((counts.get(s, 0) - trials * p) ** 2 / (trials * p) for s, p in exact.items() if p > 1e-6)
@@ -204,3 +227,162 @@ def test_bad_sampling_params_are_refused_with_the_value():
     ]:
         with pytest.raises(ValueError, match=fragment):
             SamplingParams(**kwargs)
+
+
+def _old_folded_key(seed: tuple[int, int]) -> int:
+    """The 32-bit key the noise used before it took all 64 bits of the seed: hash32(w0 ^ hash32(w1 ^ salt))."""
+    return reference.hash32(seed[0] ^ reference.hash32(seed[1] ^ 0x9E3779B9))
+
+
+def test_noise_uses_all_64_bits_of_the_seed():
+    """Two seeds whose old 32-bit fold collides get different noise (they shared all noise before)."""
+    first = (0x12345678, 1)
+    second = (first[0] ^ reference.hash32(1 ^ 0x9E3779B9) ^ reference.hash32(2 ^ 0x9E3779B9), 2)
+    assert _old_folded_key(first) == _old_folded_key(second)
+    seeds = torch.tensor([first, second], dtype=torch.int64)
+    positions = torch.arange(4).repeat(2, 1)
+    noise = sampling.keyed_gumbel(seeds, positions, 1000)
+    assert (noise[0] != noise[1]).float().mean() > 0.99
+    # Same-position stream states of distinct seeds are distinct: the seed -> state map is a bijection.
+    states = {reference.stream_state(seed, 3)[:2] for seed in [first, second, (first[0], 2), (second[0], 1)]}
+    assert len(states) == 4
+
+
+def test_token_words_are_a_bijection_of_token_ids_per_stream():
+    """For one (key, position), no two token ids share a word, so U never ties within a row."""
+    seeds = _random_seeds(random.Random(2), 2)
+    words, _ = sampling._words_of_rows(seeds, torch.tensor([[0], [12345]]), 1 << 18)
+    assert all(row.unique().numel() == 1 << 18 for row in words)
+
+
+def _brute_force_sample(logits, seeds, positions, temperature, top_k, top_p):
+    """argmax of mask(z / T) + G with the noise of every token (greedy rows: argmax of the logits)."""
+    scores = sampling.mask_logits(logits, temperature, top_k, top_p)
+    noise = sampling.keyed_gumbel(seeds, positions, logits.shape[-1])
+    return torch.where((temperature == 0)[:, None, None], scores, scores + noise).argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("scale", [0.05, 3.0, 30.0])
+def test_keyed_sample_at_real_vocabulary_equals_the_full_noise_argmax(dtype, scale):
+    """Selecting among lucky and high-scoring tokens only gives exactly the argmax over every token, with
+    logits from nearly flat to nearly one-hot and mixed sampling parameters."""
+    vocab, batch, num_positions = 151_936, 4, 2
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    logits = (torch.randn(batch, num_positions, vocab, generator=generator) * scale).to(dtype)
+    seeds = _random_seeds(random.Random(3), batch)
+    positions = torch.randint(0, 5000, (batch, num_positions), generator=generator)
+    temperature = torch.tensor([1.0, 0.6, 1.4, 0.0], dtype=torch.float64)
+    top_k = torch.tensor([0, 40, 0, 0])
+    top_p = torch.tensor([1.0, 0.9, 0.97, 1.0], dtype=torch.float64)
+    tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)
+    assert torch.equal(tokens, _brute_force_sample(logits.double(), seeds, positions, temperature, top_k, top_p))
+    scores = sampling.mask_logits(logits.double(), temperature, top_k, top_p)
+    expected = torch.log_softmax(scores, -1).gather(-1, tokens[..., None])[..., 0]
+    assert torch.allclose(logprobs, expected, rtol=0, atol=1e-12)  # float64-accurate
+
+
+def test_keyed_sample_is_exact_when_every_token_nearly_ties():
+    """Logits equal to c - G (plus 1e-13 jitter) make every token's perturbed score tie to rounding: the bound
+    must keep them all as candidates, and exact ties go to the lowest id."""
+    seeds = _random_seeds(random.Random(4), 3)
+    positions = torch.tensor([[0, 1], [7, 8], [100, 101]])
+    noise = sampling.keyed_gumbel(seeds, positions, 20_000)
+    params = _params(3, 1.0, 0, 1.0)
+    jitter = 1e-13 * torch.randn(noise.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for logits in (5.0 - noise, 5.0 - noise + jitter):
+        tokens, _ = sampling.keyed_sample(logits, seeds, positions, *params)
+        assert torch.equal(tokens, _brute_force_sample(logits, seeds, positions, *params))
+
+
+def test_noise_and_samples_do_not_depend_on_the_logits_dtype_or_the_batch():
+    vocab = 32_000
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3, vocab, generator=generator) * 4
+    seeds = _random_seeds(random.Random(6), 6)
+    positions = torch.randint(0, 100, (6, 3), generator=generator)
+    params = _params(6, 0.8, 0, 0.95)
+    tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, *params)
+    tokens64, logprobs64 = sampling.keyed_sample(logits.double(), seeds, positions, *params)
+    assert torch.equal(tokens, tokens64) and torch.equal(logprobs, logprobs64)
+    for row in (4, 1):
+        alone, _ = sampling.keyed_sample(
+            logits[row : row + 1], seeds[row : row + 1], positions[row : row + 1], *(p[row : row + 1] for p in params)
+        )
+        assert torch.equal(alone[0], tokens[row])
+
+
+@pytest.mark.parametrize("vocab, scale", [(3000, 1.0), (3000, 0.0), (200, 3.0)])
+def test_top_k_and_top_p_match_the_reference_with_ties_at_the_cut(vocab, scale):
+    """Logits on a 0.5 grid tie by the hundred, so top-k and top-p cuts fall inside groups of equal
+    probability (lower ids kept first); a flat row needs the full sort."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(3, 2, vocab, generator=generator, dtype=torch.float64) * scale * 2).round() / 2
+    for temperature, top_k, top_p in [(1.0, 0, 0.5), (0.7, 0, 0.9), (1.0, 100, 0.8), (1.3, 0, 0.999), (1.0, 7, 1.0)]:
+        scores = sampling.mask_logits(logits, *_params(3, temperature, top_k, top_p))
+        for b, t in itertools.product(range(3), range(2)):
+            expected = reference.mask_logits(logits[b, t].tolist(), temperature, top_k, top_p)
+            assert torch.isfinite(scores[b, t]).tolist() == [math.isfinite(x) for x in expected]
+
+
+def test_keyed_gumbel_max_outside_matches_the_full_noise():
+    vocab = 5000
+    seeds = _random_seeds(random.Random(7), 3)
+    positions = torch.tensor([[0, 3], [10, 11], [999, 2**31 + 5]])
+    noise = sampling.keyed_gumbel(seeds, positions, vocab)
+    excluded = noise.topk(20, -1).indices  # the hardest case: the largest noises are excluded
+    excluded[0, 0] = excluded[0, 0, :1]  # repeats are allowed
+    best_outside = sampling.keyed_gumbel_max_outside(seeds, positions, vocab, excluded)
+    assert torch.equal(best_outside, noise.scatter(-1, excluded, float("-inf")).max(-1).values)
+    everything = torch.arange(4).expand(3, 2, 4)
+    assert (sampling.keyed_gumbel_max_outside(seeds, positions, 4, everything) == float("-inf")).all()
+    expected = reference.keyed_gumbel_max_outside(tuple(seeds[2].tolist()), 999, 50, [3, 4])
+    got = sampling.keyed_gumbel_max_outside(seeds[2:], positions[2:, :1], 50, torch.tensor([[[3, 4]]]))
+    assert got.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_stream_seeds_match_reference_and_stream_zero_is_the_key():
+    seeds = _random_seeds(random.Random(9), 5)
+    assert torch.equal(sampling.stream_seeds(seeds, 0), seeds)
+    streams = torch.tensor([0, 1, 2, 2**31, 2**32 - 1])
+    derived = sampling.stream_seeds(seeds, streams)
+    for b in range(5):
+        assert tuple(derived[b].tolist()) == reference.stream_seeds(tuple(seeds[b].tolist()), int(streams[b]))
+    assert torch.equal(derived, sampling.stream_seeds(seeds, streams))  # a pure function
+    assert len({tuple(row) for row in sampling.stream_seeds(seeds[:1].expand(5, 2), streams).tolist()}) == 5
+    for bad in (-1, 2**32, torch.tensor([3, -2, 0, 0, 0])):
+        with pytest.raises(ValueError, match=r"stream must be in \[0, 2\*\*32\)"):
+            sampling.stream_seeds(seeds, bad)
+
+
+def test_noise_streams_are_independent():
+    """Over many keys, samples of stream 0 and of streams 1 and 2**31 at the same positions are independent
+    (chi-square on the joint counts) and each follows softmax (chi-square against it)."""
+    vocab, num_keys = 4, 40_000
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    logits = probs.log().expand(num_keys, 2, vocab)
+    seeds = _random_seeds(random.Random(10), num_keys)
+    positions = torch.tensor([0, 1]).repeat(num_keys, 1)
+    params = _params(num_keys, 1.0, 0, 1.0)
+    samples = {
+        s: sampling.keyed_sample(logits, sampling.stream_seeds(seeds, s), positions, *params)[0] for s in (0, 1, 2**31)
+    }
+    for stream, tokens in samples.items():
+        counts = torch.bincount(tokens.flatten(), minlength=vocab).double()
+        expected = probs * tokens.numel()
+        assert ((counts - expected) ** 2 / expected).sum() < 16.3, stream  # 3 degrees of freedom, p = 1e-3
+    for first, second in [(0, 1), (0, 2**31), (1, 2**31)]:
+        assert _independence_chi_square(samples[first][:, 0], samples[second][:, 0], vocab) < 27.9  # 9 dof, p = 1e-3
+        assert (samples[first] == samples[second]).double().mean() == pytest.approx((probs**2).sum(), abs=0.01)
+    # The check has teeth: a stream against itself, or two positions of one key sampled with one noise, fail it.
+    assert _independence_chi_square(samples[0][:, 0], samples[0][:, 0], vocab) > 1000
+    same_noise, _ = sampling.keyed_sample(logits, seeds, positions[:, :1].expand(-1, 2), *params)
+    assert _independence_chi_square(same_noise[:, 0], same_noise[:, 1], vocab) > 1000
+
+
+def _independence_chi_square(first: torch.Tensor, second: torch.Tensor, vocab: int) -> float:
+    """Pearson's chi-square of the joint counts of two token samples against the product of their marginals."""
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    joint.index_put_((first, second), torch.ones(first.numel(), dtype=torch.float64), accumulate=True)
+    expected = joint.sum(1, keepdim=True) * joint.sum(0, keepdim=True) / first.numel()
+    return ((joint - expected) ** 2 / expected).sum().item()
