@@ -61,6 +61,8 @@ class Sequence:
     diverged: bool = False  # the request's draft mismatched and no suffix re-alignment was found (chains only)
     proposed_by: str = REQUEST_DRAFT  # which source proposed the last chunk
     decode_next: bool = False  # the top-K could not decide the next position: decode it plainly first
+    # after an undecided position: (draft tokens from it on, samples at the positions after each, their logprobs)
+    _held: tuple[list[int], list[int | None], list[float]] | None = field(default=None, repr=False)
     # the other samples of the same prompt and step in this generate call (group drafting)
     siblings: list[Sequence] = field(default_factory=list, repr=False, compare=False)
 
@@ -155,45 +157,58 @@ class Sequence:
 
         samples / logprobs: at least ``len(draft) + 1`` entries (more are ignored); ``samples[j]`` is the keyed
         sample at the position of ``draft[j]``, ``samples[len(draft)]`` the one after the draft; ``None`` where
-        undecided (then its logprob is ignored).
+        undecided (then its logprob is ignored). The scores after an undecided position are kept: they hold if the
+        token decoded there is the draft's, and then the plain step that decodes it goes on verifying with them.
         """
+        proposed = len(draft)
+        held, self._held = self._held, None
+        if not draft and held is not None and samples[0] is not None and samples[0] == held[0][0]:
+            draft, samples, logprobs = held[0], [samples[0], *held[1]], [logprobs[0], *held[2]]
         accepted = accepted_length(samples[: len(draft)], draft)
         undecided = samples[accepted] is None
+        if undecided:
+            self._held = (
+                list(draft[accepted:]),
+                list(samples[accepted + 1 : len(draft) + 1]),
+                list(logprobs[accepted + 1 : len(draft) + 1]),
+            )
         emitted = list(draft[:accepted]) + ([] if undecided else [samples[accepted]])
         first_response_pass = not self.tokens
-        resolved = self.decode_next and not draft  # this plain step decoded a position the top-K left open
+        resolved = self.decode_next and not draft  # a plain step decoded a position the top-K left open
         self.decode_next = undecided
         kept = self._emit(emitted, list(logprobs[: len(emitted)]))
-        stats = self.stats
         if first_response_pass:
-            stats.prefill_tokens = len(self.request.prompt_token_ids)
-        stats.decode_steps += 1
+            self.stats.prefill_tokens = len(self.request.prompt_token_ids)
+        self.stats.decode_steps += 1
         if draft:
-            # Tokens accepted after a stop token are not emitted, so they do not count.
-            counted = min(accepted, kept)
-            stats.verify_steps += 1
-            stats.draft_tokens_proposed += len(draft)
-            stats.draft_tokens_accepted += counted
-            length = counted if undecided else counted + 1
-            stats.undecided_steps += undecided
-            stats.acceptance_lengths[length] = stats.acceptance_lengths.get(length, 0) + 1
-            if settings.adaptive_draft_length:
+            self._count_verify_step(proposed, accepted, kept, undecided)
+            if settings.adaptive_draft_length and proposed:
                 # Propose what the last verify step accepted, plus one; double after a full acceptance. Where a
                 # forward pass costs in proportion to its tokens (CPUs, compute-bound GPUs) this stops paying
                 # for long proposals that a diverged draft keeps failing.
-                full = accepted == len(draft)
-                grown = 2 * len(draft) if full else accepted + 1
+                grown = 2 * proposed if accepted == proposed else accepted + 1
                 self.proposal_limit = min(settings.max_draft_tokens_per_step, grown)
         if self.proposed_by == REQUEST_DRAFT and ((draft and accepted < len(draft) and not undecided) or resolved):
             self._after_request_draft_step(settings.draft_alignment)
         return accepted
 
-    def record_plain(self, tokens: Seq[int], logprobs: Seq[float]) -> None:
+    def _count_verify_step(self, proposed: int, accepted: int, kept: int, undecided: bool) -> None:
+        """Stats of a step that verified draft tokens (``proposed`` == 0: it went on with held scores)."""
+        stats = self.stats
+        counted = min(accepted, kept)  # tokens accepted after a stop token are not emitted: they do not count
+        stats.verify_steps += 1
+        stats.draft_tokens_proposed += proposed
+        stats.draft_tokens_accepted += counted
+        stats.undecided_steps += undecided
+        length = counted if undecided else counted + 1
+        stats.acceptance_lengths[length] = stats.acceptance_lengths.get(length, 0) + 1
+
+    def record_plain(self, tokens: Seq[int], logprobs: Seq[float], settings: ProposalSettings) -> None:
         """Tokens of plain decode steps, one forward pass each (an engine that decodes several per request)."""
         for token, logprob in zip(tokens, logprobs, strict=True):
             if self.finish is not None:
                 break
-            self.record((), (token,), (logprob,), ProposalSettings(draft_alignment="position"))
+            self.record((), (token,), (logprob,), settings)
 
     def _after_request_draft_step(self, alignment: Alignment) -> None:
         """After a rejected draft token (or a plainly decoded one): positional alignment keeps proposing the draft's

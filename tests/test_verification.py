@@ -197,28 +197,35 @@ def _sequence(draft: list[int] | None, max_new_tokens: int = 20, stop: tuple[int
 
 def test_an_undecided_position_is_decoded_plainly_and_verification_goes_on_after_it():
     settings = ProposalSettings(max_draft_tokens_per_step=4, draft_alignment="position")
-    sequence = _sequence([10, 11, 12, 13, 14, 15, 16, 17])
+    sequence = _sequence(list(range(10, 30)))
     chunk = sequence.propose(settings)
     assert chunk == [10, 11, 12, 13]
-    # Two accepted, the third position undecided: the two are kept, nothing is sampled.
-    assert sequence.record(chunk, [10, 11, None, None, None], [-0.1, -0.2, math.nan, 0, 0], settings) == 2
+    # Two accepted, the third position undecided: the two are kept, nothing is sampled there.
+    assert sequence.record(chunk, [10, 11, None, 99, 98], [-0.1, -0.2, math.nan, -0.4, -0.5], settings) == 2
     assert sequence.tokens == [10, 11] and sequence.stats.undecided_steps == 1
-    assert sequence.propose(settings) == [], "the undecided position is decoded plainly, not resubmitted"
-    sequence.record([], [12], [-0.3], settings)
+    assert sequence.propose(settings) == [], "the undecided position is decoded plainly, never resubmitted"
+    sequence.record([], [55], [-0.3], settings)  # not the draft's token: the held scores do not apply
+    assert sequence.tokens == [10, 11, 55]
     assert sequence.propose(settings) == [13, 14, 15, 16], "verification goes on after the decoded token"
     stats = sequence.stats
     assert (stats.decode_steps, stats.verify_steps, stats.draft_tokens_accepted) == (2, 1, 2)
     assert stats.acceptance_lengths == {2: 1}
 
 
-def test_a_plainly_decoded_token_equal_to_the_draft_keeps_the_alignment():
-    settings = ProposalSettings(max_draft_tokens_per_step=3, draft_alignment="suffix")
-    sequence = _sequence([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
-    sequence.record(sequence.propose(settings), [5, 6, 7, 8], [0.0] * 4, settings)  # 3 accepted + bonus 8
-    sequence.record(sequence.propose(settings), [9, 10, None, 0], [0.0] * 4, settings)  # 11 undecided
-    sequence.record([], [11], [0.0], settings)  # the engine decodes it: the draft was right there
-    assert sequence.tokens == [5, 6, 7, 8, 9, 10, 11]
-    assert sequence.propose(settings) == [12, 13, 14]
+def test_a_plainly_decoded_draft_token_continues_with_the_scores_held_after_it():
+    """The verify step scored the positions after the undecided one given the draft token there; when the plain
+    step decodes exactly that token, those scores hold and the same step accepts what follows."""
+    settings = ProposalSettings(max_draft_tokens_per_step=4, draft_alignment="suffix")
+    sequence = _sequence(list(range(10, 30)))
+    sequence.record(sequence.propose(settings), [10, 11, None, 13, 77], [-0.1] * 5, settings)
+    assert sequence.propose(settings) == []
+    sequence.record([], [12], [-0.3], settings)
+    assert sequence.tokens == [10, 11, 12, 13, 77] and sequence.logprobs == [-0.1, -0.1, -0.3, -0.1, -0.1]
+    stats = sequence.stats
+    assert (stats.decode_steps, stats.verify_steps, stats.draft_tokens_proposed) == (2, 2, 4)
+    assert stats.draft_tokens_accepted == 4 and stats.acceptance_lengths == {2: 1, 3: 1}
+    emitted = sum(length * count for length, count in stats.acceptance_lengths.items())
+    assert emitted == len(sequence.tokens) == stats.draft_tokens_accepted + stats.verify_steps - stats.undecided_steps
 
 
 def test_stops_and_the_length_limit_cut_emitted_tokens():
