@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import RunConfig
 from bubblespec.draft_sources import HistoryDrafts
 from bubblespec.errors import TrainerRestarted
@@ -64,7 +65,10 @@ class Trainer(Protocol):
         """One optimizer step: (metrics, new weights, seconds it took)."""
         ...
 
-    def checkpoint_state(self) -> dict: ...
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of the trainer. A ``master_weights`` entry (weights more precise than the
+        run's dtype: float32 in a bfloat16 run) is saved as the checkpoint's weights."""
+        ...
 
     def load_checkpoint_state(self, state: dict) -> None:
         """``state``: a checkpoint's trainer state plus its ``weights``."""
@@ -146,7 +150,10 @@ class Controller:
         weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
         step = int(state["step"])
         parts.trainer.load_checkpoint_state(trainer_state | {"weights": weights})
-        parts.ranks.update_weights(weights, version=step + 1)
+        # The checkpoint may hold float32 master weights; engines get them rounded to the run's dtype, as the
+        # trainer sends them.
+        dtype = DTYPES[self.config.model.dtype]
+        parts.ranks.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
         parts.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
         parts.store.put(drafts)
         if parts.history is not None:
@@ -299,10 +306,12 @@ class Controller:
             for r in self._future_requests(future_step)
         ]
         pending = list(store.get(future_keys).values()) if self.config.speculation.uses_bubble else []
+        trainer_state = dict(self.parts.trainer.checkpoint_state())
+        master_weights = trainer_state.pop("master_weights", None)
         self.run_dir.save_checkpoint(
             step,
-            weights=self._latest_weights,
-            trainer_state=self.parts.trainer.checkpoint_state(),
+            weights=self._latest_weights if master_weights is None else master_weights,
+            trainer_state=trainer_state,
             drafts=pending,
             state={"num_steps": self.config.num_steps, "time": time.time()},
             history=None if self.parts.history is None else self.parts.history.snapshot(),

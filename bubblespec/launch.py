@@ -133,12 +133,12 @@ class LocalTrainer:
         return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"])
 
     def checkpoint_state(self) -> dict:
-        return {"optimizer": self.learner.optimizer.state_dict()}
+        """The optimizer state, and the float32 master weights of a bfloat16 run (see :class:`GRPOLearner`)."""
+        return self.learner.checkpoint_state()
 
     def load_checkpoint_state(self, state: dict) -> None:
         """``state``: a checkpoint's trainer state plus its ``weights``."""
-        self.learner.model.load_weights(state["weights"], strict=True)
-        self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.learner.load_checkpoint_state(state)
 
     def reset(self) -> dict:
         self.learner = GRPOLearner(self.path, self.config.model.dtype, self.config.trainer, self.temperature)

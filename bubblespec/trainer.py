@@ -40,8 +40,25 @@ def group_advantages(samples: Sequence[TrainSample], epsilon: float = 1e-6) -> l
     return [(s.reward - stats[s.group][0]) / (stats[s.group][1] + epsilon) for s in samples]
 
 
+class PeerFailed(RuntimeError):
+    """Another data-parallel worker failed in this step; this one exchanged no gradient and took no step."""
+
+
+SKIPPED_STEP = {"loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "skipped": 1}
+"""The metrics of a step without reward signal (every group's rewards equal): no optimizer step is taken."""
+
+
 class GRPOLearner:
-    """Holds the policy being trained and its optimizer; one :meth:`step` per RL step."""
+    """Holds the policy being trained and its optimizer; one :meth:`step` per RL step.
+
+    Precision. Adam updates *master weights* of dtype ``promote(dtype, float32)`` and keeps its state in that
+    dtype: float32 in a bfloat16 run, where an update of lr 1e-6 is far below a bfloat16 weight's spacing
+    (2^-8 relative) and would round away. Forward and backward run in the run's ``dtype`` on a copy of the
+    master weights rounded to it, which are exactly the weights the engines receive (:meth:`state_dict`): the
+    trainer scores the policy the engines sample from. Masks, advantages, log-probabilities and the loss are
+    in the master dtype. In a float32 or float64 run the model's own weights are the master weights and
+    nothing is copied.
+    """
 
     def __init__(
         self,
@@ -52,12 +69,25 @@ class GRPOLearner:
         all_reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         model_config, weights = read_checkpoint(model_path)
-        self.model = DecoderModel(model_config, weights, DTYPES[dtype], config.device)
-        self.parameters = self.model.trainable_parameters()
+        self.dtype = DTYPES[dtype]
+        self.master_dtype = torch.promote_types(self.dtype, torch.float32)
+        self.master = DecoderModel(model_config, weights, self.master_dtype, config.device)
+        self.parameters = self.master.trainable_parameters()
+        if self.master_dtype == self.dtype:
+            self.model, self._model_parameters = self.master, self.parameters
+        else:
+            self.model = DecoderModel(model_config, weights, self.dtype, config.device)
+            self._model_parameters = self.model.trainable_parameters()
+            assert [p.shape for p in self._model_parameters] == [p.shape for p in self.parameters]
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate)
         self.config = config
         self.temperature = temperature if temperature > 0 else 1.0
         self.all_reduce = all_reduce
+
+    @property
+    def has_master_copy(self) -> bool:
+        """Whether the master weights are a more precise copy of the model's (a bfloat16 run)."""
+        return self.model is not self.master
 
     def step(
         self,
@@ -69,17 +99,53 @@ class GRPOLearner:
         """One optimizer step on ``samples``. With data parallelism each worker passes its own slice, the
         advantages computed over the whole batch (groups may straddle workers) and the total batch size, so
         that the all-reduced gradient is the gradient of the whole batch's loss."""
-        total = num_samples_total or len(samples)
         advantages = group_advantages(samples) if advantages is None else list(advantages)
         if has_signal is None:
             has_signal = any(advantages)
         if not has_signal:
             # Every group's rewards were equal: the gradient is zero, and an Adam step would still move the
             # weights by its momentum. Skip it (all workers decide alike: has_signal covers the whole batch).
-            return {"loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "skipped": 1}
+            return dict(SKIPPED_STEP)
+        metrics = self._compute_gradients_with_peers(samples, advantages, num_samples_total or len(samples))
+        return {"loss": metrics["loss"], "grad_norm": self.apply_gradients()} | metrics | {"skipped": 0}
+
+    def _compute_gradients_with_peers(
+        self, samples: Sequence[TrainSample], advantages: Sequence[float], num_samples_total: int
+    ) -> dict[str, float]:
+        """:meth:`compute_gradients`; with data parallelism the workers then agree, by one all-reduce of a
+        failure flag, that all of them succeeded before any gradient is exchanged. A worker that failed (a bad
+        input, out of memory) would otherwise leave the others waiting in the gradient all-reduce for good.
+        Raises :class:`PeerFailed` on the workers that did not fail themselves."""
+        if self.all_reduce is None:
+            return self.compute_gradients(samples, advantages, num_samples_total)
+        try:
+            metrics = self.compute_gradients(samples, advantages, num_samples_total)
+        except Exception:
+            self._any_worker_failed(failed=True)  # the peers learn of it and skip the step; the error goes on up
+            raise
+        if self._any_worker_failed(failed=False):
+            raise PeerFailed("another trainer worker failed in this step; this one took no optimizer step")
+        return metrics
+
+    def _any_worker_failed(self, failed: bool) -> bool:
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.master.device)
+        self.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def compute_gradients(
+        self, samples: Sequence[TrainSample], advantages: Sequence[float], num_samples_total: int
+    ) -> dict[str, float]:
+        """Sets the master weights' gradients to those of this worker's share of the loss (not yet reduced
+        across workers)::
+
+            L = 1/N sum_s 1/|s| sum_(t in s) -min(r_t A_s, clip(r_t, 1 - eps, 1 + eps) A_s)
+
+        with N = ``num_samples_total``, |s| the response tokens of sample s, A_s its advantage and
+        r_t = exp(log pi(y_t) - log pi_old(y_t)). Returns the loss, the mean |A_s| and the trained tokens."""
+        self._copy_master_to_model()
         tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
         self.optimizer.zero_grad(set_to_none=False)
-        loss = torch.zeros((), dtype=self.model.dtype)
+        loss = torch.zeros((), dtype=self.master_dtype)
         if samples:
             logprobs = self._logprobs(tokens)
             # One optimizer step per RL step: the "old" policy is the current one, so the ratio is 1 with the
@@ -88,52 +154,78 @@ class GRPOLearner:
             clipped = ratio.clamp(1 - self.config.clip_epsilon, 1 + self.config.clip_epsilon)
             per_token = -torch.minimum(ratio * advantage_per_token, clipped * advantage_per_token)
             per_sequence = (per_token * response_mask).sum(1) / response_mask.sum(1).clamp(min=1)
-            loss = per_sequence.sum() / total
+            loss = per_sequence.sum() / num_samples_total
             loss.backward()
-        for parameter in self.parameters:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            if self.all_reduce is not None:
+        self._gradients_to_master()
+        return {
+            "loss": loss.item(),
+            "mean_advantage_abs": sum(abs(a) for a in advantages) / max(len(advantages), 1),
+            "trained_tokens": int(response_mask.sum()),
+        }
+
+    def apply_gradients(self) -> float:
+        """Sums the gradients across workers (``all_reduce``), clips their norm to ``max_grad_norm`` and takes
+        one Adam step on the master weights. Returns the gradient norm before clipping."""
+        if self.all_reduce is not None:
+            for parameter in self.parameters:
                 self.all_reduce(parameter.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm or float("inf"))
         self.optimizer.step()
-        return {
-            "loss": loss.item(),
-            "grad_norm": float(grad_norm),
-            "mean_advantage_abs": sum(abs(a) for a in advantages) / max(len(advantages), 1),
-            "trained_tokens": int(response_mask.sum()),
-            "skipped": 0,
-        }
+        return float(grad_norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        """The weights engines receive, by Hugging Face name: the master weights rounded to the run's dtype."""
+        return {name: tensor.to(self.dtype) for name, tensor in self.master.state_dict().items()}
 
     def checkpoint_state(self) -> dict:
-        return {"weights": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """The optimizer state; in a bfloat16 run also ``master_weights`` (float32), which a checkpoint saves as
+        its weights so that a resumed run continues exactly."""
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.has_master_copy:
+            state["master_weights"] = self.master.state_dict()
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self.model.load_weights(state["weights"], strict=True)
+        """``state``: a :meth:`checkpoint_state` plus the checkpoint's ``weights`` (master weights, or weights
+        in the run's dtype from an older checkpoint)."""
+        self.master.load_weights(state["weights"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def _copy_master_to_model(self) -> None:
+        if self.has_master_copy:
+            with torch.no_grad():
+                for weight, master in zip(self._model_parameters, self.parameters, strict=True):
+                    weight.copy_(master)
+
+    def _gradients_to_master(self) -> None:
+        """Every master weight gets a gradient (zeros where the loss did not reach it), in the master dtype."""
+        for master, weight in zip(self.parameters, self._model_parameters, strict=True):
+            if weight is master:
+                if master.grad is None:
+                    master.grad = torch.zeros_like(master)
+                continue
+            master.grad = torch.zeros_like(master) if weight.grad is None else weight.grad.to(self.master_dtype)
+            weight.grad = None
+
     def _batch(self, samples: Sequence[TrainSample], advantages: Sequence[float]):
-        """Right-padded token matrix, a mask of the positions that predict response tokens, and advantages."""
+        """Right-padded token matrix, a mask of the positions that predict response tokens, and advantages; the
+        mask and advantages in the master dtype (a bfloat16 mask of 1,001 ones would sum to 1,000)."""
         lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
         width = max(lengths, default=1)
         tokens = torch.zeros(len(samples), width, dtype=torch.int64)
-        mask = torch.zeros(len(samples), width - 1, dtype=self.model.dtype)
+        mask = torch.zeros(len(samples), width - 1, dtype=self.master_dtype)
         for row, sample in enumerate(samples):
             sequence = sample.prompt_token_ids + sample.response_token_ids
             tokens[row, : len(sequence)] = torch.tensor(sequence)
             # logits at index i predict token i + 1: responses start at index len(prompt) - 1.
             mask[row, len(sample.prompt_token_ids) - 1 : len(sequence) - 1] = 1
-        advantage = torch.tensor(advantages, dtype=self.model.dtype)[:, None]
+        advantage = torch.tensor(advantages, dtype=self.master_dtype)[:, None]
         return tokens, mask, advantage
 
     def _logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities [B, T - 1] of each next token under the sampling temperature."""
+        """Log-probabilities [B, T - 1] of each next token under the sampling temperature, in the master dtype
+        (the forward pass runs in the run's dtype)."""
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = self.model.forward(tokens.to(self.model.device), positions.to(self.model.device))[:, :-1]
-        logprobs = torch.log_softmax(
-            logits.to(torch.float32 if logits.dtype == torch.bfloat16 else logits.dtype) / self.temperature, dim=-1
-        )
+        logprobs = torch.log_softmax(logits.to(self.master_dtype) / self.temperature, dim=-1)
         return logprobs.gather(-1, tokens[:, 1:, None].to(logits.device)).squeeze(-1)

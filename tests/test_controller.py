@@ -162,11 +162,15 @@ def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path, backe
         {},
         # history drafts come back with the checkpoint: the resumed run is as fast, step by step, as the other
         {"speculation": {"draft_sources": ["history", "bubble"]}, "task": {"options": {"dataset_size": 8}}},
+        # the checkpoint keeps the float32 master weights of a bfloat16 run (and its float32 Adam state)
+        {"model": {"dtype": "bfloat16"}, "trainer": {"learning_rate": 1e-5}},
     ],
-    ids=["bubble", "history"],
+    ids=["bubble", "history", "bfloat16"],
 )
 def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2, **changes)
+    master_dtype = "float32" if changes.get("model", {}).get("dtype") == "bfloat16" else "float64"
+    assert all(str(weight.dtype) == f"torch.{master_dtype}" for weight in final.values())
     config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2, **changes)
 
     class Crash(Exception):

@@ -1,0 +1,103 @@
+"""bfloat16 training: the learner's bfloat16 copy of float32 master weights against torch.autocast.
+
+For one GRPO batch on a random checkpoint, each way of running the forward and backward pass in bfloat16 is
+compared with the float32 learner: relative error of the gradient (L2), error of the response tokens'
+log-probabilities, and seconds per optimizer step. The bfloat16 copy is what :class:`GRPOLearner` does; autocast
+runs a float32 learner under ``torch.autocast(dtype=torch.bfloat16)``.
+
+    python benchmarks/trainer_precision.py --vocab 32000 --hidden 256 --layers 4 --batch 8 --length 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bubblespec.config import TrainerConfig
+from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128, help="response tokens per sample")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        path = _random_llama(Path(folder), args.vocab, args.hidden, args.layers)
+        rng = random.Random(0)
+        samples = [
+            TrainSample(
+                tuple(rng.randrange(3, args.vocab) for _ in range(16)),
+                tuple(rng.randrange(3, args.vocab) for _ in range(args.length)),
+                group=i // 4,
+                reward=rng.random(),
+            )
+            for i in range(args.batch)
+        ]
+        advantages = group_advantages(samples)
+        reference = GRPOLearner(str(path), "float32", TrainerConfig(), temperature=1.0)
+        gradient, logprobs, seconds = _measure(reference, samples, advantages, args.repeats, autocast=False)
+        print(f"float32           {seconds:8.3f} s/step")
+        ways = [("bfloat16 copy", "bfloat16", False), ("float32 autocast", "float32", True)]
+        for name, dtype, autocast in ways:
+            learner = GRPOLearner(str(path), dtype, TrainerConfig(), temperature=1.0)
+            other_gradient, other_logprobs, seconds = _measure(learner, samples, advantages, args.repeats, autocast)
+            error = float((other_gradient - gradient).norm() / gradient.norm())
+            difference = (other_logprobs - logprobs).abs()
+            print(
+                f"{name:<17} {seconds:8.3f} s/step  gradient rel. error {error:.4f}  |d logprob| mean "
+                f"{float(difference.mean()):.4f} max {float(difference.max()):.4f}"
+            )
+
+
+def _random_llama(folder: Path, vocab_size: int, hidden_size: int, num_layers: int) -> Path:
+    """A randomly initialised Llama (transformers' own initialisation, seed 0) saved with ``save_pretrained``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(hidden_size // 128, 1),
+        max_position_embeddings=4096,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _measure(learner: GRPOLearner, samples, advantages, repeats: int, autocast: bool):
+    """The first step's gradient (flattened) and response log-probabilities; the median seconds per step."""
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    tokens, mask, _ = learner._batch(samples, advantages)
+    with torch.no_grad(), context:
+        logprobs_BT = learner._logprobs(tokens).float()
+    logprobs = logprobs_BT[mask.bool()]
+    times = []
+    gradient = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with context:
+            learner.compute_gradients(samples, advantages, len(samples))
+        if gradient is None:
+            gradient = torch.cat([p.grad.flatten().float() for p in learner.parameters])
+        learner.apply_gradients()
+        times.append(time.perf_counter() - start)
+    return gradient, logprobs, sorted(times)[len(times) // 2]
+
+
+if __name__ == "__main__":
+    main()

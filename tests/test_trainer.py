@@ -1,0 +1,121 @@
+"""The GRPO learner without Ray: float32 master weights and optimizer state under a bfloat16 model, exact masks,
+bfloat16 gradients against float32 ones, and checkpoints that continue a bfloat16 run exactly."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from bubblespec.config import TrainerConfig
+from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
+
+from .conftest import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A random Llama with a 4,096-token vocabulary and room for 1,100 positions."""
+    return str(write_checkpoint(tmp_path_factory.mktemp("trainer-model"), vocab_size=4096, context=2048, seed=5))
+
+
+def _samples(vocab_size: int = 4096, count: int = 8, seed: int = 1) -> list[TrainSample]:
+    rng = random.Random(seed)
+    return [
+        TrainSample(
+            tuple(rng.randrange(3, vocab_size) for _ in range(6)),
+            tuple(rng.randrange(3, vocab_size) for _ in range(rng.randrange(5, 30))),
+            group=i // 4,
+            reward=float(rng.random()),
+        )
+        for i in range(count)
+    ]
+
+
+def _gradient(learner: GRPOLearner) -> torch.Tensor:
+    return torch.cat([parameter.grad.flatten() for parameter in learner.parameters])
+
+
+def test_a_bfloat16_learner_at_lr_1e_6_moves_its_float32_master_weights(model_path):
+    """Adam's first step moves every weight by about lr: 1e-6 is far below a bfloat16 weight's spacing (a weight
+    near 0.5 has neighbours 2e-3 away), so the update lives in float32 master weights and float32 Adam state."""
+    learner = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-6, max_grad_norm=None), 1.0)
+    before = learner.checkpoint_state()["master_weights"]
+    assert all(t.dtype == torch.float32 for t in before.values())
+    learner.step(_samples())
+    state = learner.checkpoint_state()
+    after = state["master_weights"]
+    moved = torch.cat([(after[k] - before[k]).abs().flatten() for k in before])
+    assert (moved > 0).float().mean() > 0.5, "most master weights must move"
+    assert 0.5e-6 < float(moved.max()) < 1.5e-6  # Adam's first step: lr * g / |g| per weight
+    adam_state = [s for s in state["optimizer"]["state"].values()]
+    assert adam_state and all(s["exp_avg"].dtype == torch.float32 for s in adam_state)
+    # engines get the master weights rounded to bfloat16
+    sent = learner.state_dict()
+    assert all(sent[k].dtype == torch.bfloat16 and torch.equal(sent[k], after[k].to(torch.bfloat16)) for k in after)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_mask_of_1001_response_tokens_counts_1001(model_path, dtype):
+    """bfloat16 has 8 significant bits: 1,001 ones summed in bfloat16 are 1,000."""
+    learner = GRPOLearner(model_path, dtype, TrainerConfig(learning_rate=1e-6), 1.0)
+    samples = [
+        TrainSample((1, 5, 6), tuple(range(3, 3 + 1001)), group=0, reward=1.0),
+        TrainSample((1, 5, 6), (7, 8), group=0, reward=0.0),
+    ]
+    metrics = learner.step(samples)
+    assert metrics["trained_tokens"] == 1001 + 2
+
+
+def test_a_bfloat16_step_agrees_with_a_float32_step(model_path):
+    """The same batch through a bfloat16 and a float32 learner: the gradients (in float32 master weights)
+    differ by at most 20% in L2 norm and point the same way (cosine > 0.98); the response tokens'
+    log-probabilities differ by less than 0.1 on average. (Measured on this model: 9.2%, 0.996 and 0.043; the
+    fixture's weights are large, so its logits are large and bfloat16 rounds them coarsely.)"""
+    samples = _samples()
+    advantages = group_advantages(samples)
+    gradients, logprobs = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        learner = GRPOLearner(model_path, dtype, TrainerConfig(), 1.0)
+        metrics = learner.compute_gradients(samples, advantages, len(samples))
+        assert isinstance(metrics["loss"], float)
+        gradients[dtype] = _gradient(learner)
+        assert gradients[dtype].dtype == torch.float32
+        tokens, mask, _ = learner._batch(samples, advantages)
+        with torch.no_grad():
+            logprobs[dtype] = learner._logprobs(tokens)[mask.bool()]
+    reference, other = gradients["float32"], gradients["bfloat16"]
+    assert float((other - reference).norm() / reference.norm()) < 0.2
+    assert float(torch.nn.functional.cosine_similarity(other, reference, dim=0)) > 0.98
+    assert float((logprobs["bfloat16"] - logprobs["float32"]).abs().mean()) < 0.1
+
+
+def test_a_bfloat16_learner_resumed_from_its_checkpoint_continues_exactly(model_path):
+    """The checkpoint's weights are the float32 master weights: a learner that loads them (and the optimizer
+    state) takes the very step the uninterrupted one takes."""
+    first, second = _samples(seed=1), _samples(seed=2)
+    whole = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-4), 1.0)
+    whole.step(first)
+    saved = copy.deepcopy(whole.checkpoint_state())  # as written to disk: the optimizer's state is live
+    saved["weights"] = saved.pop("master_weights")
+    whole.step(second)
+    resumed = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-4), 1.0)
+    resumed.load_checkpoint_state(saved)
+    resumed.step(second)
+    expected, got = whole.checkpoint_state()["master_weights"], resumed.checkpoint_state()["master_weights"]
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_float32_and_float64_learners_train_their_own_weights(model_path, dtype):
+    """No copy where the run's dtype is at least float32: the model's weights are the master weights, the
+    checkpoint has no separate master weights, and the weights sent are the trained ones."""
+    learner = GRPOLearner(model_path, dtype, TrainerConfig(learning_rate=1e-3), 1.0)
+    assert learner.model is learner.master and not learner.has_master_copy
+    learner.step(_samples())
+    assert "master_weights" not in learner.checkpoint_state()
+    sent = learner.state_dict()
+    assert all(sent[k].dtype == getattr(torch, dtype) for k in sent)
+    assert all(torch.equal(sent[k], learner.master.weights[k]) for k in sent)
