@@ -30,6 +30,7 @@ from bubblespec.interfaces import (
     SamplingParams,
     acceptance_length,
 )
+from bubblespec.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
 from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
@@ -110,6 +111,8 @@ class Controller:
         self.on_phase = on_phase or (lambda step, phase: None)
         self._warned_unpeekable = False
         self._evicted = 0  # drafts the store had evicted by the end of the last step
+        self.response_lengths = ResponseLengths()
+        """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
 
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
@@ -145,6 +148,7 @@ class Controller:
                 parts.ranks.update_weights(parts.trainer.reset(), version=0)
                 if parts.history is not None:
                     parts.history.restore([])
+            self.response_lengths.restore([])
             run_dir.truncate_steps(-1)
             return 0
         weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
@@ -154,6 +158,7 @@ class Controller:
         # trainer sends them.
         dtype = DTYPES[self.config.model.dtype]
         parts.ranks.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
+        self.response_lengths.restore(state.get("response_lengths", []))
         parts.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
         parts.store.put(drafts)
         if parts.history is not None:
@@ -184,6 +189,7 @@ class Controller:
         results = [by_key[r.key] for r in requests]  # request order, whatever the sharding
         if parts.history is not None:
             parts.history.observe(results)
+        self.response_lengths.observe(results)
         rewards = self._rewards(prompts, results)
         samples = [
             TrainSample(tuple(req.prompt_token_ids), tuple(res.token_ids), i // cfg.task.samples_per_prompt, reward)
@@ -251,7 +257,7 @@ class Controller:
         for future_step in range(step + 1, step + 1 + cfg.speculation.lookahead_steps):
             requests = self._future_requests(future_step)
             stored = parts.store.get([r.key for r in requests])
-            predicted = {r.key: len(r.prompt_token_ids) for r in requests}  # bubble policies rank by prompt
+            predicted = predicted_lengths([r.key for r in requests], stored, self.response_lengths)
             by_key = {r.key: r for r in attach_drafts(requests, stored)}
             in_order = [by_key[k] for k in parts.bubble_policy.order(list(by_key), predicted)]
             ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
@@ -313,7 +319,11 @@ class Controller:
             weights=self._latest_weights if master_weights is None else master_weights,
             trainer_state=trainer_state,
             drafts=pending,
-            state={"num_steps": self.config.num_steps, "time": time.time()},
+            state={
+                "num_steps": self.config.num_steps,
+                "time": time.time(),
+                "response_lengths": self.response_lengths.snapshot(),
+            },
             history=None if self.parts.history is None else self.parts.history.snapshot(),
         )
 

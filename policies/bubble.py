@@ -26,7 +26,10 @@ class CoverageFirst:
 
 class LongestFirst:
     """The longest predicted responses first: they are the ones that make the next step's tail, so drafting
-    them saves the most time on the critical path. Keys without a prediction come last, coverage-first."""
+    them saves the most time on the critical path. Keys without a prediction come last, coverage-first.
+
+    The controller predicts from a key's draft (an unfinished one is a lower bound) or from the responses to
+    the same prompt the last time it was sampled (:mod:`bubblespec.predictions`)."""
 
     role = "bubble"
 

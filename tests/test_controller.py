@@ -381,3 +381,51 @@ def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch
     assert _rollouts(steps) == _rollouts(baseline[0])
     assert _same_weights(weights, baseline[1])
     assert steps[-1]["draft_coverage"] == 0
+
+
+def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
+    """Predictions come from drafts (an unfinished one is a lower bound) and from the responses to the same
+    prompt the last time it was sampled, never from prompt lengths; keys with neither come last."""
+    from bubblespec.controller import Components, Controller
+    from bubblespec.draft_store import InMemoryDraftStore
+    from bubblespec.interfaces import Draft, GenerationResult, Prompt, RequestStats, RolloutKey, SamplingParams
+    from bubblespec.policies.bubble import LongestFirst
+
+    prompt_lengths = {"long-answer": 2, "long-prompt": 30, "unknown": 20, "cut": 3, "short": 4}
+
+    class FixedPrompts:
+        def peek(self, step):
+            return [Prompt(uid, (1,) * length, "", "") for uid, length in prompt_lengths.items()]
+
+    class TwoRanks:
+        num_ranks = 2
+
+    config = _config(tmp_path, "plan", num_steps=4, task={"samples_per_prompt": 1}, speculation={"enabled": True})
+    store = InMemoryDraftStore(vocab_size=40)
+    parts = Components(FixedPrompts(), TwoRanks(), None, store, LongestFirst(), None, SamplingParams(max_new_tokens=48))
+    controller = Controller(config, parts, RunDirectory(tmp_path / "unused"))
+
+    def key(uid):
+        return RolloutKey(config.seed, 1, uid, 0)
+
+    def plan_order():
+        plan = controller._plan(0)
+        order = []
+        while plan:
+            order += [r.key.prompt_uid for r in plan.take()]
+        return order
+
+    store.put([Draft(key("long-answer"), (5,) * 30, 0, finished=True), Draft(key("cut"), (5,) * 10, 0)])
+    store.put([Draft(key("short"), (5,) * 4, 0, finished=True)])
+    # keys without a finished draft first (the unfinished one, then those without a prediction, coverage order),
+    # then finished drafts, the longest first
+    assert plan_order() == ["cut", "long-prompt", "unknown", "long-answer", "short"]
+
+    def result(uid, length):
+        return GenerationResult(
+            RolloutKey(config.seed, 0, uid, 0), [5] * length, [0.0] * length, "stop", RequestStats()
+        )
+
+    controller.response_lengths.observe([result("unknown", 25), result("long-prompt", 6), result("cut", 40)])
+    # the cut draft (10 tokens) is a lower bound: its prompt's last responses (40) predict longer
+    assert plan_order() == ["cut", "unknown", "long-prompt", "long-answer", "short"]
