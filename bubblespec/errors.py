@@ -33,3 +33,12 @@ class EngineError(BubblespecError, RuntimeError):
 
 class TrainerRestarted(BubblespecError, RuntimeError):
     """The trainer's workers were restarted after a fault and hold the initial model: the run must rewind."""
+
+
+class TrainerError(BubblespecError, RuntimeError):
+    """A trainer worker raised (a bad input, a bug, out of memory): the message names the worker, the exception's
+    type and message and where it was raised; ``worker_traceback`` holds the worker's whole traceback."""
+
+    def __init__(self, message: str, worker_traceback: str = "") -> None:
+        super().__init__(message)
+        self.worker_traceback = worker_traceback

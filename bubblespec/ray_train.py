@@ -1,34 +1,46 @@
 """The GRPO trainer on Ray Train: one long ``TorchTrainer.fit()`` fed one batch per RL step.
 
 ``fit()`` costs seconds to start, so it runs once, in a background thread, for the whole run. The controller
-talks to the workers through a small channel actor: every worker receives each command; worker 0 answers.
-Gradients are averaged across workers with ``torch.distributed`` (gloo on CPU, nccl on GPU) inside the learner.
+talks to the workers through a small channel actor: every worker receives each command and answers it, worker 0
+with the result. Gradients are averaged across workers with ``torch.distributed`` (gloo on CPU, nccl on GPU)
+inside the learner. Weights travel as torch tensors in the run's dtype (bfloat16 included).
+
+Errors: an exception of a worker's command (a bad input, a bug, out of memory) is that command's answer, and the
+controller raises it as one :class:`TrainerError` naming the worker, the exception and where it was raised. The
+workers stay up; a step in which one worker failed is skipped by all (the learner agrees on it before the
+gradient all-reduce), so none waits in a collective for the failed one.
 
 Faults: when a worker dies, Ray Train restarts the whole worker group (``trainer.max_restarts`` times). The new
 workers join the channel, which drops what was queued for the old ones and tells the controller; the
 controller's next call then raises :class:`TrainerRestarted`, and the controller rewinds the run to its last
-checkpoint (the new workers hold the initial model until they are given that checkpoint's state). Commands carry
-a sequence number, so an answer meant for an earlier command is never taken for the answer to a later one.
+checkpoint (the new workers hold the initial model until they are given that checkpoint's state). A collective
+that fails because a peer died ends the surviving worker too, so that a death is always a restart. Commands
+carry a sequence number, so an answer meant for an earlier command is never taken for the answer to a later one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import ray
 import torch
 
 from bubblespec.config import RunConfig
-from bubblespec.errors import BubblespecError, TrainerRestarted
-from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
+from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
+from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample, group_advantages
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
 class TrainerChannel:
-    """Commands to every worker, answers from worker 0, and word of each (re)start of the worker group."""
+    """Commands to every worker, their answers ``(number, rank, status, payload)`` with status "ok", "error" or
+    "peer_failed", and word of each (re)start of the worker group."""
 
     def __init__(self, num_workers: int) -> None:
         self.inboxes = [asyncio.Queue() for _ in range(num_workers)]
@@ -45,7 +57,7 @@ class TrainerChannel:
             self.joined.clear()
             self.starts += 1
             self.outbox = asyncio.Queue()
-            self.outbox.put_nowait((None, "started", self.starts))
+            self.outbox.put_nowait((None, None, "started", self.starts))
 
     async def send(self, message) -> None:
         for inbox in self.inboxes:
@@ -64,6 +76,10 @@ class TrainerChannel:
             return None
 
 
+class PeerLost(Exception):
+    """A collective failed: a peer died. Not answered; it ends this worker so that Ray Train restarts the group."""
+
+
 def train_loop(loop_config: dict) -> None:
     """Runs in every Ray Train worker until told to stop."""
     import torch.distributed as dist
@@ -74,46 +90,107 @@ def train_loop(loop_config: dict) -> None:
     channel = loop_config["channel"]
 
     def all_reduce(tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        except Exception as error:
+            raise PeerLost(f"trainer worker {rank}: an all-reduce failed: {error}") from error
 
-    def new_learner() -> GRPOLearner:
-        return GRPOLearner(
-            loop_config["model_path"],
-            loop_config["dtype"],
-            loop_config["trainer"],
-            loop_config["temperature"],
-            all_reduce=all_reduce if world > 1 else None,
-        )
-
-    learner = new_learner()
+    worker = _Worker(loop_config, rank, world, all_reduce if world > 1 else None)
     ray.get(channel.join.remote(rank))
     while True:
         number, kind, payload = ray.get(channel.receive.remote(rank))
         if kind == "stop":
             return
-        answer = None
+        try:
+            answer = ("ok", worker.run(kind, payload))
+        except PeerLost:
+            raise
+        except PeerFailed:
+            answer = ("peer_failed", None)
+        except Exception as error:
+            answer = ("error", describe_failure(f"trainer worker {rank}", error))
+        ray.get(channel.reply.remote((number, rank, *answer)))
+
+
+class _Worker:
+    """One worker's learner and its answers to the controller's commands."""
+
+    def __init__(self, loop_config: dict, rank: int, world: int, all_reduce) -> None:
+        self.loop_config, self.rank, self.world, self.all_reduce = loop_config, rank, world, all_reduce
+        self.learner: GRPOLearner | None = None
+        self.failure: Exception | None = None
+        try:
+            self.learner = self._new_learner()
+        except Exception as error:  # answered to the first command, as its error
+            self.failure = error
+
+    def _new_learner(self) -> GRPOLearner:
+        config = self.loop_config
+        return GRPOLearner(
+            config["model_path"], config["dtype"], config["trainer"], config["temperature"], all_reduce=self.all_reduce
+        )
+
+    def run(self, kind: str, payload):
+        """The answer to one command: "train" (metrics and new weights), "checkpoint" (the learner's
+        checkpoint state), "load" (a checkpoint's state) or "reset" (initial weights of a new learner). Only
+        worker 0 answers with weights or state; the others answer None once done."""
+        if kind == "reset":
+            self.learner = None
+            try:
+                self.learner = self._new_learner()
+            except Exception as error:
+                self.failure = error
+                raise
+            return self._from_worker_0(self.learner.state_dict)
+        if self.learner is None:
+            raise self.failure
         if kind == "train":
             samples, advantages = payload
-            metrics = learner.step(
-                samples[rank::world],
-                advantages[rank::world],
+            metrics = self.learner.step(
+                samples[self.rank :: self.world],
+                advantages[self.rank :: self.world],
                 num_samples_total=len(samples),
                 has_signal=any(advantages),
             )
-            answer = (metrics, _numpy(learner.state_dict()))
-        elif kind == "checkpoint":
-            answer = {"optimizer": learner.optimizer.state_dict()}
-        elif kind == "load":
-            learner.load_checkpoint_state(payload)
-        elif kind == "reset":
-            learner = new_learner()
-            answer = _numpy(learner.state_dict())
-        if rank == 0:
-            ray.get(channel.reply.remote((number, kind, answer)))
+            return metrics, self._from_worker_0(self.learner.state_dict)
+        if kind == "checkpoint":
+            return self._from_worker_0(self.learner.checkpoint_state)
+        if kind == "load":
+            return self.learner.load_checkpoint_state(payload)
+        raise ValueError(f"unknown trainer command {kind!r}; known: train, checkpoint, load, reset, stop")
+
+    def _from_worker_0(self, make):
+        """``make()`` with its tensors on the CPU (a CUDA trainer's answer must load anywhere), on worker 0."""
+        return _on_cpu(make()) if self.rank == 0 else None
 
 
-def _numpy(state: dict) -> dict:
-    return {name: t.cpu().numpy() for name, t in state.items()}
+def describe_failure(who: str, error: BaseException) -> tuple[str, str]:
+    """``"<who>: <Type>: <message> (at <file>:<line>, in <function>)"`` with the innermost frame of bubblespec's
+    own code (else the innermost frame), and the whole traceback as text."""
+    import bubblespec.backends
+    import bubblespec.policies
+
+    ours = tuple(
+        str(Path(folder))
+        for package in (bubblespec, bubblespec.backends, bubblespec.policies)
+        for folder in package.__path__
+    )
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [frame for frame in frames if frame.filename.startswith(ours)]
+    frame = (own or frames or [None])[-1]
+    where = f" (at {Path(frame.filename).name}:{frame.lineno}, in {frame.name})" if frame else ""
+    return f"{who}: {type(error).__name__}: {error}{where}", "".join(traceback.format_exception(error))
+
+
+def _on_cpu(value):
+    """``value`` with every tensor in it moved to the CPU (a CUDA trainer's answer must load anywhere)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(item) for item in value)
+    return value
 
 
 class RayTrainer:
@@ -124,8 +201,8 @@ class RayTrainer:
         from ray.train import RunConfig as RayRunConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        workers = config.trainer.num_workers
-        self.channel = TrainerChannel.remote(workers)
+        self.num_workers = config.trainer.num_workers
+        self.channel = TrainerChannel.remote(self.num_workers)
         use_gpu = config.trainer.device == "cuda"
         trainer = TorchTrainer(
             train_loop,
@@ -138,7 +215,7 @@ class RayTrainer:
             },
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
             scaling_config=ScalingConfig(
-                num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
+                num_workers=self.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
             ),
             run_config=RayRunConfig(
                 name="trainer",
@@ -161,7 +238,7 @@ class RayTrainer:
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         start = time.perf_counter()
         metrics, weights = self._call("train", (samples, group_advantages(samples)))
-        return metrics, _tensors(weights), time.perf_counter() - start
+        return metrics, weights, time.perf_counter() - start
 
     def checkpoint_state(self) -> dict:
         return self._call("checkpoint")
@@ -171,7 +248,7 @@ class RayTrainer:
 
     def reset(self) -> dict:
         """Back to the initial model and a fresh optimizer on every worker; returns the initial weights."""
-        return _tensors(self._call("reset"))
+        return self._call("reset")
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -179,8 +256,9 @@ class RayTrainer:
             self._thread.join(timeout=60)
 
     def _call(self, kind: str, payload=None):
-        """Sends a command to every worker and returns worker 0's answer. Raises :class:`TrainerRestarted` when
-        the worker group restarted since the last call (the command may have been lost with the old workers)."""
+        """Sends a command to every worker and returns worker 0's answer once every worker answered. Raises
+        :class:`TrainerError` with the first worker error, and :class:`TrainerRestarted` when the worker group
+        restarted since the last call (the command may have been lost with the old workers)."""
         if self._starts == 0:
             self._await(None)  # commands sent before the workers join would be dropped by their joining
         self._sent += 1
@@ -188,24 +266,32 @@ class RayTrainer:
         return self._await(self._sent)
 
     def _await(self, number: int | None):
+        answered: dict[int, str] = {}
+        result = None
         while True:
             answer = ray.get(self.channel.answer.remote(0.5))
             if answer is None:
                 if not self._thread.is_alive():
                     raise BubblespecError(f"the Ray Train trainer stopped: {self._fit_error!r}")
                 continue
-            got, kind, payload = answer
-            if kind == "started":
+            got, rank, status, payload = answer
+            if status == "started":
                 restarted = self._starts > 0
                 self._starts = payload
                 if restarted:
                     raise TrainerRestarted(f"Ray Train restarted the trainer's workers (start {payload})")
                 if number is None:
                     return None
-            elif got == number:
-                return payload
-            # else: the answer to a command of an earlier start, sent before this one's workers joined
-
-
-def _tensors(arrays: dict) -> dict:
-    return {name: torch.from_numpy(array.copy()) for name, array in arrays.items()}
+                continue
+            if got != number:
+                continue  # the answer to a command of an earlier start, sent before this one's workers joined
+            if status == "error":
+                message, worker_traceback = payload
+                logger.debug("%s\n%s", message, worker_traceback)
+                raise TrainerError(message, worker_traceback)
+            answered[rank] = status
+            result = payload if rank == 0 else result
+            if len(answered) == self.num_workers:
+                if "peer_failed" in answered.values():  # cannot happen: a failed worker answers with its error
+                    raise TrainerError(f"trainer workers {sorted(answered)} answered that a peer failed, none why")
+                return result

@@ -278,3 +278,31 @@ def test_a_cuda_trainer_on_a_local_ray_without_gpus_fails_at_once(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.device 'cuda' with trainer.num_workers 1 needs as many GPUs"):
         run(config)
     assert not config.run_dir.exists()
+
+
+def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(tmp_path):
+    """Two bfloat16 Ray Train workers; worker 1's share of a batch holds a token outside the vocabulary. The
+    caller gets worker 1's own exception, not a restart loop; the next batch trains, and weights come back as
+    bfloat16 tensors, float32 master weights in the checkpoint state."""
+    from bubblespec.errors import TrainerError
+    from bubblespec.ray_cluster import ray_session
+    from bubblespec.ray_train import RayTrainer
+    from bubblespec.tasks import ArithmeticTask
+    from bubblespec.trainer import TrainSample
+
+    config = validate({"model": {"dtype": "bfloat16"}, "trainer": {"num_workers": 2, "max_restarts": 1}})
+    with ray_session(config, num_cpus=3):
+        trainer = RayTrainer(config, str(ArithmeticTask.model_path()), tmp_path, cpus_per_worker=1.0)
+        try:
+            good = [TrainSample((1, 5), (6, 2), 0, 1.0), TrainSample((1, 5), (7, 2), 0, 0.0)]
+            bad = [good[0], TrainSample((1, 5), (10**6, 2), 0, 0.0)]  # samples[1::2] go to worker 1
+            with pytest.raises(TrainerError, match=r"^trainer worker 1: IndexError: index out of range in self \(at "):
+                trainer.train(bad)
+            metrics, weights, _ = trainer.train(good)
+            assert metrics["skipped"] == 0 and metrics["trained_tokens"] == 2
+            assert all(weight.dtype == torch.bfloat16 for weight in weights.values())
+            master = trainer.checkpoint_state()["master_weights"]
+            assert all(weight.dtype == torch.float32 for weight in master.values())
+            assert all(torch.equal(master[k].to(torch.bfloat16), weights[k]) for k in weights)
+        finally:
+            trainer.close()

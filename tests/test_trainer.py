@@ -119,3 +119,50 @@ def test_float32_and_float64_learners_train_their_own_weights(model_path, dtype)
     sent = learner.state_dict()
     assert all(sent[k].dtype == getattr(torch, dtype) for k in sent)
     assert all(torch.equal(sent[k], learner.master.weights[k]) for k in sent)
+
+
+def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_path):
+    """Two data-parallel learners; worker 1's share holds a token outside the vocabulary. Worker 1 raises its
+    own error, worker 0 learns of it in the all-reduce that precedes the gradient exchange and raises
+    PeerFailed instead of waiting for gradients that never come; neither takes a step."""
+    import threading
+
+    from bubblespec.trainer import PeerFailed
+
+    barrier = threading.Barrier(2, timeout=30)
+    shared: list[torch.Tensor | None] = [None, None]
+
+    def all_reduce_for(rank):
+        def all_reduce(tensor):
+            shared[rank] = tensor.clone()
+            barrier.wait()
+            total = shared[0] + shared[1]
+            barrier.wait()
+            tensor.copy_(total)
+
+        return all_reduce
+
+    learners = [
+        GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-3), 1.0, all_reduce=all_reduce_for(rank))
+        for rank in range(2)
+    ]
+    before = [learner.checkpoint_state()["master_weights"] for learner in learners]
+    good = [TrainSample((1, 5), (6, 2), group=0, reward=1.0)]
+    bad = [TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
+    raised: dict[int, BaseException] = {}
+
+    def step(rank, share):
+        try:
+            learners[rank].step(share, [1.0], num_samples_total=2, has_signal=True)
+        except Exception as error:  # collected for the assertions below
+            raised[rank] = error
+
+    threads = [threading.Thread(target=step, args=(0, good)), threading.Thread(target=step, args=(1, bad))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert isinstance(raised[1], IndexError) and isinstance(raised[0], PeerFailed)
+    for learner, weights in zip(learners, before, strict=True):
+        after = learner.checkpoint_state()["master_weights"]
+        assert all(torch.equal(after[k], weights[k]) for k in weights)
