@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
@@ -40,6 +41,7 @@ class RankReplica:
         torch.set_num_threads(engine_settings.get("num_threads") or 1)
         self.rank, self.backend = rank, backend
         self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
+        self.dtype = engine_settings.get("dtype")
         self.stopped_step = -1
         self.version = 0
 
@@ -81,9 +83,11 @@ class RankReplica:
         self.stopped_step = max(self.stopped_step, step)
 
     def update_weights(self, state: dict, version: int) -> int:
-        import torch
+        """``state``: tensors by Hugging Face name, in any dtype; the engine gets them in its own."""
+        from bubblespec.backends.torch_model import DTYPES
 
-        self.engine.update_weights({name: torch.from_numpy(array.copy()) for name, array in state.items()}, version)
+        dtype = DTYPES.get(self.dtype)  # an engine-specific dtype name ("auto") takes the tensors as they are
+        self.engine.update_weights({name: t if dtype is None else t.to(dtype) for name, t in state.items()}, version)
         self.version = version
         return version
 
@@ -149,7 +153,8 @@ class ServeRankPool:
         import ray
 
         start = time.perf_counter()
-        reference = ray.put({name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()})
+        # One object for every rank; tensors keep their dtype (numpy has no bfloat16).
+        reference = ray.put({name: tensor.detach().cpu() for name, tensor in state_dict.items()})
         self.version, self._weights = version, reference  # a replica restored meanwhile gets these
 
         async def send_all():
@@ -223,15 +228,26 @@ class ServeRankPool:
         self._training.timelines = [[] for _ in range(self.num_ranks)]
         self._training_started = time.perf_counter()
         self._stop_requested = threading.Event()
-        self._drafter = threading.Thread(target=lambda: asyncio.run(self._draft_until_stopped(plan, self._step)))
+        self._drafting_error: Exception | None = None
+        self._drafter = threading.Thread(target=self._draft_in_background, args=(plan, self._step))
         self._drafter.start()
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops the drafting; raises the error of a rank whose engine failed meanwhile (every rank was stopped
+        then already)."""
         self._stop_requested.set()
         asyncio.run(self._stop_all(self._step))
         self._drafter.join()
+        if self._drafting_error is not None:
+            raise self._drafting_error
         self._training.seconds = self._training.barrier_seconds = time.perf_counter() - self._training_started
         return self._training
+
+    def _draft_in_background(self, plan: DraftPlan, step: int) -> None:
+        try:
+            asyncio.run(self._draft_until_stopped(plan, step))
+        except Exception as error:  # raised in the caller's thread by stop_drafting
+            self._drafting_error = error
 
     async def _draft_until_stopped(self, plan: DraftPlan, step: int) -> None:
         running: dict[asyncio.Future, tuple[int, float]] = {}
@@ -245,86 +261,141 @@ class ServeRankPool:
         for rank in range(self.num_ranks):
             if plan:
                 hand_out(rank)
-        while running:
-            done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
-            now = time.perf_counter() - self._training_started
-            for future in done:
-                rank, began = running.pop(future)
-                chunk_results = _drafts_or_nothing(future, rank)
-                made = drafts_from(chunk_results, policy_version=self.version)
-                self._training.drafts += made
-                record = self._training.ranks[rank]
-                record.drafting_seconds += now - began
-                record.draft_requests += len(made)
-                record.draft_tokens_produced += drafted_tokens(chunk_results)
-                self._training.timelines[rank].append(("draft", began, now))
-                if plan and not self._stop_requested.is_set():
-                    hand_out(rank)
-                else:
-                    self.on_activity(rank, "idle", "")
-
-    async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
-        start = time.perf_counter()
-        records = [RankRecord(rank) for rank in range(self.num_ranks)]
-        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
-        generating = {
-            asyncio.ensure_future(
-                self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard), self.version))
-            ): rank
-            for rank, shard in enumerate(shards)
-        }
-        for rank, shard in enumerate(shards):
-            with_draft = sum(r.draft is not None for r in shard)
-            self.on_activity(rank, "generate", f"{len(shard)} requests, {with_draft} with a draft")
-        drafting: dict[asyncio.Future, tuple[int, float]] = {}
-        results: list[GenerationResult] = []
-        drafts = []
-        barrier = None
-        pending = set(generating)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            now = time.perf_counter() - start
-            for future in done:
-                if future in generating:
-                    rank = generating[future]
-                    shard_results, passes = future.result()
-                    results += shard_results
-                    shard = shards[rank]
-                    records[rank].add_results(shard_results, [r.draft is not None for r in shard])
-                    records[rank].generation_seconds = now
-                    records[rank].forward_passes = passes
-                    activity[rank].append(("generate", 0.0, now))
-                    tokens = sum(len(r.token_ids) for r in shard_results)
-                    self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {passes} passes")
-                else:
-                    rank, began = drafting.pop(future)
+        try:
+            while running:
+                done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
+                now = time.perf_counter() - self._training_started
+                for future in done:
+                    rank, began = running.pop(future)
                     chunk_results = _drafts_or_nothing(future, rank)
                     made = drafts_from(chunk_results, policy_version=self.version)
-                    drafts += made
-                    records[rank].draft_requests += len(made)
-                    records[rank].draft_tokens_produced += drafted_tokens(chunk_results)
-                    records[rank].drafting_seconds += (now if barrier is None else min(now, barrier)) - began
-                    activity[rank].append(("draft", began, now))
-                    if barrier is not None:
-                        records[rank].preemption_latency_seconds = now - barrier
-                    self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(chunk_results)} tokens")
-                still_generating = any(f in generating for f in pending)
-                if barrier is None and still_generating and plan:  # a rank that fell idle before the barrier
-                    chunk = plan.take()
-                    if chunk:
-                        self.on_activity(rank, "draft", _chunk_detail(chunk, "in the bubble"))
-                        future_draft = asyncio.ensure_future(
-                            _awaited(self.handles[rank].draft.remote(chunk, step, self.version))
-                        )
-                        drafting[future_draft] = (rank, now)
-                        pending.add(future_draft)
-            if barrier is None and not any(f in generating for f in pending):
-                barrier = now  # when the last shard came back
-                await self._stop_all(step)
-        end = time.perf_counter() - start
-        for record in records:
-            record.bubble_seconds = barrier - record.generation_seconds
-        return RolloutOutcome(results, drafts, records, end, barrier, activity)
+                    self._training.drafts += made
+                    record = self._training.ranks[rank]
+                    record.drafting_seconds += now - began
+                    record.draft_requests += len(made)
+                    record.draft_tokens_produced += drafted_tokens(chunk_results)
+                    self._training.timelines[rank].append(("draft", began, now))
+                    if plan and not self._stop_requested.is_set():
+                        hand_out(rank)
+                    else:
+                        self.on_activity(rank, "idle", "")
+        except Exception as error:
+            await self._abandon(step, set(running), shard_calls=set())
+            raise _engine_error(error) from None
+
+    async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
+        phase = self._start_shards(shards)
+        pending = set(phase.generating)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                now = time.perf_counter() - phase.start
+                for future in done:
+                    if future in phase.generating:
+                        rank = self._shard_done(phase, future, shards, now)
+                    else:
+                        rank = self._bubble_draft_done(phase, future, now)
+                    still_generating = any(f in phase.generating for f in pending)
+                    if phase.barrier is None and still_generating and plan:  # a rank fell idle before the barrier
+                        pending |= self._draft_in_bubble(phase, rank, plan, step, now)
+                if phase.barrier is None and not any(f in phase.generating for f in pending):
+                    phase.barrier = now  # when the last shard came back
+                    await self._stop_all(step)
+        except Exception as error:
+            await self._abandon(step, pending, shard_calls=set(phase.generating))
+            raise _engine_error(error) from None
+        end = time.perf_counter() - phase.start
+        for record in phase.records:
+            record.bubble_seconds = phase.barrier - record.generation_seconds
+        return RolloutOutcome(phase.results, phase.drafts, phase.records, end, phase.barrier, phase.activity)
+
+    def _start_shards(self, shards) -> _RolloutPhase:
+        phase = _RolloutPhase(time.perf_counter(), self.num_ranks)
+        for rank, shard in enumerate(shards):
+            call = self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard), self.version))
+            phase.generating[asyncio.ensure_future(call)] = rank
+            with_draft = sum(r.draft is not None for r in shard)
+            self.on_activity(rank, "generate", f"{len(shard)} requests, {with_draft} with a draft")
+        return phase
+
+    def _shard_done(self, phase: _RolloutPhase, future: asyncio.Future, shards, now: float) -> int:
+        rank = phase.generating[future]
+        shard_results, passes = future.result()
+        phase.results += shard_results
+        record = phase.records[rank]
+        record.add_results(shard_results, [r.draft is not None for r in shards[rank]])
+        record.generation_seconds = now
+        record.forward_passes = passes
+        phase.activity[rank].append(("generate", 0.0, now))
+        tokens = sum(len(r.token_ids) for r in shard_results)
+        self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {passes} passes")
+        return rank
+
+    def _bubble_draft_done(self, phase: _RolloutPhase, future: asyncio.Future, now: float) -> int:
+        rank, began = phase.drafting.pop(future)
+        chunk_results = _drafts_or_nothing(future, rank)
+        made = drafts_from(chunk_results, policy_version=self.version)
+        phase.drafts += made
+        record = phase.records[rank]
+        record.draft_requests += len(made)
+        record.draft_tokens_produced += drafted_tokens(chunk_results)
+        record.drafting_seconds += (now if phase.barrier is None else min(now, phase.barrier)) - began
+        phase.activity[rank].append(("draft", began, now))
+        if phase.barrier is not None:
+            record.preemption_latency_seconds = now - phase.barrier
+        self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(chunk_results)} tokens")
+        return rank
+
+    def _draft_in_bubble(self, phase: _RolloutPhase, rank: int, plan: DraftPlan, step: int, now: float) -> set:
+        """Hands the next chunk of ``plan`` to ``rank``, idle in the bubble; returns the call (none if no chunk)."""
+        chunk = plan.take()
+        if not chunk:
+            return set()
+        self.on_activity(rank, "draft", _chunk_detail(chunk, "in the bubble"))
+        future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step, self.version)))
+        phase.drafting[future] = (rank, now)
+        return {future}
+
+    async def _abandon(self, step: int, in_flight: set, shard_calls: set) -> None:
+        """After a rank's engine failed: every rank stops drafting for ``step`` (its drafting call returns after the
+        current forward pass), shard calls still running are cancelled, and every call in flight is waited for,
+        so that no rank works on when the error reaches the caller. Errors met meanwhile are logged; the first
+        one is the error to raise."""
+        for future in in_flight & shard_calls:
+            future.cancel()
+        outcomes = await asyncio.gather(self._stop_all(step), *in_flight, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                logger.warning(
+                    "while stopping the ranks after an engine error: %s: %s", type(outcome).__name__, outcome
+                )
+
+
+@dataclass
+class _RolloutPhase:
+    """One rollout phase's calls in flight and what came back, for :meth:`ServeRankPool._rollout`."""
+
+    start: float
+    num_ranks: int
+    generating: dict[asyncio.Future, int] = field(default_factory=dict)
+    """Shard calls and their ranks."""
+    drafting: dict[asyncio.Future, tuple[int, float]] = field(default_factory=dict)
+    """Drafting calls in the bubble, with their rank and start (seconds from the phase start)."""
+    results: list[GenerationResult] = field(default_factory=list)
+    drafts: list = field(default_factory=list)
+    barrier: float | None = None
+    records: list[RankRecord] = field(init=False)
+    activity: list[list[tuple[str, float, float]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.records = [RankRecord(rank) for rank in range(self.num_ranks)]
+        self.activity = [[] for _ in range(self.num_ranks)]
+
+
+def _engine_error(error: Exception) -> Exception:
+    """The replica's own exception, where Ray wrapped it in a RayTaskError (whose message is a whole traceback)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, Exception) else error
 
 
 async def _awaited(response):

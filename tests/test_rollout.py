@@ -119,3 +119,104 @@ def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
         replica.generate([_request("a")], version=5)
     with pytest.raises(StalePolicy):
         replica.draft([_request("a")], step=5, version=5)
+
+
+class _FakeReplica:
+    """A rank's replica running calls in threads of its own, as a Serve replica does: a call goes on when its
+    caller stops waiting for it. Drafting runs 10 ms forward passes until stopped (at most ``max_passes``)."""
+
+    def __init__(self, rank: int, fails_in: str = "", max_passes: int = 1000) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.rank, self.fails_in, self.max_passes = rank, fails_in, max_passes
+        self.stopped_step, self.drafting = -1, 0
+        self.threads = ThreadPoolExecutor(4)
+
+    def generate(self, requests, version):
+        if self.fails_in == "generate":
+            return self._fail(requests)
+        return [self._result(r, 3, "stop") for r in requests], 1
+
+    def draft(self, requests, step, version):
+        import time
+
+        if self.fails_in == "draft":
+            return self._fail(requests)
+        self.drafting += 1
+        try:
+            passes = 0
+            while self.stopped_step < step and passes < self.max_passes:
+                time.sleep(0.01)
+                passes += 1
+            return [self._result(r, passes, "preempted") for r in requests]
+        finally:
+            self.drafting -= 1
+
+    def stop(self, step):
+        self.stopped_step = max(self.stopped_step, step)
+
+    def _fail(self, requests):
+        import time
+
+        from bubblespec.errors import EngineError
+
+        time.sleep(0.2)
+        raise EngineError(f"rank {self.rank} (backend 'fake') failed on {len(requests)} requests: RuntimeError: lost")
+
+    @staticmethod
+    def _result(request, length, reason):
+        from bubblespec.interfaces import GenerationResult, RequestStats
+
+        return GenerationResult(request.key, [5] * length, [0.0] * length, reason, RequestStats())
+
+
+class _FakeHandle:
+    """``handle.method.remote(...)`` runs the replica's method in its threads; the response is awaitable."""
+
+    def __init__(self, replica: _FakeReplica) -> None:
+        self.replica = replica
+
+    def __getattr__(self, name):
+        import asyncio
+        from types import SimpleNamespace
+
+        class Response:
+            def __init__(self, future):
+                self.future = future
+
+            def __await__(self):
+                return asyncio.wrap_future(self.future).__await__()
+
+        method = getattr(self.replica, name)
+        return SimpleNamespace(remote=lambda *args: Response(self.replica.threads.submit(method, *args)))
+
+
+@pytest.mark.parametrize("phase", ["rollout", "training"])
+def test_an_engine_error_stops_every_rank_and_is_raised_with_its_message(phase):
+    """Rank 0's engine fails while rank 1 drafts (in its bubble, or while the trainer runs): rank 1 is told to
+    stop, its drafting call has returned when the error reaches the caller, and the error is the engine's."""
+    import time
+
+    from bubblespec.errors import EngineError
+    from bubblespec.serve_ranks import ServeRankPool
+
+    replicas = [_FakeReplica(0, fails_in="generate" if phase == "rollout" else "draft"), _FakeReplica(1)]
+    pool = ServeRankPool([_FakeHandle(r) for r in replicas])
+    plan = DraftPlan([_request(str(i)) for i in range(8)], num_ranks=2)
+    message = r"^rank 0 \(backend 'fake'\) failed on \d+ requests: RuntimeError: lost$"
+    try:
+        if phase == "rollout":
+            with pytest.raises(EngineError, match=message):
+                pool.rollout([[_request("a")], [_request("b")]], plan)
+        else:
+            pool.start_drafting(plan)
+            deadline = time.monotonic() + 3.0  # the trainer is still training: rank 1 stops without being told
+            while (replicas[1].stopped_step < 1 or replicas[1].drafting) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(EngineError, match=message):
+                pool.stop_drafting(train_seconds=3.0)
+        assert replicas[1].stopped_step == 1 and replicas[1].drafting == 0
+    finally:
+        for replica in replicas:
+            replica.max_passes = 0
+            replica.threads.shutdown(wait=True)
