@@ -59,51 +59,51 @@ _MASK32 = 0xFFFFFFFF
 _BIT31 = 1 << 31
 
 
-def _int32(constant: int) -> int:
-    """The signed 32-bit integer with the bits of ``constant`` (in [0, 2**32))."""
-    return constant - (1 << 32) if constant >= _BIT31 else constant
+def _signed(constant: int, bits: int) -> int:
+    """The signed ``bits``-bit integer with the bits of ``constant`` (in [0, 2**bits))."""
+    return constant - (1 << bits) if constant >= 1 << (bits - 1) else constant
 
 
-# lowbias32's multipliers, and distinct odd salts that separate the streams of seeds, positions and token ids.
-_MULTIPLIER_1 = _int32(0x7FEB352D)
-_MULTIPLIER_2 = _int32(0x846CA68B)
-_POSITION_SALT = 0x85EBCA6B
-_STATE_SALT = 0xC2B2AE35
-_REFINE_SALT = 0x27D4EB2F
+# Multipliers of lowbias32 (C. Wellons) and of MurmurHash3's fmix64, and distinct salts that separate the hash
+# streams of positions, token ids and noise streams.
+_LOWBIAS_1, _LOWBIAS_2 = _signed(0x7FEB352D, 32), _signed(0x846CA68B, 32)
+_FMIX_1, _FMIX_2 = _signed(0xFF51AFD7ED558CCD, 64), _signed(0xC4CEB9FE1A85EC53, 64)
+_POSITION_SALT = 0x85EBCA6B27D4EB2F
+_STREAM_SALT = 0x9E3779B97F4A7C15
 _VOCAB_SALT = 0x165667B1
-_STREAM_SALT_0 = 0x9E3779B9
-_STREAM_SALT_1 = 0xD3A2646D
 # A token is lucky when its word is in the top 2**-10 of its range: the signed word is >= this.
 _LUCKY_BITS = 10
 _LUCKY_WORD = _BIT31 - (1 << (32 - _LUCKY_BITS))
 # Bound on G for the other tokens (U < 1 - 2**-10), rounded up for float64 rounding of log.
 _UNLUCKY_GUMBEL_BOUND = -math.log(-math.log1p(-(2.0**-_LUCKY_BITS))) + 1e-9
+# keyed_sample draws the noise of every token when a block has at most this many logits (fewer operations).
+_FULL_NOISE_MAX_LOGITS = 4096
 # keyed_sample on CPU: rows per block such that a block holds about this many logits.
-_CPU_BLOCK_ELEMENTS = 1 << 21
+_CPU_BLOCK_ELEMENTS = 1 << 20
 
 
 def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
-    """``x ^= x >>> shift`` in place on int32, the logical shift made from the arithmetic one and a mask."""
+    """``x ^= x >>> shift`` in place on int32 or int64: the logical shift is the arithmetic one and a mask."""
     torch.bitwise_right_shift(x, shift, out=scratch)
-    scratch.bitwise_and_((1 << (32 - shift)) - 1)
+    scratch.bitwise_and_((1 << (8 * x.element_size() - shift)) - 1)
     x.bitwise_xor_(scratch)
 
 
 def _mix_first_(x: torch.Tensor, scratch: torch.Tensor) -> None:
-    """First half of lowbias32 in place: ``x ^= x >>> 16; x *= M1; x ^= x >>> 15`` (wrap-around product)."""
+    """First half of lowbias32 in place on int32: ``x ^= x >>> 16; x *= M1; x ^= x >>> 15`` (products wrap)."""
     _xorshift_(x, 16, scratch)
-    x.mul_(_MULTIPLIER_1)
+    x.mul_(_LOWBIAS_1)
     _xorshift_(x, 15, scratch)
 
 
 def _mix_second_(x: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Second half of lowbias32 in place: ``x *= M2; x ^= x >>> 16``."""
-    x.mul_(_MULTIPLIER_2)
+    """Second half of lowbias32 in place on int32: ``x *= M2; x ^= x >>> 16``."""
+    x.mul_(_LOWBIAS_2)
     _xorshift_(x, 16, scratch)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """The 32-bit finaliser "lowbias32" (C. Wellons), a bijection, on int32 tensors (bits as two's complement)."""
+    """The 32-bit finaliser lowbias32, a bijection, on int32 tensors (bits as two's complement)."""
     x = x.to(torch.int32, copy=True)
     scratch = torch.empty_like(x)
     _mix_first_(x, scratch)
@@ -111,40 +111,42 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2**32) (or any int64: taken modulo 2**32) as int32 with the same low 32 bits."""
-    low = words.to(torch.int64) & _MASK32
-    return torch.where(low >= _BIT31, low - (1 << 32), low).to(torch.int32)
+def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finaliser, a bijection, on int64 tensors (bits as two's complement):
+    ``x ^= x >>> 33; x *= F1; x ^= x >>> 33; x *= F2; x ^= x >>> 33``."""
+    x = x.to(torch.int64, copy=True)
+    scratch = torch.empty_like(x)
+    _xorshift_(x, 33, scratch)
+    x.mul_(_FMIX_1)
+    _xorshift_(x, 33, scratch)
+    x.mul_(_FMIX_2)
+    _xorshift_(x, 33, scratch)
+    return x
 
 
-def _from_int32(words: torch.Tensor) -> torch.Tensor:
-    """int32 words as int64 values in [0, 2**32)."""
-    return words.to(torch.int64) & _MASK32
+def _seed64(seeds_B2: torch.Tensor) -> torch.Tensor:
+    """Seeds (w0, w1) in [0, 2**32) as one 64-bit word ``w0 * 2**32 + w1``, [B] int64 (two's complement)."""
+    seeds_B2 = seeds_B2.to(torch.int64)
+    return torch.bitwise_left_shift(seeds_B2[:, 0], 32) | seeds_B2[:, 1]
 
 
 @functools.lru_cache(maxsize=16)
 def _hashed_token_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
     """t(v) = hash32(v ^ VOCAB_SALT) for v < vocab_size, [V] int32: the same for every key, so computed once."""
-    token_ids_V = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    return hash32(_to_int32(token_ids_V ^ _VOCAB_SALT))
+    token_ids_V = torch.arange(vocab_size, device=device, dtype=torch.int64) ^ _VOCAB_SALT
+    return hash32(token_ids_V.to(torch.int32))
 
 
-def _stream_state(seeds_B2: torch.Tensor, positions_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The stream words (a, b, c) of every (key, position), each [B, T] int32.
-
-    ``a = hash32(w0 ^ hash32(w1 ^ hash32(i ^ POSITION_SALT)))`` and ``b = hash32(w1 ^ hash32(a ^ STATE_SALT))``:
-    for a fixed position, (w0, w1) -> (a, b) is a bijection (w1 is recovered from b and a, then w0 from a).
-    ``c = hash32(b ^ REFINE_SALT)`` seeds the refining word.
-    """
+def _stream_state(seeds_B2: torch.Tensor, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream words (a, b) of every (key, position), each [B, T] int32: the high and low halves of
+    ``fmix64(seed64 ^ fmix64(i ^ POSITION_SALT))``, a bijection of the 64-bit seed for each position i."""
     if seeds_B2.dim() != 2 or seeds_B2.shape[1] != 2 or seeds_B2.shape[0] != positions_BT.shape[0]:
         raise ValueError(
             f"seeds must have shape [batch, 2] with batch = {positions_BT.shape[0]}, got {tuple(seeds_B2.shape)}"
         )
-    seeds_B2 = _to_int32(seeds_B2.to(positions_BT.device))
-    position_hash_BT = hash32(_to_int32(positions_BT) ^ _int32(_POSITION_SALT))
-    a_BT = hash32(seeds_B2[:, 0, None] ^ hash32(seeds_B2[:, 1, None] ^ position_hash_BT))
-    b_BT = hash32(seeds_B2[:, 1, None] ^ hash32(a_BT ^ _int32(_STATE_SALT)))
-    return a_BT, b_BT, hash32(b_BT ^ _int32(_REFINE_SALT))
+    seed_B1 = _seed64(seeds_B2.to(positions_BT.device))[:, None]
+    state_BT = fmix64(seed_B1 ^ fmix64(positions_BT.to(torch.int64) ^ _signed(_POSITION_SALT, 64)))
+    return torch.bitwise_right_shift(state_BT, 32).to(torch.int32), state_BT.to(torch.int32)
 
 
 def _token_words(a_R1: torch.Tensor, b_R1: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
@@ -158,47 +160,44 @@ def _token_words(a_R1: torch.Tensor, b_R1: torch.Tensor, hashed_ids: torch.Tenso
     return words
 
 
-def _uniform_of_words(words: torch.Tensor, refine_seeds: torch.Tensor) -> torch.Tensor:
-    """U in (0, 1), float64, from token words h and the stream's refining seed c (broadcastable shapes)."""
-    low_bits = _from_int32(hash32(words ^ refine_seeds)) >> 12
+def _uniform_of_words(words: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """U in (0, 1), float64, from token words h and the stream word a (broadcastable shapes)."""
+    low_bits = (hash32(words ^ a).to(torch.int64) & _MASK32) >> 12
     high_bits = words.to(torch.int64) + _BIT31  # = h ^ 2**31 read unsigned
     # A 52-bit integer; + 0.5 is exact in float64 and keeps U inside (0, 1).
     return ((high_bits * (1 << 20) + low_bits).to(torch.float64) + 0.5) / float(1 << 52)
 
 
-def _gumbel_of_words(words: torch.Tensor, refine_seeds: torch.Tensor) -> torch.Tensor:
+def _gumbel_of_words(words: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """G = -log(-log U), float64."""
-    return -torch.log(-torch.log(_uniform_of_words(words, refine_seeds)))
+    return -torch.log(-torch.log(_uniform_of_words(words, a)))
 
 
 def stream_seeds(seeds_B2: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """Seeds of noise stream ``stream`` of each key: [B, 2] int64 words in [0, 2**32).
 
     Stream 0 is the key's own noise (the seeds are returned unchanged); stream ``s > 0`` is independent noise for
-    the same key and positions: ``w0' = hash32(w0 ^ hash32(w1 ^ hash32(s ^ SALT0)))``,
-    ``w1' = hash32(w1 ^ hash32(w0' ^ SALT1))``, a bijection of (w0, w1) for each s, so keys never share a
-    stream. ``stream`` is an int or a [B] integer tensor with values in [0, 2**32).
+    the same key and positions: the halves of ``fmix64(seed64 ^ fmix64(s ^ STREAM_SALT))``, a bijection of the
+    64-bit seed for each s, so keys never share a stream. ``stream`` is an int or a [B] integer tensor with
+    values in [0, 2**32).
     """
     if isinstance(stream, int) and not 0 <= stream <= _MASK32:
         raise ValueError(f"stream must be in [0, 2**32), got {stream!r}")
     stream_B = torch.as_tensor(stream, dtype=torch.int64, device=seeds_B2.device).expand(seeds_B2.shape[0])
     if stream_B.numel() and (int(stream_B.min()) < 0 or int(stream_B.max()) > _MASK32):
         raise ValueError(f"stream must be in [0, 2**32), got {stream!r}")
-    words_B2 = _to_int32(seeds_B2)
-    stream_hash_B = hash32(hash32(_to_int32(stream_B) ^ _int32(_STREAM_SALT_0)) ^ words_B2[:, 1])
-    first_B = hash32(words_B2[:, 0] ^ stream_hash_B)
-    second_B = hash32(words_B2[:, 1] ^ hash32(first_B ^ _int32(_STREAM_SALT_1)))
-    derived_B2 = _from_int32(torch.stack([first_B, second_B], dim=1))
+    derived_B = fmix64(_seed64(seeds_B2) ^ fmix64(stream_B ^ _signed(_STREAM_SALT, 64)))
+    derived_B2 = torch.stack([torch.bitwise_right_shift(derived_B, 32) & _MASK32, derived_B & _MASK32], dim=1)
     return torch.where((stream_B == 0)[:, None], seeds_B2.to(torch.int64), derived_B2)
 
 
 def _words_of_rows(
     seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token words h [R, V] int32 and refining seeds c [R, 1] int32 of every (key, position) row."""
-    a_BT, b_BT, c_BT = _stream_state(seeds_B2, positions_BT.to(torch.int64))
+    """Token words h [R, V] int32 and stream words a [R, 1] int32 (which seed the refining word) of every row."""
+    a_BT, b_BT = _stream_state(seeds_B2, positions_BT.to(torch.int64))
     hashed_ids_V = _hashed_token_ids(vocab_size, positions_BT.device)
-    return _token_words(a_BT.reshape(-1, 1), b_BT.reshape(-1, 1), hashed_ids_V), c_BT.reshape(-1, 1)
+    return _token_words(a_BT.reshape(-1, 1), b_BT.reshape(-1, 1), hashed_ids_V), a_BT.reshape(-1, 1)
 
 
 def keyed_uniform(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -261,61 +260,88 @@ def mask_logits(
     top_k_B = top_k_B.to(device, torch.int64)
     use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B
     if bool(use_top_k_B.any()):
-        rows = use_top_k_B.nonzero()[:, 0]
-        selected_STV = scores_BTV[rows]
-        largest_STW = torch.topk(selected_STV, int(top_k_B[rows].max()), dim=-1).values
-        kth_index_ST1 = (top_k_B[rows] - 1)[:, None, None].expand(-1, num_positions, 1)
-        threshold_ST1 = largest_STW.gather(-1, kth_index_ST1)
-        scores_BTV[rows] = selected_STV.masked_fill_(selected_STV < threshold_ST1, float("-inf"))
-
+        _on_rows_(scores_BTV, use_top_k_B, lambda scores_STV, rows: _top_k_(scores_STV, top_k_B[rows]))
     top_p_B = top_p_B.to(device, torch.float64)
     use_top_p_B = (top_p_B < 1.0) & ~greedy_B
     if bool(use_top_p_B.any()):
-        rows = use_top_p_B.nonzero()[:, 0]
-        selected_STV = scores_BTV[rows]
-        probs_RV = torch.softmax(selected_STV, dim=-1).reshape(-1, vocab)
-        top_p_R = top_p_B[rows].repeat_interleave(num_positions)
-        keep_STV = _nucleus(probs_RV, top_p_R).reshape(selected_STV.shape)
-        scores_BTV[rows] = selected_STV.masked_fill_(~keep_STV, float("-inf"))
+        _on_rows_(scores_BTV, use_top_p_B, lambda scores_STV, rows: _top_p_(scores_STV, top_p_B[rows]))
     return scores_BTV
 
 
-def _nucleus(probs_RV: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
-    """The top-p keep mask [R, V] bool: sorting only the most probable tokens when they decide the cut.
+def _on_rows_(scores_BTV: torch.Tensor, selected_B: torch.Tensor, mask_) -> None:
+    """Applies the in-place ``mask_(scores[rows], rows)`` to the selected rows (all of them without a copy)."""
+    if bool(selected_B.all()):
+        mask_(scores_BTV, torch.arange(len(selected_B), device=scores_BTV.device))
+        return
+    rows = selected_B.nonzero()[:, 0]
+    selected_STV = scores_BTV[rows]
+    mask_(selected_STV, rows)
+    scores_BTV[rows] = selected_STV
 
-    Tokens above the W-th largest probability are a prefix of the full (probability desc, id asc) order, and
-    the preceding cumulative probability never decreases along it; when it reaches p inside that prefix the cut
-    is decided without sorting the rest. Otherwise W grows 8-fold, up to a full sort.
+
+def _top_k_(scores_STV: torch.Tensor, top_k_S: torch.Tensor) -> None:
+    """Masks, in place, the tokens below the k-th largest score of each row (k per batch row, 0 < k < V)."""
+    largest_STW = torch.topk(scores_STV, int(top_k_S.max()), dim=-1).values
+    kth_index_ST1 = (top_k_S - 1)[:, None, None].expand(-1, scores_STV.shape[1], 1)
+    scores_STV.masked_fill_(scores_STV < largest_STW.gather(-1, kth_index_ST1), float("-inf"))
+
+
+def _top_p_(scores_STV: torch.Tensor, top_p_S: torch.Tensor) -> None:
+    """Masks, in place, the tokens outside each row's nucleus (top-p per batch row, 0 < p < 1)."""
+    batch, num_positions, vocab = scores_STV.shape
+    scores_RV = scores_STV.view(batch * num_positions, vocab)
+    top_p_R = _per_position(top_p_S, num_positions)
+    probs_RV = torch.softmax(scores_RV, dim=-1)
+    keep_RV, decided_R = _nucleus_within(probs_RV, _nucleus_threshold(scores_RV, probs_RV, top_p_R), top_p_R)
+    if not bool(decided_R.all()):  # float rounding of the estimate: look at every token of those rows
+        rows = (~decided_R).nonzero()[:, 0]
+        keep_RV[rows] = _nucleus_within(probs_RV[rows], torch.zeros_like(top_p_R[rows]), top_p_R[rows])[0]
+    scores_RV.masked_fill_(~keep_RV, float("-inf"))
+
+
+def _nucleus_threshold(scores_RV: torch.Tensor, probs_RV: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
+    """A probability ``tau`` per row such that the tokens with ``p >= tau`` likely hold mass >= top_p, [R] float64.
+
+    One pass: a histogram of the probability mass by distance below the best score, in bins of 1/4 nat.
+    A token in bin ``b`` has ``p > p_max * exp(-(b + 1) / 4)``, so ``tau`` is that bound at the first bin where the
+    cumulative mass reaches top-p (0, i.e. every token, if none does within 40 nats).
     """
-    num_rows, vocab = probs_RV.shape
+    bins_per_nat, num_bins = 4.0, 160
+    best_R = scores_RV.max(-1).values
+    distance_RV = torch.sub(best_R[:, None], scores_RV).mul_(bins_per_nat).clamp_(max=num_bins - 1)
+    mass_RN = torch.zeros(scores_RV.shape[0], num_bins, dtype=probs_RV.dtype, device=probs_RV.device)
+    mass_RN.scatter_add_(1, distance_RV.to(torch.int64), probs_RV)
+    reached_RN = mass_RN.cumsum(-1) >= top_p_R[:, None]
+    first_bin_R = torch.where(reached_RN.any(-1), reached_RN.to(torch.int8).argmax(-1), num_bins - 1)
+    tau_R = probs_RV.max(-1).values * torch.exp(-(first_bin_R + 1) / bins_per_nat) * (1 - 1e-9)
+    return torch.where(first_bin_R < num_bins - 1, tau_R, 0.0)
+
+
+def _nucleus_within(
+    probs_RV: torch.Tensor, tau_R: torch.Tensor, top_p_R: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p keep mask [R, V] bool from the tokens with ``p >= tau`` only, and whether that decided it [R].
+
+    Those tokens are a prefix of the full (probability desc, id asc) order, and the preceding cumulative
+    probability (an exclusive running sum in that order) never decreases along it, so every later token is
+    dropped once the prefix's total reaches p. Only the prefix is sorted.
+    """
+    num_rows, _ = probs_RV.shape
+    rows_N, ids_N = (probs_RV >= tau_R[:, None]).nonzero(as_tuple=True)  # ids ascending within a row
+    probs_N = probs_RV[rows_N, ids_N]
+    order_N = torch.sort(probs_N, descending=True, stable=True).indices
+    order_N = order_N[torch.sort(rows_N[order_N], stable=True).indices]  # rows, then probability desc, id asc
+    rows_N, ids_N, probs_N = rows_N[order_N], ids_N[order_N], probs_N[order_N]
+    counts_R = torch.bincount(rows_N, minlength=num_rows)
+    slots_N = torch.arange(len(rows_N), device=probs_RV.device) - (counts_R.cumsum(0) - counts_R)[rows_N]
+    width = int(counts_R.max()) if len(rows_N) else 0
+    running_RW = torch.zeros(num_rows, width + 1, dtype=probs_RV.dtype, device=probs_RV.device)
+    running_RW[:, 1:].index_put_((rows_N, slots_N), probs_N)
+    running_RW = running_RW.cumsum(-1)  # running_RW[r, j]: probability before slot j of row r
     keep_RV = torch.zeros_like(probs_RV, dtype=torch.bool)
-    pending_R = torch.arange(num_rows, device=probs_RV.device)
-    width = min(64, vocab)
-    while pending_R.numel():
-        probs_PV, top_p_P = probs_RV[pending_R], top_p_R[pending_R]
-        if width >= vocab:
-            order_probs_PW, order_ids_PW = torch.sort(probs_PV, dim=-1, descending=True, stable=True)
-            known_P = torch.full_like(top_p_P, vocab, dtype=torch.int64)
-        else:
-            largest_PW, ids_PW = torch.topk(probs_PV, width, dim=-1)
-            # The same tokens in (probability desc, id asc) order: sort by id, then stably by probability.
-            ids_PW, by_id_PW = torch.sort(ids_PW, dim=-1)
-            by_id_probs_PW = largest_PW.gather(-1, by_id_PW)
-            order_probs_PW, by_prob_PW = torch.sort(by_id_probs_PW, dim=-1, descending=True, stable=True)
-            order_ids_PW = ids_PW.gather(-1, by_prob_PW)
-            # Entries tied with the W-th largest may be other tokens of equal probability: order known before them.
-            known_P = (order_probs_PW > order_probs_PW[:, -1:]).sum(-1)
-        # Exclusive running sum: the probability of the tokens before each one.
-        preceding_PW = torch.cat([torch.zeros_like(order_probs_PW[:, :1]), order_probs_PW.cumsum(-1)[:, :-1]], -1)
-        at_boundary_P = preceding_PW.gather(-1, known_P.clamp(max=width - 1)[:, None])[:, 0]
-        decided_P = (known_P >= vocab) | (at_boundary_P >= top_p_P)
-        slot_PW = torch.arange(order_probs_PW.shape[1], device=probs_RV.device)
-        kept_PW = (preceding_PW < top_p_P[:, None]) & (slot_PW < known_P[:, None])
-        done = decided_P.nonzero()[:, 0]
-        keep_RV[pending_R[done]] = keep_RV[pending_R[done]].scatter_(1, order_ids_PW[done], kept_PW[done])
-        pending_R = pending_R[~decided_P]
-        width = min(8 * width, vocab)
-    return keep_RV
+    keep_RV[rows_N, ids_N] = running_RW[rows_N, slots_N] < top_p_R[rows_N]
+    decided_R = (tau_R == 0) | (running_RW.gather(-1, counts_R[:, None])[:, 0] >= top_p_R)
+    return keep_RV, decided_R
 
 
 def keyed_sample(
@@ -336,9 +362,9 @@ def keyed_sample(
     device = logits_BTV.device
     num_rows = batch * num_positions
     per_row = [
-        seeds_B2.to(device, torch.int64).repeat_interleave(num_positions, dim=0),
+        seeds_B2.to(device, torch.int64)[:, None].expand(batch, num_positions, 2).reshape(num_rows, 2),
         positions_BT.to(device, torch.int64).reshape(num_rows, 1),
-        *(x.to(device).repeat_interleave(num_positions) for x in (temperature_B, top_k_B, top_p_B)),
+        *(_per_position(x.to(device), num_positions) for x in (temperature_B, top_k_B, top_p_B)),
     ]
     logits_R1V = logits_BTV.reshape(num_rows, 1, vocab)
     tokens_R = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -348,6 +374,11 @@ def keyed_sample(
         rows = slice(start, start + block)
         tokens_R[rows], logprobs_R[rows] = _keyed_sample_rows(logits_R1V[rows], *(x[rows] for x in per_row))
     return tokens_R.view(batch, num_positions), logprobs_R.view(batch, num_positions)
+
+
+def _per_position(values_B: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """[B] -> [B * T]: each row's value repeated for its positions."""
+    return values_B[:, None].expand(-1, num_positions).reshape(-1)
 
 
 def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R):
@@ -378,6 +409,8 @@ def _perturbed_argmax(
     """
     num_rows, vocab = scores_RV.shape
     words_RV, refine_R1 = _words_of_rows(seeds_B2, positions_BT, vocab)
+    if num_rows * vocab <= _FULL_NOISE_MAX_LOGITS:  # small blocks: fewer operations with every token's noise
+        return (scores_RV + _gumbel_of_words(words_RV, refine_R1)).argmax(-1)
     lucky_rows, lucky_tokens = (words_RV >= _LUCKY_WORD).nonzero(as_tuple=True)
     all_rows = torch.arange(num_rows, device=scores_RV.device)
     rows_N, tokens_N = torch.cat([lucky_rows, all_rows]), torch.cat([lucky_tokens, best_token_R])

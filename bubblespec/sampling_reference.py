@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from bubblespec import sampling as _vectorised
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 
 
 def _mix_first(x: int) -> int:
@@ -31,25 +32,31 @@ def hash32(x: int) -> int:
     return _mix_second(_mix_first(x))
 
 
-def stream_state(seed: tuple[int, int], position: int) -> tuple[int, int, int]:
-    """The stream words (a, b, c) of one key seed (w0, w1) at one response position."""
-    w0, w1 = seed
-    position_hash = hash32((position & _MASK32) ^ _vectorised._POSITION_SALT)
-    a = hash32(w0 ^ hash32(w1 ^ position_hash))
-    b = hash32(w1 ^ hash32(a ^ _vectorised._STATE_SALT))
-    return a, b, hash32(b ^ _vectorised._REFINE_SALT)
+def fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finaliser on an integer in [0, 2**64)."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _MASK64
+    return x ^ (x >> 33)
+
+
+def stream_state(seed: tuple[int, int], position: int) -> tuple[int, int]:
+    """The stream words (a, b) of one key seed (w0, w1) at one response position."""
+    state = fmix64(((seed[0] << 32) | seed[1]) ^ fmix64((position & _MASK64) ^ _vectorised._POSITION_SALT))
+    return state >> 32, state & _MASK32
 
 
 def token_word(seed: tuple[int, int], position: int, token: int) -> int:
     """The 32-bit word h of one token: ``f2(f1(a ^ t(v)) ^ b)``, unsigned."""
-    a, b, _ = stream_state(seed, position)
+    a, b = stream_state(seed, position)
     return _mix_second(_mix_first(a ^ hash32(token ^ _vectorised._VOCAB_SALT)) ^ b)
 
 
 def keyed_uniform(seed: tuple[int, int], position: int, token: int) -> float:
-    """U(k, i, v): 32 bits of the token word (top bit flipped) then 20 bits of the refining word."""
+    """U(k, i, v): 32 bits of the token word (top bit flipped) then 20 bits of the refining word hash32(h ^ a)."""
     word = token_word(seed, position, token)
-    refine = hash32(word ^ stream_state(seed, position)[2])
+    refine = hash32(word ^ stream_state(seed, position)[0])
     return (((word ^ (1 << 31)) << 20) + (refine >> 12) + 0.5) / float(1 << 52)
 
 
@@ -68,9 +75,8 @@ def stream_seeds(seed: tuple[int, int], stream: int) -> tuple[int, int]:
     """The seed of noise stream ``stream`` of a key: itself for stream 0."""
     if stream == 0:
         return seed
-    w0, w1 = seed
-    first = hash32(w0 ^ hash32(w1 ^ hash32(stream ^ _vectorised._STREAM_SALT_0)))
-    return first, hash32(w1 ^ hash32(first ^ _vectorised._STREAM_SALT_1))
+    derived = fmix64(((seed[0] << 32) | seed[1]) ^ fmix64(stream ^ _vectorised._STREAM_SALT))
+    return derived >> 32, derived & _MASK32
 
 
 def mask_logits(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> list[float]:

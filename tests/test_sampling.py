@@ -386,3 +386,35 @@ def _independence_chi_square(first: torch.Tensor, second: torch.Tensor, vocab: i
     joint.index_put_((first, second), torch.ones(first.numel(), dtype=torch.float64), accumulate=True)
     expected = joint.sum(1, keepdim=True) * joint.sum(0, keepdim=True) / first.numel()
     return ((joint - expected) ** 2 / expected).sum().item()
+
+
+@pytest.mark.parametrize("full_noise_max_logits, block_logits", [(0, 1), (0, 1 << 30), (1 << 30, 1 << 30)])
+def test_selection_paths_and_blocks_give_the_same_samples(monkeypatch, full_noise_max_logits, block_logits):
+    """The bounded candidate selection, the every-token noise used for small blocks, and any blocking of rows
+    all give the reference's samples (here at a toy vocabulary, where most rows have no lucky token)."""
+    monkeypatch.setattr(sampling, "_FULL_NOISE_MAX_LOGITS", full_noise_max_logits)
+    monkeypatch.setattr(sampling, "_CPU_BLOCK_ELEMENTS", block_logits)
+    batch, num_positions, vocab = 8, 4, 19
+    logits = torch.randn(batch, num_positions, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    seeds = _random_seeds(random.Random(12), batch)
+    positions = torch.randint(0, 300, (batch, num_positions), generator=torch.Generator().manual_seed(2))
+    params = _params(batch, 1.0, 0, 1.0)
+    params[0][::3] = 0.0  # greedy rows among sampled ones
+    tokens, _ = sampling.keyed_sample(logits * 3, seeds, positions, *params)
+    for b, t in itertools.product(range(batch), range(num_positions)):
+        expected, _ = reference.keyed_sample(
+            (logits[b, t] * 3).tolist(), tuple(seeds[b].tolist()), int(positions[b, t]), float(params[0][b]), 0, 1.0
+        )
+        assert tokens[b, t].item() == expected
+
+
+def test_a_wrong_nucleus_estimate_costs_speed_only(monkeypatch):
+    """The top-p threshold estimate only decides how many tokens are sorted: a far too high one (a single
+    token) leaves the cut undecided and the whole row is sorted, with the reference's result."""
+    monkeypatch.setattr(sampling, "_nucleus_threshold", lambda scores, probs, top_p: probs.max(-1).values)
+    logits = torch.randn(2, 3, 500, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    scores = sampling.mask_logits(logits, *_params(2, 1.0, 0, 0.9))
+    for b, t in itertools.product(range(2), range(3)):
+        expected = reference.mask_logits(logits[b, t].tolist(), 1.0, 0, 0.9)
+        assert torch.isfinite(scores[b, t]).tolist() == [math.isfinite(x) for x in expected]
+        assert torch.isfinite(scores[b, t]).sum() > 1
