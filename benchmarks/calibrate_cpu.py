@@ -2,19 +2,25 @@
 
 Times real forward passes of the built-in engine on the shipped model (1 torch thread) over a grid of batch
 sizes, tokens per sequence and context lengths, and fits ``seconds = fixed + a * tokens + b * attention pairs``
-by least squares; then times GRPO training steps and fits ``seconds = fixed + c * tokens``. Prints the
-constants to put in ``_cpu_tiny()`` and how well the fit explains the measurements.
+by least squares; then times GRPO training steps and fits ``seconds = fixed + c * tokens``; then times keyed
+sampling over rows x vocabulary sizes of 19 to 151,936 and fits ``seconds = overhead + d * sampled logits``.
+Prints the constants to put in ``_cpu_tiny()`` and how well the fits explain the measurements. Last, it counts
+the bytes that keyed sampling's tensor operations read and write per logit, the basis of the GPU profiles'
+sampling term (each operation a pass over memory, as in eager execution).
 
-    python benchmarks/calibrate_cpu.py
+    python benchmarks/calibrate_cpu.py [--sampling-only]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from bubblespec import sampling
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.backends.torch_model import KVCache
 from bubblespec.config import TrainerConfig
@@ -41,8 +47,71 @@ def fit(rows: list[list[float]], targets: list[float]) -> list[float]:
     return solution.solution.flatten().tolist()
 
 
+def time_keyed_sample(num_rows: int, vocab: int, repeats: int = 5) -> float:
+    generator = torch.Generator().manual_seed(num_rows * vocab)
+    logits = torch.randn(num_rows, 1, vocab, generator=generator) * 3
+    seeds = torch.randint(0, 2**32, (num_rows, 2), generator=generator)
+    positions = torch.randint(0, 4096, (num_rows, 1), generator=generator)
+    params = (torch.ones(num_rows, dtype=torch.float64), torch.zeros(num_rows, dtype=torch.int64))
+    params += (torch.ones(num_rows, dtype=torch.float64),)
+    sampling.keyed_sample(logits, seeds, positions, *params)  # warm-up: hashed token ids are cached per vocabulary
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampling.keyed_sample(logits, seeds, positions, *params)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def calibrate_sampling() -> None:
+    rows, targets = [], []
+    for vocab in (19, 4096, 32000, 151936):
+        for num_rows in (1, 16, 64, 272):
+            rows.append([1.0, num_rows * vocab])
+            targets.append(time_keyed_sample(num_rows, vocab))
+    # Relative errors matter (times span 1 ms to 1 s): each measurement weighted by 1 / its time.
+    overhead, per_logit = fit([[x / t for x in r] for r, t in zip(rows, targets, strict=True)], [1.0] * len(rows))
+    errors = [abs(overhead + per_logit * r[1] - t) / t for r, t in zip(rows, targets, strict=True)]
+    print(f"sampling: sampling_s_per_logit={per_logit:.3e} (per-call overhead {overhead:.3e} s)")
+    print(f"  median relative error {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(rows)} shapes")
+
+
+class _BytesMoved(TorchDispatchMode):
+    """Sums the bytes of every tensor an operation reads (its tensor arguments) and writes (its results)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            leaves = [*torch.utils._pytree.tree_leaves((args, kwargs)), *torch.utils._pytree.tree_leaves(result)]
+            self.bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return result
+
+
+def sampling_bytes_per_logit(vocab: int = 151936, num_rows: int = 16) -> float:
+    """Bytes read and written by keyed sampling's operations per logit, float32 logits, T = 1, no filters."""
+    logits = torch.randn(num_rows, 1, vocab) * 3
+    seeds, positions = torch.randint(0, 2**32, (num_rows, 2)), torch.zeros(num_rows, 1, dtype=torch.int64)
+    params = (torch.ones(num_rows, dtype=torch.float64), torch.zeros(num_rows, dtype=torch.int64))
+    params += (torch.ones(num_rows, dtype=torch.float64),)
+    sampling.keyed_sample(logits, seeds, positions, *params)  # the hashed token ids are cached, as in a run
+    with _BytesMoved() as counter:
+        sampling.keyed_sample(logits, seeds, positions, *params)
+    return counter.bytes / logits.numel()
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Fits the cpu-tiny cost profile of the virtual clock.")
+    parser.add_argument("--sampling-only", action="store_true", help="only the sampling term and its byte count")
+    args = parser.parse_args()
     torch.set_num_threads(1)
+    calibrate_sampling()
+    print(f"sampling: {sampling_bytes_per_logit():.0f} bytes read and written per logit (V = 151936)")
+    if args.sampling_only:
+        return
     engine = TorchEngine.from_pretrained(str(ArithmeticTask.model_path()))
     rows, targets = [], []
     for batch in (1, 4, 16, 64):

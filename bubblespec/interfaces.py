@@ -159,6 +159,8 @@ class ForwardPass:
     """Cache positions read, summed over sequences (each sequence's context after this pass)."""
     attention_pairs: int
     """(query, context position) pairs attended, summed over sequences."""
+    sampled_logits: int = 0
+    """Logits sampled from after the pass: rows x positions x vocabulary (0 where an engine does not say)."""
 
 
 @runtime_checkable
