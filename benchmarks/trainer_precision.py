@@ -1,9 +1,10 @@
 """bfloat16 training: the learner's bfloat16 copy of float32 master weights against torch.autocast.
 
-For one GRPO batch on a random checkpoint, each way of running the forward and backward pass in bfloat16 is
-compared with the float32 learner: relative error of the gradient (L2), error of the response tokens'
-log-probabilities, and seconds per optimizer step. The bfloat16 copy is what :class:`GRPOLearner` does; autocast
-runs a float32 learner under ``torch.autocast(dtype=torch.bfloat16)``.
+For one GRPO batch sampled by the bfloat16 torch engine from a random checkpoint, each way of running the
+forward and backward pass in bfloat16 is compared with the float32 learner (relative L2 error of the gradient,
+error of the response tokens' log-probabilities) and with the engine that sampled the tokens (error of the
+log-probabilities it reported), with its seconds per optimizer step. The bfloat16 copy is what
+:class:`GRPOLearner` does; autocast runs a float32 learner under ``torch.autocast(dtype=torch.bfloat16)``.
 
     python benchmarks/trainer_precision.py --vocab 32000 --hidden 256 --layers 4 --batch 8 --length 128
 """
@@ -29,36 +30,49 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=128, help="response tokens per sample")
+    parser.add_argument("--length", type=int, default=128, help="most response tokens per sample")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         path = _random_llama(Path(folder), args.vocab, args.hidden, args.layers)
-        rng = random.Random(0)
-        samples = [
-            TrainSample(
-                tuple(rng.randrange(3, args.vocab) for _ in range(16)),
-                tuple(rng.randrange(3, args.vocab) for _ in range(args.length)),
-                group=i // 4,
-                reward=rng.random(),
-            )
-            for i in range(args.batch)
-        ]
+        samples, engine_logprobs = _engine_samples(str(path), args.vocab, args.batch, args.length)
         advantages = group_advantages(samples)
         reference = GRPOLearner(str(path), "float32", TrainerConfig(), temperature=1.0)
         gradient, logprobs, seconds = _measure(reference, samples, advantages, args.repeats, autocast=False)
-        print(f"float32           {seconds:8.3f} s/step")
+        print(f"{'float32':<17} {seconds:8.3f} s/step  |d logprob| vs engine {_mean_max(logprobs, engine_logprobs)}")
         ways = [("bfloat16 copy", "bfloat16", False), ("float32 autocast", "float32", True)]
         for name, dtype, autocast in ways:
             learner = GRPOLearner(str(path), dtype, TrainerConfig(), temperature=1.0)
             other_gradient, other_logprobs, seconds = _measure(learner, samples, advantages, args.repeats, autocast)
             error = float((other_gradient - gradient).norm() / gradient.norm())
-            difference = (other_logprobs - logprobs).abs()
             print(
-                f"{name:<17} {seconds:8.3f} s/step  gradient rel. error {error:.4f}  |d logprob| mean "
-                f"{float(difference.mean()):.4f} max {float(difference.max()):.4f}"
+                f"{name:<17} {seconds:8.3f} s/step  |d logprob| vs engine {_mean_max(other_logprobs, engine_logprobs)}"
+                f"  vs float32 {_mean_max(other_logprobs, logprobs)}  gradient rel. error vs float32 {error:.4f}"
             )
+
+
+def _engine_samples(path: str, vocab_size: int, batch: int, length: int):
+    """``batch`` responses of up to ``length`` tokens to random prompts, sampled by the bfloat16 torch engine
+    (temperature 1), in groups of 4 with random rewards; and the log-probabilities the engine reported."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.interfaces import Prompt, SamplingParams
+    from bubblespec.rollout import step_requests
+
+    rng = random.Random(0)
+    prompts = [Prompt(f"p{i}", tuple(rng.randrange(3, vocab_size) for _ in range(16)), "", "") for i in range(batch)]
+    requests = step_requests(prompts, 0, 0, 1, SamplingParams(temperature=1.0, max_new_tokens=length))
+    results = TorchEngine.from_pretrained(path, dtype="bfloat16").generate(requests)
+    samples = [
+        TrainSample(tuple(request.prompt_token_ids), tuple(result.token_ids), group=i // 4, reward=rng.random())
+        for i, (request, result) in enumerate(zip(requests, results, strict=True))
+    ]
+    return samples, torch.tensor([p for result in results for p in result.logprobs], dtype=torch.float32)
+
+
+def _mean_max(a: torch.Tensor, b: torch.Tensor) -> str:
+    difference = (a - b).abs()
+    return f"mean {float(difference.mean()):.4f} max {float(difference.max()):.4f}"
 
 
 def _random_llama(folder: Path, vocab_size: int, hidden_size: int, num_layers: int) -> Path:

@@ -429,3 +429,29 @@ def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
     controller.response_lengths.observe([result("unknown", 25), result("long-prompt", 6), result("cut", 40)])
     # the cut draft (10 tokens) is a lower bound: its prompt's last responses (40) predict longer
     assert plan_order() == ["cut", "unknown", "long-prompt", "long-answer", "short"]
+
+
+def test_response_lengths_are_bounded_and_restore_in_the_order_they_forget():
+    """The least recently sampled prompts are forgotten first, and a restored snapshot forgets in the same
+    order as the original (resumed runs must draft the same keys)."""
+    from bubblespec.interfaces import GenerationResult, RequestStats, RolloutKey
+    from bubblespec.predictions import ResponseLengths
+
+    def results(step, lengths_by_uid):
+        return [
+            GenerationResult(RolloutKey(0, step, uid, i), [5] * length, [0.0] * length, "stop", RequestStats())
+            for uid, lengths in lengths_by_uid.items()
+            for i, length in enumerate(lengths)
+        ]
+
+    lengths = ResponseLengths(max_prompts=2)
+    lengths.observe(results(0, {"a": [3, 4], "b": [10, 11]}))
+    assert (lengths.get("a"), lengths.get("b")) == (4, 10)  # rounded means (half to even)
+    lengths.observe(results(1, {"a": [7]}))  # a is now the most recent
+    restored = ResponseLengths(max_prompts=2)
+    restored.restore(lengths.snapshot())
+    for table in (lengths, restored):
+        table.observe(results(2, {"c": [1]}))
+        assert (table.get("a"), table.get("b"), table.get("c")) == (7, None, 1)
+    with pytest.raises(ValueError, match="max_prompts must be at least 1, got 0"):
+        ResponseLengths(max_prompts=0)
