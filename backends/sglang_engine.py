@@ -8,11 +8,11 @@ Each step is one batched ``/generate`` round trip over the active sequences (up 
   The response position ``i`` is ``custom_params["offset"] + len(__req__.output_ids)``, exact only with
   ``--disable-overlap-schedule`` (the overlap scheduler samples before the previous token is appended).
 - **verification**: ``input_ids`` = prompt + response + draft chunk, ``max_new_tokens: 1``, input logprobs from the
-  position before the chunk with the top-K candidates; :func:`decide_keyed_samples` computes the keyed sample at
-  each draft position on the client. Draft tokens are accepted while they equal the samples; the first
-  differing sample is emitted; after a fully accepted chunk the processor's sample is the bonus token. Where
-  K < vocabulary and the bound cannot decide a position, acceptance stops there and the next step samples it on
-  the server (exact, only slower).
+  position before the chunk with the top-K candidates and each draft token's own logprob;
+  :func:`bubblespec.verification.decide_keyed_samples` computes the keyed samples on the client, and the shared
+  bookkeeping (:mod:`bubblespec.decoding`) accepts draft tokens while they equal them, emits the first differing
+  sample, takes the processor's sample as the bonus after a fully accepted chunk, and decodes a position the top K
+  cannot decide as one plain token on the server before it goes on (exact, only slower).
 
 The processor returns a two-point logit row: 0 at the sample ``y`` and ``lp(y) - 1`` at ``(y + 1) % V`` (the rest
 -inf), where ``lp(y)`` is the log-probability of ``y`` under ``softmax(mask(z / T))`` computed in float64. The
@@ -32,7 +32,6 @@ import http.client
 import importlib.util
 import inspect
 import json
-import math
 import pickle
 import shutil
 import subprocess
@@ -42,21 +41,21 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bubblespec import sampling
+from bubblespec import sampling, verification
 from bubblespec.config import engine_config
-from bubblespec.drafts import check_request, realign, stop_token_ids
+from bubblespec.decoding import ProposalSettings, Sequence
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
-from bubblespec.interfaces import FinishReason, ForwardPass, GenerationRequest, GenerationResult, RequestStats
+from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult
 from bubblespec.sampling import keyed_sample
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -177,96 +176,6 @@ def processor_payload(mode: str) -> str:
     return json.dumps({"callable": dill.dumps(namespace["KeyedGumbelProcessor"]).hex()})
 
 
-def decide_keyed_samples(
-    top_ids_JK: torch.Tensor,
-    top_logprobs_JK: torch.Tensor,
-    seed: tuple[int, int],
-    positions_J: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    vocab_size: int,
-) -> tuple[list[int], list[float]]:
-    """Keyed samples at J scored positions from their top-K raw logprobs; -1 where the sample is not decided.
-
-    top_logprobs are ``log_softmax(z)`` (a per-position shift of z: argmax, top-k and top-p are unchanged).
-    Unlisted tokens have logprob <= l_K (the K-th largest), so when K < V a sample is *decided* iff the best
-    listed ``s_v + G_v`` beats ``l_K / T + max_{v unlisted} G_v`` (or every unlisted token is cut by top-k).
-    Greedy: decided iff the best listed logprob is > l_K. top-p needs the full distribution (K >= V).
-    Logprobs are exact when K >= V, greedy, T == 1 without filters, or top-k keeps listed tokens only;
-    otherwise they are renormalised over the listed tokens (an approximation).
-    """
-    num_positions, num_listed = top_ids_JK.shape
-    complete = num_listed >= vocab_size
-    raw_1JV = torch.full((1, num_positions, vocab_size), float("-inf"), dtype=torch.float64)
-    raw_1JV[0].scatter_(1, top_ids_JK, top_logprobs_JK.to(torch.float64))
-    greedy = temperature == 0
-    if not complete and not greedy and top_p < 1.0:
-        return [-1] * num_positions, [math.nan] * num_positions
-    float64 = torch.float64  # a float32 temperature would be off by ~1e-8 from the server's
-    params = (torch.tensor([temperature], dtype=float64), torch.tensor([top_k]), torch.tensor([top_p], dtype=float64))
-    scores_JV = sampling.mask_logits(raw_1JV, *params)[0]
-    l_K_J = top_logprobs_JK.to(torch.float64).min(-1).values
-    if greedy:
-        best_J = scores_JV.argmax(-1)
-        decided_J = torch.ones_like(best_J, dtype=torch.bool) if complete else scores_JV.max(-1).values > l_K_J
-        logprobs_J = raw_1JV[0].gather(-1, best_J[:, None])[:, 0]
-        return torch.where(decided_J, best_J, -1).tolist(), logprobs_J.tolist()
-    seeds_12 = torch.tensor([seed], dtype=torch.int64)
-    noise_JV = sampling.keyed_gumbel(seeds_12, positions_J[None, :], vocab_size)[0]
-    perturbed_JV = scores_JV + noise_JV
-    best_J = perturbed_JV.argmax(-1)
-    only_listed = 0 < top_k <= num_listed and bool((l_K_J < raw_1JV[0].sort(-1, True).values[:, top_k - 1]).all())
-    if complete or only_listed:
-        decided_J = torch.ones_like(best_J, dtype=torch.bool)
-    else:
-        listed_JV = torch.zeros(num_positions, vocab_size, dtype=torch.bool).scatter_(1, top_ids_JK, True)
-        bound_J = l_K_J / temperature + noise_JV.masked_fill(listed_JV, float("-inf")).max(-1).values
-        decided_J = perturbed_JV.max(-1).values > bound_J
-    if not complete and temperature == 1.0 and (top_k == 0 or top_k >= vocab_size) and top_p == 1.0:
-        logprobs_J = raw_1JV[0].gather(-1, best_J[:, None])[:, 0]
-    else:
-        logprobs_J = torch.log_softmax(scores_JV, -1).gather(-1, best_J[:, None])[:, 0]
-    return torch.where(decided_J, best_J, -1).tolist(), logprobs_J.tolist()
-
-
-@dataclass
-class _Sequence:
-    index: int
-    request: GenerationRequest
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    seed: tuple[int, int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    draft_offset: int = 0
-    proposal_limit: int | None = None
-    plain_next: bool = False  # an undecided draft position: sample it on the server before verifying again
-    finish: FinishReason | None = None
-
-    def draft_chunk(self, limit: int) -> list[int]:
-        draft = self.request.draft
-        if draft is None or limit <= 0 or self.plain_next:
-            return []
-        room = self.max_new_tokens - len(self.tokens) - 1
-        start = len(self.tokens) + self.draft_offset
-        return [] if start < 0 else list(draft.token_ids[start : start + min(limit, room)])
-
-    def emit(self, tokens: list[int], logprobs: list[float]) -> int:
-        """Appends tokens up to and including a stop token; returns how many were kept."""
-        kept = len(tokens)
-        for i, token in enumerate(tokens):
-            if token in self.stop_ids:
-                kept, self.finish = i + 1, "stop"
-                break
-        self.tokens += tokens[:kept]
-        self.logprobs += logprobs[:kept]
-        if self.finish is None and len(self.tokens) >= self.max_new_tokens:
-            self.finish = "length"
-        return kept
-
-
 class SGLangEngine:
     """A :class:`bubblespec.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
 
@@ -289,6 +198,11 @@ class SGLangEngine:
         self._released = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-rank{config.rank}")
         self.num_round_trips = 0
+        self._proposal = ProposalSettings(
+            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
+            adaptive_draft_length=config.adaptive_draft_length,
+            draft_alignment=config.draft_alignment,
+        )
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> SGLangEngine:
@@ -447,75 +361,66 @@ class SGLangEngine:
 
     def generate(
         self,
-        requests: Sequence[GenerationRequest],
+        requests: Seq[GenerationRequest],
         stop=None,
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
-        sequences = [self._admit(i, request) for i, request in enumerate(requests)]
+        # SGLang needs input < context and input + max_new_tokens <= context: one position in reserve.
+        sequences = [
+            Sequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids, reserve=1)
+            for i, r in enumerate(requests)
+        ]
         results: list[GenerationResult | None] = [None] * len(sequences)
         waiting, active = list(reversed(sequences)), []
         while waiting or active:
             if stop is not None and stop.is_set():
                 for sequence in active + waiting:
-                    results[sequence.index] = _result(sequence, "preempted")
+                    results[sequence.index] = sequence.result("preempted")
                 break
             while waiting and len(active) < self.config.max_batch_size:
                 active.append(waiting.pop())
             preempted = self._step(active, stop, on_forward)
             for sequence in list(active):
                 if sequence.finish is not None or preempted:
-                    results[sequence.index] = _result(sequence, sequence.finish or "preempted")
+                    results[sequence.index] = sequence.result()
                     active.remove(sequence)
             if preempted:
                 for sequence in waiting:
-                    results[sequence.index] = _result(sequence, "preempted")
+                    results[sequence.index] = sequence.result("preempted")
                 break
         return results  # type: ignore[return-value]
 
-    def _admit(self, index: int, request: GenerationRequest) -> _Sequence:
-        # SGLang needs input < context and input + max_new_tokens <= context.
-        check_request(index, request, self.vocab_size, self._context_length, reserve=1)
-        prompt = request.prompt_token_ids
-        params = request.sampling
-        return _Sequence(
-            index=index,
-            request=request,
-            max_new_tokens=min(params.max_new_tokens, self._context_length - len(prompt) - 1),
-            stop_ids=stop_token_ids(params, self._eos_ids),
-            seed=request.key.noise_seed(),
-        )
-
-    def _step(self, active: list[_Sequence], stop, on_forward) -> bool:
+    def _step(self, active: list[Sequence], stop, on_forward) -> bool:
         """One batched /generate round trip; returns True when ``stop`` aborted it."""
-        most = self.config.max_draft_tokens_per_step
-        drafts = [s.draft_chunk(most if s.proposal_limit is None else s.proposal_limit) for s in active]
+        drafts = [s.propose(self._proposal) for s in active]
         body = self._generate_body(active, drafts)
         replies, aborted = self._generate(body, stop)
         self.num_round_trips += 1
         if on_forward is not None:
             on_forward(_forward_pass(replies))
+        verified = [(s, d, r) for s, d, r in zip(active, drafts, replies, strict=True) if d]
+        if aborted:
+            verified = [(s, d, r) for s, d, r in verified if _reason(r) != "abort"]
+        self._verified(verified)
         for sequence, draft, reply in zip(active, drafts, replies, strict=True):
-            sequence.plain_next = False
-            if draft:
-                if not aborted or _reason(reply) != "abort":
-                    self._verified(sequence, draft, reply)
-            else:
+            if not draft:
                 self._generated(sequence, reply)
         return aborted
 
-    def _generate_body(self, active: list[_Sequence], drafts: list[list[int]]) -> dict:
+    def _generate_body(self, active: list[Sequence], drafts: list[list[int]]) -> dict:
         vocab, k = self.vocab_size, min(self.config.top_logprobs_num, self.vocab_size)
         body: dict[str, list] = {key: [] for key in ("input_ids", "sampling_params", "logprob_start_len")}
         body["top_logprobs_num"] = []
         for sequence, draft in zip(active, drafts, strict=True):
             prompt, params = sequence.request.prompt_token_ids, sequence.request.sampling
             body["input_ids"].append([*prompt, *sequence.tokens, *draft])
-            left = sequence.max_new_tokens - len(sequence.tokens)
-            custom = {"seed0": sequence.seed[0], "seed1": sequence.seed[1], "offset": len(sequence.tokens) + len(draft)}
+            seed = sequence.noise_seed
+            custom = {"seed0": seed[0], "seed1": seed[1], "offset": len(sequence.tokens) + len(draft)}
             custom |= {"temperature": float(params.temperature), "top_k": params.top_k, "top_p": float(params.top_p)}
+            plain = 1 if sequence.decode_next else min(self.config.tokens_per_call, sequence.room)
             body["sampling_params"].append(
                 {
-                    "max_new_tokens": 1 if draft or sequence.plain_next else min(self.config.tokens_per_call, left),
+                    "max_new_tokens": 1 if draft else plain,
                     "temperature": 0.0,
                     "ignore_eos": True,
                     "stop_token_ids": sorted(sequence.stop_ids),
@@ -548,21 +453,16 @@ class SGLangEngine:
                 raise SGLangError(f"{self._where('/generate')}: the server aborted a request: {reply['meta_info']}")
         return replies, aborted
 
-    def _generated(self, sequence: _Sequence, reply: dict) -> None:
+    def _generated(self, sequence: Sequence, reply: dict) -> None:
         """Plain keyed generation: every output token with its logprob decoded from the processor's top-2."""
-        tokens, logprobs = [], []
         output_ids = reply.get("output_ids") or []  # a request aborted while waiting may have none
         top = reply["meta_info"].get("output_top_logprobs") or []
         if len(top) < len(output_ids) and _reason(reply) != "abort":
             count = f"{len(top)} output top logprobs for {len(output_ids)} tokens"
             raise SGLangError(f"{self._where('/generate')}: {count}")
-        for token, candidates in zip(output_ids, top, strict=False):
-            tokens.append(token)
-            logprobs.append(self._decoded_logprob(token, candidates))
-        if not sequence.tokens:
-            sequence.stats.prefill_tokens = len(sequence.request.prompt_token_ids)
-        kept = sequence.emit(tokens, logprobs)
-        sequence.stats.decode_steps += kept
+        tokens = output_ids[: len(top)]
+        logprobs = [self._decoded_logprob(token, candidates) for token, candidates in zip(tokens, top, strict=True)]
+        sequence.record_plain(tokens, logprobs, self._proposal)
 
     def _decoded_logprob(self, token: int, candidates: list) -> float:
         if self.vocab_size == 1:
@@ -574,49 +474,45 @@ class SGLangEngine:
             )
         return candidates[1][0] - candidates[0][0] + 1.0
 
-    def _verified(self, sequence: _Sequence, draft: list[int], reply: dict) -> None:
-        meta = reply["meta_info"]
-        top = meta.get("input_top_logprobs") or []
-        if len(top) != len(draft) + 1:
-            raise SGLangError(f"{self._where('/generate')}: {len(top)} input top logprobs for a chunk of {len(draft)}")
-        ids_JK = torch.tensor([[c[1] for c in entry] for entry in top[1:]], dtype=torch.int64)
-        logprobs_JK = torch.tensor([[c[0] for c in entry] for entry in top[1:]], dtype=torch.float64)
-        positions_J = len(sequence.tokens) + torch.arange(len(draft))
-        params = sequence.request.sampling
-        filters = (params.temperature, params.top_k, params.top_p)
-        samples, lps = decide_keyed_samples(ids_JK, logprobs_JK, sequence.seed, positions_J, *filters, self._vocab_size)
-        accepted = 0
-        while accepted < len(draft) and samples[accepted] == draft[accepted]:
-            accepted += 1
-        emitted, emitted_logprobs = draft[:accepted], lps[:accepted]
-        if accepted == len(draft):  # the bonus token, sampled by the processor
-            bonus = reply["output_ids"][0]
-            emitted = [*emitted, bonus]
-            emitted_logprobs = [*emitted_logprobs, self._decoded_logprob(bonus, meta["output_top_logprobs"][0])]
-        elif samples[accepted] >= 0:  # a decided mismatch: emit the keyed sample
-            emitted, emitted_logprobs = [*emitted, samples[accepted]], [*emitted_logprobs, lps[accepted]]
-        else:  # undecided with K < V: the server samples this position next
-            sequence.plain_next = True
-        if not sequence.tokens:
-            sequence.stats.prefill_tokens = len(sequence.request.prompt_token_ids)
-        kept = sequence.emit(emitted, emitted_logprobs)
-        stats = sequence.stats
-        if kept:
-            # An undecided position emits accepted tokens only: count the last as the step's own sample.
-            counted = min(accepted, kept) - (1 if sequence.plain_next and kept == accepted else 0)
-            stats.decode_steps += 1
-            stats.verify_steps += 1
-            stats.draft_tokens_proposed += len(draft)
-            stats.draft_tokens_accepted += counted
-            stats.acceptance_lengths[counted + 1] = stats.acceptance_lengths.get(counted + 1, 0) + 1
-        if accepted < len(draft) and self.config.draft_alignment == "suffix":
-            found = realign(sequence.tokens, sequence.request.draft.token_ids, sequence.draft_offset)
-            if found is not None:
-                sequence.draft_offset = found
-        if self.config.adaptive_draft_length:
-            full = accepted == len(draft)
-            most = self.config.max_draft_tokens_per_step
-            sequence.proposal_limit = min(most, 2 * len(draft) if full else accepted + 1)
+    def _verified(self, verified: list[tuple[Sequence, list[int], dict]]) -> None:
+        """Keyed samples at the draft positions of every verify call of this round trip, decided on the client
+        from the top-K input logprobs (and each draft token's own) at once; then each sequence records its step."""
+        if not verified:
+            return
+        ids, logprobs, seeds, positions, params = [], [], [], [], []
+        for sequence, draft, reply in verified:
+            meta = reply["meta_info"]
+            top = meta.get("input_top_logprobs") or []
+            own = meta.get("input_token_logprobs") or []
+            if len(top) != len(draft) + 1:
+                where = self._where("/generate")
+                raise SGLangError(f"{where}: {len(top)} input top logprobs for a chunk of {len(draft)}")
+            # Rows 1.. score the draft tokens: the top K, then the draft token's own logprob (-1 pads if absent).
+            for j, entry in enumerate(top[1:]):
+                token = own[j + 1] if len(own) == len(top) else [None, -1, None]
+                ids.append([c[1] for c in entry] + [token[1] if token[0] is not None else -1])
+                logprobs.append([c[0] for c in entry] + [token[0] if token[0] is not None else 0.0])
+            seeds += [sequence.noise_seed] * len(draft)
+            positions += range(len(sequence.tokens), len(sequence.tokens) + len(draft))
+            params += [sequence.request.sampling] * len(draft)
+        tokens_J, logprobs_J, _ = verification.decide_keyed_samples(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(logprobs, dtype=torch.float64),
+            len(ids[0]) - 1,
+            torch.tensor(seeds, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor([p.temperature for p in params], dtype=torch.float64),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64),
+            self._vocab_size,
+        )
+        tokens, lps, start = tokens_J.tolist(), logprobs_J.tolist(), 0
+        for sequence, draft, reply in verified:
+            samples = [t if t >= 0 else None for t in tokens[start : start + len(draft)]]
+            bonus = reply["output_ids"][0]  # the processor's sample after the chunk
+            bonus_logprob = self._decoded_logprob(bonus, reply["meta_info"]["output_top_logprobs"][0])
+            sequence.record(draft, [*samples, bonus], [*lps[start : start + len(draft)], bonus_logprob], self._proposal)
+            start += len(draft)
 
 
 def _reason(reply: dict) -> str | None:
@@ -634,7 +530,3 @@ def _forward_pass(replies: list[dict]) -> ForwardPass:
         fed, context = fed + new, context + prompt + len(reply.get("output_ids", []))
         pairs += new * cached + new * (new + 1) // 2
     return ForwardPass(num_sequences=len(replies), num_tokens=fed, context_tokens=context, attention_pairs=pairs)
-
-
-def _result(sequence: _Sequence, reason: FinishReason) -> GenerationResult:
-    return GenerationResult(sequence.request.key, sequence.tokens, sequence.logprobs, reason, sequence.stats)
