@@ -54,7 +54,9 @@ def test_a_draft_cut_off_by_the_barrier_goes_on_where_it_stopped(engine):
     """Drafting the rest of a cut-off draft in a later phase gives exactly the draft one long bubble would have
     made (same policy, keyed sampling), and the later phase only pays for the new tokens."""
     requests = [
-        GenerationRequest((1, 3 + i, 7), RolloutKey(0, 1, f"p{i}", 0), SamplingParams(max_new_tokens=40))
+        GenerationRequest(
+            (1, 3 + i, 7), RolloutKey(0, 1, f"p{i}", 0), SamplingParams(max_new_tokens=40, ignore_eos=True)
+        )
         for i in range(6)
     ]
     whole = {r.key: r.token_ids for r in engine.generate(requests)}
