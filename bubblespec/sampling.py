@@ -10,19 +10,22 @@ standard Gumbel noise from a counter-based hash of ``(k, i, v)``. This is an exa
 computes the logits of position ``i`` of key ``k`` picks the same token. ``T == 0`` is greedy (first argmax).
 Ties in the perturbed scores go to the lowest token id.
 
-The noise. The key's 64-bit seed ``(w0, w1)`` and the position ``i`` give a 64-bit stream state ``(a, b)``; for
-a fixed position the map from seeds to states is a bijection, so two keys never share a stream. Token ``v``
-gets the 32-bit word ``h = f2(f1(a ^ t(v)) ^ b)``, with ``t(v)`` a hash of the token id (computed once per
-vocabulary size) and ``f1``, ``f2`` the two halves of the "lowbias32" finaliser (C. Wellons); for a fixed stream
-``v -> h`` is a bijection. A second word ``l = hash32(h ^ c)`` (``c`` from the stream) refines it:
+The noise. The key's 64-bit seed ``(w0, w1)`` and the position ``i`` give a 64-bit stream state
+``fmix64(seed64 ^ fmix64(i ^ salt))`` (MurmurHash3's finaliser, a bijection), whose halves are the words
+``(a, b)``; for a fixed position two keys never share a state. Token ``v`` gets the 32-bit word
+``h = f2(f1(a ^ t(v)) ^ b)``, with ``t(v)`` a hash of the token id (computed once per vocabulary size) and
+``f1``, ``f2`` the two halves of the "lowbias32" finaliser (C. Wellons), in wrap-around int32 arithmetic; for a
+fixed stream ``v -> h`` is a bijection. A second word ``l = lowbias32(h ^ a)`` refines it:
 
     U = ((h ^ 2**31) * 2**20 + (l >> 12) + 0.5) / 2**52,    G = -log(-log U)
 
 ``h ^ 2**31`` is the word read as a signed 32-bit integer plus 2**31, so the signed order of ``h`` is the order
-of ``U``. U has 52 random bits, so G is the Gumbel noise of a uniform rounded to a grid of step 2**-52 and
-capped at ``-log(-log(1 - 2**-53)) = 36.7``. The sample's distribution differs from ``softmax`` by at most the
-chance that some token's noise falls in a grid cell shared with a competitor or beyond the cap, about
-``V * 2**-52 < 4e-11`` at V = 152k: no test can measure it (it would take some 1e21 samples).
+of ``U``. Why 52 random bits suffice: U is an exact uniform rounded to the midpoint of its cell of width 2**-52,
+so G is exact Gumbel noise moved by at most ``2**-52 / (U (-log U))`` (and capped at 36.7 in the last cell). A
+sample can only change if the two best perturbed scores are closer than their noise moved, or if some token's
+U falls in the last cell (probability ``V * 2**-52``, 3e-11 at V = 152k). The winner's U is typically within
+``~1/V`` of 1, so its noise moves by ~``V * 2**-52``: the bias is of order 1e-10 per sample, which would take
+some 1e20 samples to measure.
 
 Cheap exact selection. ``keyed_sample`` does not compute G for every token. A token whose word is below the
 top 2**-10 of its range ("not lucky") has ``U < 1 - 2**-10`` hence ``G < 6.94``; the lucky tokens (about
@@ -78,6 +81,8 @@ _LUCKY_WORD = _BIT31 - (1 << (32 - _LUCKY_BITS))
 _UNLUCKY_GUMBEL_BOUND = -math.log(-math.log1p(-(2.0**-_LUCKY_BITS))) + 1e-9
 # keyed_sample draws the noise of every token when a block has at most this many logits (fewer operations).
 _FULL_NOISE_MAX_LOGITS = 4096
+# keyed_sample draws the noise of the kept tokens only in blocks whose rows all keep at most this many (top-k).
+_FEW_KEPT_TOKENS = 4096
 # keyed_sample on CPU: rows per block such that a block holds about this many logits.
 _CPU_BLOCK_ELEMENTS = 1 << 20
 
@@ -254,8 +259,8 @@ def mask_logits(
     divisor_B = torch.where(greedy_B, 1.0, temperature_B)
     if bool((divisor_B == 1.0).all()):
         scores_BTV = logits_BTV.to(torch.float64, copy=True)  # z / 1 == z exactly
-    else:
-        scores_BTV = logits_BTV.to(torch.float64) / divisor_B[:, None, None]
+    else:  # a float64 divisor promotes the logits: one float64 division, as float(z) / T
+        scores_BTV = logits_BTV / divisor_B[:, None, None]
 
     top_k_B = top_k_B.to(device, torch.int64)
     use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B
@@ -264,7 +269,7 @@ def mask_logits(
     top_p_B = top_p_B.to(device, torch.float64)
     use_top_p_B = (top_p_B < 1.0) & ~greedy_B
     if bool(use_top_p_B.any()):
-        _on_rows_(scores_BTV, use_top_p_B, lambda scores_STV, rows: _top_p_(scores_STV, top_p_B[rows]))
+        _on_rows_(scores_BTV, use_top_p_B, lambda scores, rows: _top_p_(scores, top_p_B[rows], use_top_k_B[rows]))
     return scores_BTV
 
 
@@ -286,13 +291,19 @@ def _top_k_(scores_STV: torch.Tensor, top_k_S: torch.Tensor) -> None:
     scores_STV.masked_fill_(scores_STV < largest_STW.gather(-1, kth_index_ST1), float("-inf"))
 
 
-def _top_p_(scores_STV: torch.Tensor, top_p_S: torch.Tensor) -> None:
-    """Masks, in place, the tokens outside each row's nucleus (top-p per batch row, 0 < p < 1)."""
+def _top_p_(scores_STV: torch.Tensor, top_p_S: torch.Tensor, after_top_k_S: torch.Tensor) -> None:
+    """Masks, in place, the tokens outside each row's nucleus (top-p per batch row, 0 < p < 1). Rows cut by top-k
+    look at their kept tokens (the smallest positive probability is the threshold), others at an estimate."""
     batch, num_positions, vocab = scores_STV.shape
     scores_RV = scores_STV.view(batch * num_positions, vocab)
     top_p_R = _per_position(top_p_S, num_positions)
+    after_top_k_R = _per_position(after_top_k_S, num_positions)
     probs_RV = torch.softmax(scores_RV, dim=-1)
-    keep_RV, decided_R = _nucleus_within(probs_RV, _nucleus_threshold(scores_RV, probs_RV, top_p_R), top_p_R)
+    if bool(after_top_k_R.all()):
+        tau_R = probs_RV.masked_fill(probs_RV == 0, 1.0).min(-1).values
+    else:
+        tau_R = _nucleus_threshold(scores_RV, probs_RV, top_p_R)
+    keep_RV, decided_R = _nucleus_within(probs_RV, tau_R, top_p_R)
     if not bool(decided_R.all()):  # float rounding of the estimate: look at every token of those rows
         rows = (~decided_R).nonzero()[:, 0]
         keep_RV[rows] = _nucleus_within(probs_RV[rows], torch.zeros_like(top_p_R[rows]), top_p_R[rows])[0]
@@ -326,20 +337,25 @@ def _nucleus_within(
     probability (an exclusive running sum in that order) never decreases along it, so every later token is
     dropped once the prefix's total reaches p. Only the prefix is sorted.
     """
-    num_rows, _ = probs_RV.shape
-    rows_N, ids_N = (probs_RV >= tau_R[:, None]).nonzero(as_tuple=True)  # ids ascending within a row
-    probs_N = probs_RV[rows_N, ids_N]
-    order_N = torch.sort(probs_N, descending=True, stable=True).indices
-    order_N = order_N[torch.sort(rows_N[order_N], stable=True).indices]  # rows, then probability desc, id asc
-    rows_N, ids_N, probs_N = rows_N[order_N], ids_N[order_N], probs_N[order_N]
+    num_rows, vocab = probs_RV.shape
+    # Flat indices r * V + v (faster to gather with than pairs), ascending: by row, then by token id.
+    flat_N = (probs_RV >= tau_R[:, None]).view(-1).nonzero()[:, 0]
+    probs_N = probs_RV.reshape(-1)[flat_N]
+    # Rows, then probability desc, id asc: two stable sorts of integers (the bits of a non-negative float64 are
+    # ordered as its value), which torch sorts much faster than floats.
+    order_N = torch.sort(-probs_N.view(torch.int64), stable=True).indices
+    order_N = order_N[torch.sort(flat_N[order_N] // vocab, stable=True).indices]
+    flat_N, probs_N = flat_N[order_N], probs_N[order_N]
+    rows_N = flat_N // vocab
     counts_R = torch.bincount(rows_N, minlength=num_rows)
     slots_N = torch.arange(len(rows_N), device=probs_RV.device) - (counts_R.cumsum(0) - counts_R)[rows_N]
-    width = int(counts_R.max()) if len(rows_N) else 0
-    running_RW = torch.zeros(num_rows, width + 1, dtype=probs_RV.dtype, device=probs_RV.device)
-    running_RW[:, 1:].index_put_((rows_N, slots_N), probs_N)
+    width = int(counts_R.max()) + 1 if len(rows_N) else 1
+    running_RW = torch.zeros(num_rows, width, dtype=probs_RV.dtype, device=probs_RV.device)
+    running_at_N = rows_N * width + slots_N
+    running_RW.view(-1)[running_at_N + 1] = probs_N
     running_RW = running_RW.cumsum(-1)  # running_RW[r, j]: probability before slot j of row r
     keep_RV = torch.zeros_like(probs_RV, dtype=torch.bool)
-    keep_RV[rows_N, ids_N] = running_RW[rows_N, slots_N] < top_p_R[rows_N]
+    keep_RV.view(-1)[flat_N] = running_RW.view(-1)[running_at_N] < top_p_R[rows_N]
     decided_R = (tau_R == 0) | (running_RW.gather(-1, counts_R[:, None])[:, 0] >= top_p_R)
     return keep_RV, decided_R
 
@@ -388,7 +404,9 @@ def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_
     best_R, tokens_R = scores_RV.max(-1)  # the first argmax: greedy rows' token
     log_normaliser_R = torch.sub(scores_RV, best_R[:, None]).exp_().sum(-1).log_().add_(best_R)
     sampled_R = temperature_R != 0
-    if bool(sampled_R.all()):
+    if bool((sampled_R & (top_k_R > 0) & (top_k_R <= _FEW_KEPT_TOKENS)).all()):
+        tokens_R = _perturbed_argmax_of_kept(scores_RV, seeds_R2, positions_R1)
+    elif bool(sampled_R.all()):
         tokens_R = _perturbed_argmax(scores_RV, seeds_R2, positions_R1, tokens_R)
     elif bool(sampled_R.any()):
         tokens_R[sampled_R] = _perturbed_argmax(
@@ -419,8 +437,24 @@ def _perturbed_argmax(
     close_rows, close_tokens = (scores_RV >= threshold_R[:, None]).nonzero(as_tuple=True)
     rows_N, tokens_N = torch.cat([rows_N, close_rows]), torch.cat([tokens_N, close_tokens])
     perturbed_N = _candidate_scores(scores_RV, words_RV, refine_R1, rows_N, tokens_N)
+    return _first_best(perturbed_N, rows_N, tokens_N, num_rows, vocab)
+
+
+def _perturbed_argmax_of_kept(scores_RV: torch.Tensor, seeds_R2: torch.Tensor, positions_R1: torch.Tensor):
+    """``argmax_v(scores[r, v] + G[r, v])`` (first on ties), [R] int64, for rows that top-k cut to a few tokens:
+    the exact noise of the finite-score tokens only."""
+    num_rows, vocab = scores_RV.shape
+    rows_N, tokens_N = torch.isfinite(scores_RV).nonzero(as_tuple=True)
+    a_R1, b_R1 = _stream_state(seeds_R2, positions_R1)
+    words_N = _token_words(a_R1[rows_N, 0], b_R1[rows_N, 0], _hashed_token_ids(vocab, scores_RV.device)[tokens_N])
+    perturbed_N = scores_RV[rows_N, tokens_N] + _gumbel_of_words(words_N, a_R1[rows_N, 0])
+    return _first_best(perturbed_N, rows_N, tokens_N, num_rows, vocab)
+
+
+def _first_best(perturbed_N, rows_N, tokens_N, num_rows: int, vocab: int) -> torch.Tensor:
+    """Per row, the lowest token id among the candidates with the row's largest perturbed score, [R] int64."""
     is_best_N = perturbed_N == _row_max(perturbed_N, rows_N, num_rows)[rows_N]
-    first_R = torch.full((num_rows,), vocab, dtype=torch.int64, device=scores_RV.device)
+    first_R = torch.full((num_rows,), vocab, dtype=torch.int64, device=perturbed_N.device)
     return first_R.scatter_reduce_(0, rows_N[is_best_N], tokens_N[is_best_N], "amin")
 
 

@@ -264,16 +264,17 @@ def _brute_force_sample(logits, seeds, positions, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("scale", [0.05, 3.0, 30.0])
-def test_keyed_sample_at_real_vocabulary_equals_the_full_noise_argmax(dtype, scale):
-    """Selecting among lucky and high-scoring tokens only gives exactly the argmax over every token, with
-    logits from nearly flat to nearly one-hot and mixed sampling parameters."""
+@pytest.mark.parametrize("top_k_column", [(0, 40, 0, 0), (50, 1, 4096, 40)], ids=["mixed", "all-top-k"])
+def test_keyed_sample_at_real_vocabulary_equals_the_full_noise_argmax(dtype, scale, top_k_column):
+    """Selecting among lucky and high-scoring tokens (or among the few that top-k keeps) gives exactly the
+    argmax over every token, with logits from nearly flat to nearly one-hot and mixed sampling parameters."""
     vocab, batch, num_positions = 151_936, 4, 2
     generator = torch.Generator().manual_seed(int(scale * 10))
     logits = (torch.randn(batch, num_positions, vocab, generator=generator) * scale).to(dtype)
     seeds = _random_seeds(random.Random(3), batch)
     positions = torch.randint(0, 5000, (batch, num_positions), generator=generator)
-    temperature = torch.tensor([1.0, 0.6, 1.4, 0.0], dtype=torch.float64)
-    top_k = torch.tensor([0, 40, 0, 0])
+    temperature = torch.tensor([1.0, 0.6, 1.4, 0.0 if top_k_column[0] == 0 else 2.0], dtype=torch.float64)
+    top_k = torch.tensor(top_k_column)
     top_p = torch.tensor([1.0, 0.9, 0.97, 1.0], dtype=torch.float64)
     tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)
     assert torch.equal(tokens, _brute_force_sample(logits.double(), seeds, positions, temperature, top_k, top_p))
