@@ -261,6 +261,7 @@ def mask_logits(
         scores_BTV = logits_BTV.to(torch.float64, copy=True)  # z / 1 == z exactly
     else:  # a float64 divisor promotes the logits: one float64 division, as float(z) / T
         scores_BTV = logits_BTV / divisor_B[:, None, None]
+    scores_BTV = scores_BTV.contiguous()  # the filters mask in place through views
 
     top_k_B = top_k_B.to(device, torch.int64)
     use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B

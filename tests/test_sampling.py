@@ -306,6 +306,13 @@ def test_noise_and_samples_do_not_depend_on_the_logits_dtype_or_the_batch():
     tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, *params)
     tokens64, logprobs64 = sampling.keyed_sample(logits.double(), seeds, positions, *params)
     assert torch.equal(tokens, tokens64) and torch.equal(logprobs, logprobs64)
+    position_major = logits.transpose(0, 1).contiguous().transpose(0, 1)  # the same logits, not contiguous
+    for same_logits in (position_major, position_major.double()):
+        assert torch.equal(sampling.keyed_sample(same_logits, seeds, positions, *params)[0], tokens)
+        for mask_params in (params, _params(6, 1.0, 5, 0.9)):
+            assert torch.equal(
+                sampling.mask_logits(same_logits, *mask_params), sampling.mask_logits(logits, *mask_params)
+            )
     for row in (4, 1):
         alone, _ = sampling.keyed_sample(
             logits[row : row + 1], seeds[row : row + 1], positions[row : row + 1], *(p[row : row + 1] for p in params)
