@@ -33,7 +33,8 @@ V / 1024) and the best-scoring token give a score ``L`` that the winner reaches,
 ``mask(z / T)[v] > L - 6.94``. Only those candidates get the exact float64 noise, and the result is the argmax
 over every token, bit for bit (a test checks it against the full noise). Noise and selection are computed
 from the logits converted to float64 whatever the model's dtype, so float32 and float64 engines share the
-noise; greedy rows draw no noise.
+noise; greedy rows draw no noise. For top-K verification, ``keyed_gumbel_at`` gives G at chosen token ids and
+``keyed_gumbel_max_outside`` the largest G outside a set of ids, without the float64 noise of every token.
 
 Independent streams. ``stream_seeds(seeds, s)`` gives the seeds of stream ``s`` of each key: stream 0 is the
 key itself, other streams are independent noise for the same key and positions (e.g. one-hot verification).
@@ -219,6 +220,15 @@ def keyed_uniform(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size
 def keyed_gumbel(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise G(k, i, v) = -log(-log U(k, i, v)) for every token, [B, T, V] float64."""
     return -torch.log(-torch.log(keyed_uniform(seeds_B2, positions_BT, vocab_size)))
+
+
+def keyed_gumbel_at(seeds_B2: torch.Tensor, positions_BT: torch.Tensor, token_ids_BTK: torch.Tensor) -> torch.Tensor:
+    """G(k_b, i_bt, v) at the given token ids only, [B, T, K] float64: ``keyed_gumbel(...).gather(-1, ids)``
+    without the noise of the rest of the vocabulary."""
+    a_BT, b_BT = _stream_state(seeds_B2, positions_BT.to(torch.int64))
+    hashed_ids_BTK = hash32((token_ids_BTK.to(a_BT.device, torch.int64) ^ _VOCAB_SALT).to(torch.int32))
+    words_BTK = _token_words(a_BT[..., None], b_BT[..., None], hashed_ids_BTK)
+    return _gumbel_of_words(words_BTK, a_BT[..., None])
 
 
 def keyed_gumbel_max_outside(

@@ -333,7 +333,7 @@ def test_top_k_and_top_p_match_the_reference_with_ties_at_the_cut(vocab, scale):
             assert torch.isfinite(scores[b, t]).tolist() == [math.isfinite(x) for x in expected]
 
 
-def test_keyed_gumbel_max_outside_matches_the_full_noise():
+def test_keyed_gumbel_at_and_max_outside_match_the_full_noise():
     vocab = 5000
     seeds = _random_seeds(random.Random(7), 3)
     positions = torch.tensor([[0, 3], [10, 11], [999, 2**31 + 5]])
@@ -342,6 +342,7 @@ def test_keyed_gumbel_max_outside_matches_the_full_noise():
     excluded[0, 0] = excluded[0, 0, :1]  # repeats are allowed
     best_outside = sampling.keyed_gumbel_max_outside(seeds, positions, vocab, excluded)
     assert torch.equal(best_outside, noise.scatter(-1, excluded, float("-inf")).max(-1).values)
+    assert torch.equal(sampling.keyed_gumbel_at(seeds, positions, excluded), noise.gather(-1, excluded))
     everything = torch.arange(4).expand(3, 2, 4)
     assert (sampling.keyed_gumbel_max_outside(seeds, positions, 4, everything) == float("-inf")).all()
     expected = reference.keyed_gumbel_max_outside(tuple(seeds[2].tolist()), 999, 50, [3, 4])
