@@ -1,139 +1,304 @@
-"""``bubblespec bench engine``: the built-in engine on the shipped model, measured side by side in one run.
+"""``bubblespec bench engine``: an engine backend measured side by side in one run, on the same requests.
 
-(a) Hugging Face ``generate()`` against our engine without drafts, tokens/s at several batch sizes.
-(b) Our engine verifying coupled drafts from one policy step older against the same engine without drafts:
-    decode steps, tokens/s, acceptance length.
+(a) Hugging Face ``generate()`` against the engine without drafts, tokens/s.
+(b) The engine verifying coupled drafts from one policy step older against the same engine without drafts:
+    tokens/s, forward passes, decode steps, acceptance length, and whether the outputs are identical.
+(c) The exactness table: the share of responses that differ with drafts and without, per dtype (torch engine:
+    float64, float32, bfloat16; vLLM: float32, bfloat16).
+(d) Keyed sampling's share of a decode forward pass at the model's vocabulary.
 
-The older policy is the shipped model (pi_t). The verifying policy (pi_t+1) is that model after one
-policy-gradient optimizer step on its own samples: a GRPO-style loss (group-normalised rewards of the task)
-and one Adam step at ``learning_rate``. Drafts are pi_t's keyed samples for exactly the keys pi_t+1 then
-generates, as bubble drafting produces them.
+The requests, the policy step between the drafting policy pi_t and the verifying policy pi_t+1, and HF
+``generate`` are described in :mod:`bubblespec.cli.bench_engine_requests`; the exactness table and the sampling
+share in :mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly the keys
+pi_t+1 then generates, as bubble drafting produces them; they come from the torch engine whatever the backend
+(keyed sampling picks the same tokens on every backend).
 
-All timings of one row run in the same process, interleaved, with the median of ``repeats`` reported: the
-ratios are what to read, absolute numbers depend on the machine.
+Every backend gets the same requests and reports the same fields. All timings of one row run in the same
+process, interleaved (HF, engine, engine with drafts, repeated), with the median of ``repeats`` reported: the
+ratios are what to read, absolute numbers depend on the machine and its load.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, SamplingParams, acceptance_length
-from bubblespec.rollout import step_requests
-from bubblespec.tasks.arithmetic import ArithmeticTask
+from bubblespec.cli.bench_engine_measures import (
+    differing_share,
+    exactness_table,
+    keyed_sampling_share,
+    make_engine,
+    synchronize,
+)
+from bubblespec.cli.bench_engine_requests import (
+    RANDOM_MAX_NEW_TOKENS,
+    RANDOM_PROMPT_LENGTHS,
+    Workload,
+    hf_generate,
+    hf_model,
+    perturbed_weights,
+    policy_gradient_step,
+    random_workload,
+    task_workload,
+    with_drafts,
+)
+from bubblespec.errors import ConfigError
+from bubblespec.interfaces import GenerationRequest, GenerationResult, acceptance_length
+
+DTYPES_BY_BACKEND = {"torch": ("float32", "bfloat16", "float64"), "vllm": ("float32", "bfloat16")}
+"""The backends this benchmark runs and the engine dtypes each offers."""
 
 
 @dataclass(frozen=True)
 class EngineBenchSettings:
+    backend: str = "torch"
+    model_path: str | None = None
+    """A Hugging Face model folder; None: the shipped model on the arithmetic task's prompts."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    """Device of the torch engine, HF generate and drafting; vLLM runs where its build runs."""
     threads: int = 1
     repeats: int = 3
     quick: bool = False
-    batch_sizes: tuple[int, ...] = (1, 16, 64)
+    """A smoke run: batch sizes 1 and 16, one repetition, one request at batch 1; shorter responses and fewer
+    exactness requests on a model folder."""
+    batch_sizes: tuple[int, ...] = (1, 16, 32)
+    max_new_tokens: int = RANDOM_MAX_NEW_TOKENS
+    """Response limit on a model folder (the shipped model uses its task's)."""
+    prompt_lengths: tuple[int, int] = RANDOM_PROMPT_LENGTHS
+    weight_noise: float = 1e-3
+    """Relative RMS change of every weight tensor from pi_t to pi_t+1 on a model folder."""
     learning_rate: float = 1e-4
-    """Adam learning rate of the policy step between the drafting and the verifying policy: the quickstart's."""
+    """Adam learning rate of the policy step on the shipped model: the quickstart's."""
     policy_step_prompts: int = 16
     policy_step_samples: int = 4
     max_draft_tokens_per_step: int = 16
+    min_requests: int = 8
+    """Requests per row at least: batch size 1 runs this many one at a time (one response is too noisy)."""
+    exactness_requests: int | None = None
+    """Requests of the exactness table (0: no table); None: 64 on the shipped model, 16 on a model folder."""
+    exactness_dtypes: tuple[str, ...] = ("float64", "float32", "bfloat16")
+    """The torch engine's dtypes in the exactness table."""
+    hf_batch_sizes: tuple[int, ...] | None = None
+    """Batch sizes at which HF generate runs; None: every batch size on the shipped model, 16 on a model folder."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in DTYPES_BY_BACKEND:
+            raise ConfigError(
+                f"backend {self.backend!r} is not benchmarked; choose one of {', '.join(DTYPES_BY_BACKEND)}"
+            )
+        if self.dtype not in DTYPES_BY_BACKEND[self.backend]:
+            choices = ", ".join(DTYPES_BY_BACKEND[self.backend])
+            raise ConfigError(
+                f"dtype {self.dtype!r} is not offered by the {self.backend} engine; choose one of {choices}"
+            )
+        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+            raise ConfigError(f"--model {self.model_path!r} is not a Hugging Face model folder (no config.json there)")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
+        low, high = self.prompt_lengths
+        if not 1 <= low <= high:
+            raise ConfigError(f"prompt lengths must satisfy 1 <= low <= high, got {self.prompt_lengths}")
+        for name in ("max_new_tokens", "repeats", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.weight_noise < 0:
+            raise ConfigError(f"weight noise must be >= 0, got {self.weight_noise!r}")
+
+    @property
+    def max_batch_size(self) -> int:
+        return max(self.batch_sizes)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """vLLM's context length on a model folder: the longest prompt, response and draft chunk fit."""
+        if self.model_path is None:
+            return None
+        return self.prompt_lengths[1] + self.max_new_tokens + self.max_draft_tokens_per_step + 64
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,16,32"`` -> ``(1, 16, 32)``; anything else is a :class:`ConfigError` quoting it."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--batch-sizes {text!r} is not a comma-separated list of integers, e.g. 1,16,32") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--batch-sizes {text!r}: every batch size must be >= 1")
+    return sizes
+
+
+def resolve(settings: EngineBenchSettings) -> EngineBenchSettings:
+    """Fills the defaults that depend on the model (and on ``quick``)."""
+    folder = settings.model_path is not None
+    if settings.quick:
+        settings = replace(settings, batch_sizes=(1, 16), repeats=1, min_requests=1)
+        if folder:
+            settings = replace(settings, max_new_tokens=min(settings.max_new_tokens, 16))
+    if settings.exactness_requests is None:
+        settings = replace(settings, exactness_requests=(8 if settings.quick else 16) if folder else 64)
+    if settings.hf_batch_sizes is None:
+        settings = replace(settings, hf_batch_sizes=(16,) if folder else settings.batch_sizes)
+    return replace(settings, model_path=settings.model_path or str(_shipped_model_path()))
 
 
 def run_engine_bench(settings: EngineBenchSettings) -> dict:
+    shipped = settings.model_path is None
+    settings = resolve(settings)
     torch.set_num_threads(settings.threads)
-    task = ArithmeticTask(seed=settings.seed, prompts_per_step=max(settings.batch_sizes))
-    batch_sizes = (1, 16) if settings.quick else settings.batch_sizes
-    path = str(ArithmeticTask.model_path())
-    old = TorchEngine.from_pretrained(path, max_draft_tokens_per_step=settings.max_draft_tokens_per_step)
-    new = TorchEngine.from_pretrained(path, max_draft_tokens_per_step=settings.max_draft_tokens_per_step)
-    new_state, policy_step = policy_gradient_step(old, task, settings)
-    new.update_weights(new_state, version=1)
+    num_timed = max(settings.max_batch_size, settings.min_requests)
+    workload = _workload(settings, shipped, max(num_timed, settings.exactness_requests))
+    timed = workload.requests[:num_timed]
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    engine, new_state, drafts, report = _engine_and_drafts(settings, shipped, workload, timed)
+    seconds["policies, drafts and sampling share"] = time.perf_counter() - clock
 
-    report: dict = {
-        "settings": {**settings.__dict__, "batch_sizes": list(batch_sizes), "dtype": "float32"},
-        "policy_update": policy_step,
-        "hf_generate_tokens_per_s": {},
-        "engine_tokens_per_s": {},
-        "engine_tokens_per_s_with_draft": {},
-        "engine_vs_hf_generate": {},
-        "speedup_with_draft": {},
-        "forward_passes_no_draft": {},
-        "forward_passes_with_draft": {},
-    }
-    hf_model = _hf_model(path)
-    for batch_size in batch_sizes:
-        # Batch size 1 runs several prompts one at a time: one response is too noisy a sample.
-        requests = _requests(task, step=1, batch_size=max(batch_size, 1 if settings.quick else 8))
-        drafts = _drafts(old, requests)
-        hf_rate = _median_rate(settings.repeats, lambda r=requests, b=batch_size: _hf_generate(hf_model, task, r, b))
-        plain_rate, _ = _rate_and_results(settings.repeats, old, requests, batch_size)
-        new_plain_rate, plain = _rate_and_results(settings.repeats, new, requests, batch_size)
-        draft_rate, speculative = _rate_and_results(settings.repeats, new, _attach(requests, drafts), batch_size)
-        key = str(batch_size)
-        report["hf_generate_tokens_per_s"][key] = hf_rate
-        report["engine_tokens_per_s"][key] = plain_rate
-        report["engine_vs_hf_generate"][key] = plain_rate / hf_rate
-        report["engine_tokens_per_s_with_draft"][key] = draft_rate
-        report["speedup_with_draft"][key] = draft_rate / new_plain_rate
-        report["forward_passes_no_draft"][key] = plain["forward_passes"]
-        report["forward_passes_with_draft"][key] = speculative["forward_passes"]
-        if batch_size == 16:
-            report |= _draft_summary(plain["results"], speculative["results"])
-    report["float64_identical"], report["float32_mismatch_rate"] = _exactness(old, new, task)
+    hf = hf_model(settings.model_path, settings.dtype, settings.device, new_state) if settings.hf_batch_sizes else None
+    drafted = with_drafts(timed, drafts)
+    for batch_size in settings.batch_sizes:
+        clock = time.perf_counter()
+        count = max(batch_size, settings.min_requests)
+        plain, speculative = _measure_row(
+            report, engine, hf, workload, timed[:count], drafted[:count], batch_size, settings
+        )
+        seconds[f"batch {batch_size}"] = time.perf_counter() - clock
+    del hf
+    report |= _draft_summary(plain, speculative)
+    clock = time.perf_counter()
+    exactness_requests = workload.requests[: settings.exactness_requests]
+    measured = differing_share(plain, speculative)
+    report["exactness"] = (
+        exactness_table(settings, new_state, exactness_requests, measured) if exactness_requests else {}
+    )
+    report |= _exactness_summary(report["exactness"])
+    seconds["exactness"] = time.perf_counter() - clock
+    report["benchmark_seconds"] = seconds
     return report
 
 
-def _requests(task: ArithmeticTask, step: int, batch_size: int, samples: int = 1) -> list[GenerationRequest]:
-    params = SamplingParams(temperature=1.0, max_new_tokens=task.max_new_tokens)
-    return step_requests(
-        task.batch(step)[:batch_size], run_seed=0, step=step, samples_per_prompt=samples, sampling=params
+def _engine_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: Workload, timed: list):
+    """The engine of the backend holding pi_t+1, pi_t+1's weights, pi_t's responses to the timed requests (the
+    drafts) and the report so far (settings, workload, policy update, keyed sampling's share)."""
+    drafter = make_engine("torch", settings.model_path, settings.dtype, settings)  # pi_t
+    new_state, policy_update = _next_policy(settings, shipped, drafter)
+    drafts = drafter.generate(timed)
+    report = _empty_report(settings, workload, policy_update)
+    share_batch = 16 if 16 in settings.batch_sizes else settings.max_batch_size
+    pairs = zip(timed, drafts, strict=True)
+    context = round(statistics.mean(len(r.prompt_token_ids) + len(d.token_ids) // 2 for r, d in pairs))
+    report["keyed_sampling"] = keyed_sampling_share(drafter.model, share_batch, context, max(settings.repeats, 3))
+    if settings.backend == "torch":
+        engine = drafter
+    else:
+        del drafter
+        engine = make_engine(settings.backend, settings.model_path, settings.dtype, settings)
+    engine.update_weights(new_state, version=1)  # pi_t+1
+    return engine, new_state, drafts, report
+
+
+def _workload(settings: EngineBenchSettings, shipped: bool, num_requests: int) -> Workload:
+    if shipped:
+        return task_workload(num_requests, settings.seed)
+    return random_workload(
+        settings.model_path, num_requests, settings.prompt_lengths, settings.max_new_tokens, settings.seed
     )
 
 
-def _drafts(engine: TorchEngine, requests: list[GenerationRequest]) -> list[Draft]:
-    results = engine.generate(requests)
-    return [
-        Draft(r.key, tuple(result.token_ids), engine.policy_version)
-        for r, result in zip(requests, results, strict=True)
-    ]
+def _next_policy(settings: EngineBenchSettings, shipped: bool, drafter) -> tuple[dict, dict]:
+    """pi_t+1's weights (float32, Hugging Face names) and how they were made."""
+    if shipped:
+        return policy_gradient_step(drafter, settings)
+    from bubblespec.backends.torch_model import read_checkpoint
+
+    _, weights = read_checkpoint(settings.model_path)
+    return perturbed_weights(weights, settings.weight_noise, settings.seed)
 
 
-def _attach(requests: list[GenerationRequest], drafts: list[Draft]) -> list[GenerationRequest]:
-    return [GenerationRequest(r.prompt_token_ids, r.key, r.sampling, d) for r, d in zip(requests, drafts, strict=True)]
+def _empty_report(settings: EngineBenchSettings, workload: Workload, policy_update: dict) -> dict:
+    fields = {**settings.__dict__, "batch_sizes": list(settings.batch_sizes)}
+    fields["hf_batch_sizes"] = list(settings.hf_batch_sizes)
+    fields["prompt_lengths"] = list(settings.prompt_lengths)
+    fields["exactness_dtypes"] = list(settings.exactness_dtypes)
+    report: dict = {"settings": fields, "workload": workload.description, "policy_update": policy_update}
+    for name in ROW_FIELDS:
+        report[name] = {}
+    return report
 
 
-def _chunks(requests: list[GenerationRequest], batch_size: int) -> list[list[GenerationRequest]]:
-    return [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+ROW_FIELDS = (
+    "num_requests",
+    "hf_generate_tokens_per_s",
+    "engine_tokens_per_s",
+    "engine_vs_hf_generate",
+    "engine_tokens_per_s_with_draft",
+    "speedup_with_draft",
+    "forward_passes_no_draft",
+    "forward_passes_with_draft",
+    "identical_outputs",
+)
+"""The report's fields by batch size (HF generate's only at ``hf_batch_sizes``)."""
 
 
-def _median_rate(repeats: int, run) -> float:
-    """Median tokens/s of ``run()``, which returns the number of tokens it generated."""
-    rates = []
+def _measure_row(report, engine, hf, workload, plain, drafted, batch_size, settings):
+    """Times one batch size, interleaved, and fills its entries of ``report``; returns the engine's results
+    without and with drafts (of the last repetition)."""
+    runs = {"engine": _EngineRun(engine, plain, batch_size), "draft": _EngineRun(engine, drafted, batch_size)}
+    if hf is not None and batch_size in settings.hf_batch_sizes:
+        runs["hf"] = lambda: hf_generate(hf, workload, plain, batch_size)
+    rates = _interleaved_rates(runs, settings.repeats, settings.device)
+    key = str(batch_size)
+    report["num_requests"][key] = len(plain)
+    if "hf" in rates:
+        report["hf_generate_tokens_per_s"][key] = rates["hf"]
+        report["engine_vs_hf_generate"][key] = rates["engine"] / rates["hf"]
+    report["engine_tokens_per_s"][key] = rates["engine"]
+    report["engine_tokens_per_s_with_draft"][key] = rates["draft"]
+    report["speedup_with_draft"][key] = rates["draft"] / rates["engine"]
+    report["forward_passes_no_draft"][key] = runs["engine"].forward_passes
+    report["forward_passes_with_draft"][key] = runs["draft"].forward_passes
+    same = [r.token_ids for r in runs["engine"].results] == [r.token_ids for r in runs["draft"].results]
+    report["identical_outputs"][key] = same
+    return runs["engine"].results, runs["draft"].results
+
+
+class _EngineRun:
+    """``engine.generate`` on the requests in batches of ``batch_size``; keeps the last call's results and forward
+    passes; returns the tokens generated."""
+
+    def __init__(self, engine, requests: list[GenerationRequest], batch_size: int) -> None:
+        self.engine, self.requests, self.batch_size = engine, requests, batch_size
+        self.results: list[GenerationResult] = []
+        self.forward_passes = 0
+
+    def __call__(self) -> int:
+        before = self.engine.num_forward_passes
+        self.results = []
+        for start in range(0, len(self.requests), self.batch_size):
+            self.results += self.engine.generate(self.requests[start : start + self.batch_size])
+        self.forward_passes = self.engine.num_forward_passes - before
+        return sum(len(r.token_ids) for r in self.results)
+
+
+def _interleaved_rates(runs: dict, repeats: int, device: str) -> dict[str, float]:
+    """Median tokens/s of each run (a callable returning the tokens it generated), the runs interleaved."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = run()
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
-
-
-def _rate_and_results(
-    repeats: int, engine: TorchEngine, requests: list[GenerationRequest], batch_size: int
-) -> tuple[float, dict]:
-    """Median tokens/s of the engine on ``requests`` in batches of ``batch_size``, and the last run's results."""
-    outcome: dict = {}
-
-    def run() -> int:
-        passes_before = engine.num_forward_passes
-        results = [result for chunk in _chunks(requests, batch_size) for result in engine.generate(chunk)]
-        outcome.update(results=results, forward_passes=engine.num_forward_passes - passes_before)
-        return sum(len(r.token_ids) for r in results)
-
-    return _median_rate(repeats, run), outcome
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens = run()
+            synchronize(device)
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationResult]) -> dict:
+    """Decode steps, acceptance and identity over the largest batch size's requests."""
     steps_plain = sum(r.stats.decode_steps for r in plain)
     steps_draft = sum(r.stats.decode_steps for r in speculative)
     verify_steps = sum(r.stats.verify_steps for r in speculative)
@@ -142,106 +307,30 @@ def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationRe
     return {
         "decode_steps_no_draft": steps_plain,
         "decode_steps_with_draft": steps_draft,
-        "decode_step_reduction": 1 - steps_draft / steps_plain,
+        "decode_step_reduction": 1 - steps_draft / max(steps_plain, 1),
         "acceptance_length_mean": acceptance_length(accepted, verify_steps),
         "draft_acceptance_rate": accepted / max(proposed, 1),
-        "identical_with_and_without_draft_float32": [r.token_ids for r in plain] == [r.token_ids for r in speculative],
+        "undecided_steps": sum(r.stats.undecided_steps for r in speculative),
+        "identical_with_and_without_draft": [r.token_ids for r in plain] == [r.token_ids for r in speculative],
     }
 
 
-def _exactness(old: TorchEngine, new: TorchEngine, task: ArithmeticTask) -> tuple[bool, float]:
-    """float64: outputs with drafts identical to outputs without? float32: the share of responses that differ."""
-    requests = _requests(task, step=1, batch_size=64)
-    old64 = TorchEngine.from_pretrained(old.config.model_path, dtype="float64")
-    new64 = TorchEngine.from_pretrained(new.config.model_path, dtype="float64")
-    new64.update_weights(new.model.weights, version=1)
-    drafts64 = _drafts(old64, requests)
-    identical = [r.token_ids for r in new64.generate(requests)] == [
-        r.token_ids for r in new64.generate(_attach(requests, drafts64))
-    ]
-    plain32 = new.generate(requests)
-    speculative32 = new.generate(_attach(requests, _drafts(old, requests)))
-    mismatched = sum(a.token_ids != b.token_ids for a, b in zip(plain32, speculative32, strict=True))
-    return identical, mismatched / len(requests)
+def _exactness_summary(table: dict) -> dict:
+    """The torch rows of the exactness table under the names of earlier reports (``float64_identical``,
+    ``float32_mismatch_rate``), where the table has them."""
+    rows = table.get("torch", {})
+    summary = {}
+    if "float64" in rows:
+        summary["float64_identical"] = rows["float64"]["differing"] == 0
+    if "float32" in rows:
+        summary["float32_mismatch_rate"] = rows["float32"]["mismatch_rate"]
+    return summary
 
 
-def policy_gradient_step(engine: TorchEngine, task: ArithmeticTask, settings: EngineBenchSettings) -> tuple[dict, dict]:
-    """One GRPO-style policy-gradient step on the engine's own samples; returns the new weights and a summary.
+def _shipped_model_path() -> Path:
+    from bubblespec.tasks.arithmetic import ArithmeticTask
 
-    Loss: -mean over samples of advantage * (sum of token log-probs) / response tokens, with advantages the
-    rewards normalised within each prompt's group. One Adam step at ``settings.learning_rate``.
-    """
-    from transformers import AutoModelForCausalLM
-
-    requests = _requests(task, step=0, batch_size=settings.policy_step_prompts, samples=settings.policy_step_samples)
-    results = engine.generate(requests)
-    prompts = {p.uid: p for p in task.batch(0)}
-    rewards = torch.tensor([task(prompts[r.key.prompt_uid], r.token_ids) for r in results])
-    grouped = rewards.view(settings.policy_step_prompts, settings.policy_step_samples)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
-
-    model = AutoModelForCausalLM.from_pretrained(engine.config.model_path, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate)
-    losses = []
-    for request, result, advantage in zip(requests, results, advantages.tolist(), strict=True):
-        if advantage == 0 or not result.token_ids:
-            continue
-        sequence = torch.tensor([list(request.prompt_token_ids) + result.token_ids])
-        logits = model(sequence).logits[0, len(request.prompt_token_ids) - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None])
-        losses.append(-advantage * logprobs.mean())
-    if losses:
-        (torch.stack(losses).sum() / len(requests)).backward()
-        optimizer.step()
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    original = engine.model.weights
-    relative_change = max(((state[n] - original[n]).norm() / original[n].norm()).item() for n in original if n in state)
-    summary = {
-        "method": "one Adam step of a GRPO-style policy-gradient loss on the drafting policy's own samples",
-        "learning_rate": settings.learning_rate,
-        "samples": len(requests),
-        "mean_reward": rewards.mean().item(),
-        "samples_with_nonzero_advantage": len(losses),
-        "max_relative_weight_change": relative_change,
-    }
-    return state, summary
-
-
-def _hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def _hf_generate(model, task: ArithmeticTask, requests: list[GenerationRequest], batch_size: int) -> int:
-    """Hugging Face generate() on the same prompts in batches of ``batch_size``; returns tokens up to each EOS."""
-    return sum(_hf_generate_batch(model, task, chunk) for chunk in _chunks(requests, batch_size))
-
-
-def _hf_generate_batch(model, task: ArithmeticTask, requests: list[GenerationRequest]) -> int:
-    longest = max(len(r.prompt_token_ids) for r in requests)
-    pad = task.pad_token_id
-    input_ids = torch.tensor([[pad] * (longest - len(r.prompt_token_ids)) + list(r.prompt_token_ids) for r in requests])
-    lengths = torch.tensor([len(r.prompt_token_ids) for r in requests])
-    attention_mask = (torch.arange(longest)[None, :] >= (longest - lengths)[:, None]).long()
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=task.max_new_tokens,
-        eos_token_id=task.eos_token_id,
-        pad_token_id=pad,
-    )
-    generated = output[:, longest:]
-    tokens = 0
-    for row in generated.tolist():
-        tokens += row.index(task.eos_token_id) + 1 if task.eos_token_id in row else len(row)
-    return tokens
+    return ArithmeticTask.model_path()
 
 
 def print_report(report: dict) -> None:
@@ -249,38 +338,40 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    speed = Table(
-        "batch",
-        "HF generate tok/s",
-        "engine tok/s",
-        "engine / HF",
-        "engine + drafts tok/s",
-        "speedup with drafts",
-        "forward passes (no draft -> draft)",
-        title="Engine speed",
-    )
+    settings = report["settings"]
+    title = f"Engine speed: {settings['backend']}, {settings['dtype']}, {Path(settings['model_path']).name}"
+    speed = Table("batch", "HF generate tok/s", "engine tok/s", "engine / HF", "engine + drafts tok/s",
+                  "speedup with drafts", "forward passes (no draft -> draft)", "identical", title=title)  # fmt: skip
     for key in report["engine_tokens_per_s"]:
+        hf_rate, versus = report["hf_generate_tokens_per_s"].get(key), report["engine_vs_hf_generate"].get(key)
         speed.add_row(
             key,
-            f"{report['hf_generate_tokens_per_s'][key]:.0f}",
+            "-" if hf_rate is None else f"{hf_rate:.0f}",
             f"{report['engine_tokens_per_s'][key]:.0f}",
-            f"{report['engine_vs_hf_generate'][key]:.2f}x",
+            "-" if versus is None else f"{versus:.2f}x",
             f"{report['engine_tokens_per_s_with_draft'][key]:.0f}",
             f"{report['speedup_with_draft'][key]:.2f}x",
             f"{report['forward_passes_no_draft'][key]} -> {report['forward_passes_with_draft'][key]}",
+            str(report["identical_outputs"][key]),
         )
     console.print(speed)
-    drafts = Table("measure", "value", title="Drafts from one policy step older (batch 16)")
-    for name in (
-        "decode_steps_no_draft",
-        "decode_steps_with_draft",
-        "decode_step_reduction",
-        "acceptance_length_mean",
-        "draft_acceptance_rate",
-        "float64_identical",
-        "float32_mismatch_rate",
-    ):
-        value = report.get(name)
+    drafts = Table("measure", "value", title="Drafts from one policy step older (largest batch size)")
+    for name in ("decode_steps_no_draft", "decode_steps_with_draft", "decode_step_reduction",
+                 "acceptance_length_mean", "draft_acceptance_rate", "undecided_steps"):  # fmt: skip
+        value = report[name]
         drafts.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(drafts)
+    exactness = Table("backend", "dtype", "responses", "differing with drafts", title="Exactness")
+    for backend, rows in report["exactness"].items():
+        for dtype, row in rows.items():
+            exactness.add_row(backend, dtype, str(row["responses"]), f"{row['differing']} ({row['mismatch_rate']:.1%})")
+    console.print(exactness)
+    share = report["keyed_sampling"]
+    console.print(
+        f"keyed sampling: {share['keyed_sample_s'] * 1e3:.2f} ms vs {share['forward_pass_s'] * 1e3:.2f} ms for a "
+        f"decode pass ({share['share_of_forward_pass']:.1%}) at batch {share['batch_size']}, vocabulary "
+        f"{share['vocab_size']}, context {share['context_tokens']}"
+    )
     console.print(f"policy update: {report['policy_update']}")
+    spent = ", ".join(f"{name} {value:.0f}s" for name, value in report["benchmark_seconds"].items())
+    console.print(f"benchmark time: {spent}")

@@ -148,8 +148,8 @@ def bench(
     target: Annotated[
         str,
         typer.Argument(
-            help='"engine" (the built-in engine on the shipped model), "peers" (draft sources side by side on the '
-            "run CONFIG that follows) or a run CONFIG to run with speculation off and on, side by side.",
+            help='"engine" (an engine backend without and with drafts, against HF generate), "peers" (draft sources '
+            "side by side on the run CONFIG that follows) or a run CONFIG to run with speculation off and on.",
             metavar="engine|peers|CONFIG",
         ),
     ],
@@ -164,6 +164,29 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
     quick: Annotated[bool, typer.Option(help="A smoke run, not a measurement (engine only).")] = False,
+    backend: Annotated[str, typer.Option(help="Engine backend: torch or vllm (engine only).")] = "torch",
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Hugging Face model folder, run on random prompts; default: the shipped model (engine only)."
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float64 (torch only) (engine only).")] = "float32",
+    device: Annotated[str, typer.Option(help="Device of the torch engine and HF generate (engine only).")] = "cpu",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes (engine only).")] = "1,16,32",
+    max_new_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Response limit with --model (default 64; engine only).")
+    ] = None,
+    weight_noise: Annotated[
+        float | None,
+        typer.Option(
+            min=0, help="Relative RMS weight change, drafting to verifying policy, with --model (engine only)."
+        ),
+    ] = None,
+    exactness_requests: Annotated[
+        int | None,
+        typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model)."),
+    ] = None,
     sources: Annotated[
         list[str] | None,
         typer.Option(
@@ -201,9 +224,22 @@ def bench(
 
         raise ConfigError(f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG`")
     if target == "engine":
-        from bubblespec.cli.bench_engine import EngineBenchSettings, print_report, run_engine_bench
+        from bubblespec.cli.bench_engine import EngineBenchSettings, parse_batch_sizes, print_report, run_engine_bench
 
-        report = run_engine_bench(EngineBenchSettings(threads=threads, repeats=1 if quick else repeats, quick=quick))
+        optional = {"max_new_tokens": max_new_tokens, "weight_noise": weight_noise}
+        settings = EngineBenchSettings(
+            backend=backend,
+            model_path=None if model is None else str(model),
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            repeats=repeats,
+            quick=quick,
+            batch_sizes=parse_batch_sizes(batch_sizes),
+            exactness_requests=exactness_requests,
+            **{name: value for name, value in optional.items() if value is not None},
+        )
+        report = run_engine_bench(settings)
     else:
         from bubblespec.cli.bench_run import print_report, run_side_by_side
         from bubblespec.config import load_config

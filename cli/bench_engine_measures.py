@@ -1,0 +1,147 @@
+"""Parts of ``bubblespec bench engine`` that are not timing rows: the engines of each backend, the exactness table
+and keyed sampling's share of a forward pass.
+
+Exactness. For each engine dtype: pi_t drafts every request (its keyed samples for the same keys), pi_t+1
+generates them without and with those drafts, and the table reports the share of responses that differ. Keyed
+verification emits exactly the tokens of plain keyed decoding, so any difference is a rounding near-tie
+between the logits of a position computed in a verify pass (many positions at once) and in a decode pass
+(one). float64 must show none (DESIGN.md §3.2); float32 and bfloat16 are measured, not bounded. The benchmarked
+backend and dtype reuse the largest timing row's responses instead of generating them again.
+
+Keyed sampling's share. One decode forward pass of the torch engine's model (``batch_size`` sequences, one
+token each, at a context of ``context_tokens`` cached positions) against :func:`bubblespec.sampling.keyed_sample`
+on that pass's logits (temperature 1, no top-k / top-p, the model's whole vocabulary): the median time of each
+over ``repeats`` and their ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from bubblespec.cli.bench_engine_requests import with_drafts
+from bubblespec.interfaces import GenerationRequest, GenerationResult
+
+VLLM_DTYPES = ("float32", "bfloat16")
+"""The dtypes of the exactness table on the vLLM backend (vLLM has no float64)."""
+
+
+def make_engine(backend: str, model_path: str, dtype: str, settings):
+    """An engine of ``backend`` on ``model_path`` holding the checkpoint's weights (pi_t)."""
+    common = {
+        "max_batch_size": settings.max_batch_size,
+        "max_draft_tokens_per_step": settings.max_draft_tokens_per_step,
+    }
+    if backend == "torch":
+        from bubblespec.backends.torch_engine import TorchEngine
+
+        return TorchEngine.from_pretrained(model_path, dtype=dtype, device=settings.device, **common)
+    from bubblespec.backends.vllm_engine import VLLMEngine
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder; nothing to fetch
+    return VLLMEngine.from_pretrained(model_path, dtype=dtype, max_model_len=settings.max_model_len, **common)
+
+
+def draft_results(model_path: str, dtype: str, settings, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """pi_t's keyed samples for ``requests`` from the torch engine (keyed sampling is the same on every backend)."""
+    engine = make_engine("torch", model_path, dtype, settings)
+    return engine.generate(requests)
+
+
+def differing_share(plain: list[GenerationResult], drafted: list[GenerationResult]) -> dict:
+    differing = sum(a.token_ids != b.token_ids for a, b in zip(plain, drafted, strict=True))
+    return {"responses": len(plain), "differing": differing, "mismatch_rate": differing / max(len(plain), 1)}
+
+
+def exactness_row(engine, requests: list[GenerationRequest], drafts: list[GenerationResult]) -> dict:
+    """Share of responses that differ with pi_t's drafts attached and without, on ``engine`` (holding pi_t+1)."""
+    plain = engine.generate(requests)
+    drafted = engine.generate(with_drafts(requests, drafts))
+    return differing_share(plain, drafted)
+
+
+def exactness_table(settings, new_state: dict, requests: list[GenerationRequest], measured: dict) -> dict:
+    """{backend: {dtype: {responses, differing, mismatch_rate}}}: torch for ``settings.exactness_dtypes``; vLLM
+    for float32 and bfloat16 when the backend is vLLM. The benchmarked backend and dtype take their row from
+    ``measured`` (the largest timing row's own responses, without and with drafts)."""
+    path = settings.model_path
+    table: dict = {"torch": {}}
+    for dtype in settings.exactness_dtypes:
+        if settings.backend == "torch" and dtype == settings.dtype:
+            table["torch"][dtype] = measured
+            continue
+        engine = make_engine("torch", path, dtype, settings)
+        drafts = engine.generate(requests)
+        engine.update_weights(new_state, version=1)
+        table["torch"][dtype] = exactness_row(engine, requests, drafts)
+        del engine
+    if settings.backend == "vllm":
+        table["vllm"] = {}
+        for dtype in VLLM_DTYPES:
+            if dtype == settings.dtype:
+                table["vllm"][dtype] = measured
+                continue
+            engine = make_engine("vllm", path, dtype, settings)
+            engine.update_weights(new_state, version=1)
+            table["vllm"][dtype] = exactness_row(engine, requests, draft_results(path, dtype, settings, requests))
+    return table
+
+
+@torch.inference_mode()
+def keyed_sampling_share(model, batch_size: int, context_tokens: int, repeats: int) -> dict:
+    """Median seconds of one decode forward pass of ``model`` (a ``DecoderModel``) and of keyed sampling on its
+    logits, and their ratio."""
+    from bubblespec.backends.torch_model import KVCache
+    from bubblespec.sampling import keyed_sample
+
+    device, vocab_size = model.device, model.config.vocab_size
+    cache = KVCache(model.config, batch_size, context_tokens + 1, model.dtype, device)
+    generator = torch.Generator().manual_seed(0)
+    tokens_B1 = torch.randint(vocab_size, (batch_size, 1), generator=generator).to(device)
+    positions_B1 = torch.full((batch_size, 1), context_tokens, device=device)
+    seeds_B2 = torch.randint(2**31, (batch_size, 2), generator=generator)
+    response_positions_B1 = torch.full((batch_size, 1), context_tokens // 2)
+    temperature_B = torch.ones(batch_size, dtype=torch.float64, device=device)
+    top_k_B = torch.zeros(batch_size, dtype=torch.int64, device=device)
+    top_p_B = torch.ones(batch_size, dtype=torch.float64, device=device)
+    logits_B1V = model.forward(tokens_B1, positions_B1, cache)
+
+    def forward() -> None:
+        model.forward(tokens_B1, positions_B1, cache)
+
+    def sample() -> None:
+        keyed_sample(logits_B1V, seeds_B2, response_positions_B1, temperature_B, top_k_B, top_p_B)
+
+    forward_s, sample_s = _median_seconds([forward, sample], repeats, device)
+    return {
+        "batch_size": batch_size,
+        "context_tokens": context_tokens,
+        "vocab_size": vocab_size,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "forward_pass_s": forward_s,
+        "keyed_sample_s": sample_s,
+        "share_of_forward_pass": sample_s / forward_s,
+    }
+
+
+def _median_seconds(runs, repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of each of ``runs``, interleaved, after one warm-up call each."""
+    seconds: list[list[float]] = [[] for _ in runs]
+    for repeat in range(repeats + 1):
+        for run, times in zip(runs, seconds, strict=True):
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            if repeat:
+                times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in seconds]
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Waits for the device's queued work, so that a timer reads the work's end (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

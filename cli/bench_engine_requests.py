@@ -1,0 +1,208 @@
+"""What ``bubblespec bench engine`` runs: the requests, the policy step between drafting and verifying, and
+Hugging Face ``generate`` on the same requests.
+
+Requests. On the shipped model: the arithmetic task's prompts of step 1, responses up to the task's limit
+(they end at EOS). On a model folder (``--model``): random prompts, token ids uniform over the vocabulary
+without the EOS ids, lengths uniform in ``prompt_lengths`` (32-128 tokens unless told), responses up to
+``max_new_tokens``; a random checkpoint almost never samples EOS, so responses run to the limit. Every request
+samples at temperature 1 with no top-k / top-p and has its own rollout key.
+
+The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
+
+- shipped model: one Adam step of a GRPO-style policy-gradient loss on pi_t's own samples of the task
+  (:func:`policy_gradient_step`);
+- model folder: a random perturbation (:func:`perturbed_weights`): a random model has no task to learn, and a
+  policy-gradient step of a 0.5B model does not fit the benchmark's time on a CPU. Each weight tensor ``W``
+  moves by ``noise * rms(W) * N(0, 1)`` per entry, so ``noise`` is the relative RMS change of every tensor.
+  Random directions move the logits less per unit of weight change than a gradient step does: read the
+  acceptance it gives (reported next to it), not the size, as the measure of drift.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
+
+RANDOM_PROMPT_LENGTHS = (32, 128)
+"""Prompt lengths of a model folder's requests, uniform in [low, high]: a chat turn or a short problem."""
+RANDOM_MAX_NEW_TOKENS = 64
+"""Response limit of a model folder's requests: a few minutes per row for a 0.5B model on two CPU cores."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of a benchmark and what Hugging Face ``generate`` needs to run them too."""
+
+    model_path: str
+    requests: list[GenerationRequest]
+    eos_token_id: int
+    pad_token_id: int
+    description: dict = field(default_factory=dict)
+
+
+def task_workload(num_requests: int, seed: int) -> Workload:
+    """The shipped model on the arithmetic task's prompts of step 1 (one sample each)."""
+    from bubblespec.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(seed=seed, prompts_per_step=num_requests)
+    requests = task_requests(task, step=1, num_prompts=num_requests)
+    description = {"prompts": "arithmetic task, step 1", "max_new_tokens": task.max_new_tokens}
+    return Workload(str(ArithmeticTask.model_path()), requests, task.eos_token_id, task.pad_token_id, description)
+
+
+def task_requests(task, step: int, num_prompts: int, samples: int = 1) -> list[GenerationRequest]:
+    from bubblespec.rollout import step_requests
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=task.max_new_tokens)
+    return step_requests(
+        task.batch(step)[:num_prompts], run_seed=0, step=step, samples_per_prompt=samples, sampling=params
+    )
+
+
+def random_workload(
+    model_path: str, num_requests: int, prompt_lengths: tuple[int, int], max_new_tokens: int, seed: int
+) -> Workload:
+    """Random prompts of lengths uniform in ``prompt_lengths`` over the model's vocabulary without EOS."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    eos = config.get("eos_token_id")
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    low, high = prompt_lengths
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num_requests,), generator=generator).tolist()
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[eos_ids] = False
+    choices = allowed.nonzero()[:, 0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    requests = []
+    for index, length in enumerate(lengths):
+        tokens = choices[torch.randint(len(choices), (length,), generator=generator)]
+        key = RolloutKey(seed, 1, f"random-{index}", 0)
+        requests.append(GenerationRequest(tuple(tokens.tolist()), key, params))
+    description = {
+        "prompts": f"random token ids, lengths uniform in [{low}, {high}]",
+        "prompt_tokens_mean": sum(lengths) / len(lengths),
+        "max_new_tokens": max_new_tokens,
+        "vocab_size": vocab_size,
+    }
+    eos_id = eos_ids[0] if eos_ids else -1
+    return Workload(model_path, requests, eos_id, max(eos_id, 0), description)
+
+
+def with_drafts(requests: list[GenerationRequest], drafts: list[GenerationResult], version: int = 0):
+    """The requests with the drafting policy's responses for the same keys attached as drafts."""
+    return [
+        GenerationRequest(r.prompt_token_ids, r.key, r.sampling, Draft(r.key, tuple(d.token_ids), version))
+        for r, d in zip(requests, drafts, strict=True)
+    ]
+
+
+def perturbed_weights(weights: dict[str, torch.Tensor], noise: float, seed: int) -> tuple[dict, dict]:
+    """float32 weights ``W + noise * rms(W) * N(0, 1)`` for every tensor, and a summary of the step."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in weights.items():
+        weight = tensor.detach().to("cpu", torch.float32)
+        rms = weight.square().mean().sqrt()
+        state[name] = weight + noise * rms * torch.randn(weight.shape, generator=generator)
+    summary = {
+        "method": "random perturbation: every weight tensor W moves by noise * rms(W) * N(0, 1) per entry "
+        "(a real-sized random model has no task to learn; a policy-gradient step does not fit the benchmark)",
+        "relative_rms_change": noise,
+        "seed": seed,
+    }
+    return state, summary
+
+
+def policy_gradient_step(engine, settings) -> tuple[dict, dict]:
+    """One GRPO-style policy-gradient step of the shipped model on its own samples of the task.
+
+    Loss: -mean over samples of advantage * (sum of token log-probs) / response tokens, with advantages the
+    rewards normalised within each prompt's group. One Adam step at ``settings.learning_rate``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from bubblespec.tasks.arithmetic import ArithmeticTask
+
+    num_prompts, num_samples = settings.policy_step_prompts, settings.policy_step_samples
+    task = ArithmeticTask(seed=settings.seed, prompts_per_step=num_prompts)
+    requests = task_requests(task, step=0, num_prompts=num_prompts, samples=num_samples)
+    results = engine.generate(requests)
+    prompts = {p.uid: p for p in task.batch(0)}
+    rewards = torch.tensor([task(prompts[r.key.prompt_uid], r.token_ids) for r in results])
+    grouped = rewards.view(num_prompts, num_samples)
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
+
+    model = AutoModelForCausalLM.from_pretrained(engine.config.model_path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate)
+    losses = []
+    for request, result, advantage in zip(requests, results, advantages.tolist(), strict=True):
+        if advantage == 0 or not result.token_ids:
+            continue
+        sequence = torch.tensor([list(request.prompt_token_ids) + result.token_ids])
+        logits = model(sequence).logits[0, len(request.prompt_token_ids) - 1 : -1]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None])
+        losses.append(-advantage * logprobs.mean())
+    if losses:
+        (torch.stack(losses).sum() / len(requests)).backward()
+        optimizer.step()
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    original = engine.model.state_dict()
+    relative_change = max(((state[n] - original[n]).norm() / original[n].norm()).item() for n in original if n in state)
+    summary = {
+        "method": "one Adam step of a GRPO-style policy-gradient loss on the drafting policy's own samples",
+        "learning_rate": settings.learning_rate,
+        "samples": len(requests),
+        "mean_reward": rewards.mean().item(),
+        "samples_with_nonzero_advantage": len(losses),
+        "max_relative_weight_change": relative_change,
+    }
+    return state, summary
+
+
+def hf_model(path: str, dtype: str, device: str, state: dict[str, torch.Tensor]):
+    """transformers' model of ``path`` holding ``state`` (the verifying policy), in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.load_state_dict(state, strict=False)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, workload: Workload, requests: list[GenerationRequest], batch_size: int) -> int:
+    """Hugging Face ``generate`` (do_sample, temperature 1, no top-k / top-p, the requests' length limit) on the
+    requests in batches of ``batch_size``, prompts left-padded; returns the tokens generated up to each EOS."""
+    tokens = 0
+    for start in range(0, len(requests), batch_size):
+        tokens += _hf_generate_batch(model, workload, requests[start : start + batch_size])
+    return tokens
+
+
+def _hf_generate_batch(model, workload: Workload, requests: list[GenerationRequest]) -> int:
+    longest = max(len(r.prompt_token_ids) for r in requests)
+    pad, eos = workload.pad_token_id, workload.eos_token_id
+    input_ids = torch.tensor([[pad] * (longest - len(r.prompt_token_ids)) + list(r.prompt_token_ids) for r in requests])
+    lengths = torch.tensor([len(r.prompt_token_ids) for r in requests])
+    attention_mask = (torch.arange(longest)[None, :] >= (longest - lengths)[:, None]).long()
+    output = model.generate(
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=requests[0].sampling.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    tokens = 0
+    for row in output[:, longest:].tolist():
+        tokens += row.index(eos) + 1 if eos in row else len(row)
+    return tokens

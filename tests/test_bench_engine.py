@@ -1,0 +1,162 @@
+"""``bubblespec bench engine``: settings, requests, the policy step of a model folder, and quick runs of the
+torch and vLLM backends that must report the same fields."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bubblespec.cli.bench_engine import ROW_FIELDS, EngineBenchSettings, parse_batch_sizes
+from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
+from bubblespec.cli.main import app
+from bubblespec.errors import ConfigError
+
+runner = CliRunner()
+
+SUMMARY_FIELDS = {
+    "decode_steps_no_draft",
+    "decode_steps_with_draft",
+    "decode_step_reduction",
+    "acceptance_length_mean",
+    "draft_acceptance_rate",
+    "undecided_steps",
+    "identical_with_and_without_draft",
+}
+REPORT_FIELDS = {
+    "settings",
+    "workload",
+    "policy_update",
+    "keyed_sampling",
+    "exactness",
+    "benchmark_seconds",
+    *ROW_FIELDS,
+    *SUMMARY_FIELDS,
+    "float64_identical",
+    "float32_mismatch_rate",
+}
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory):
+    """A Qwen2-family checkpoint with a real-sized vocabulary and a tiny body."""
+    from bubblespec.random_checkpoints import write_random_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen2-small")
+    return write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=64, num_heads=1, head_dim=64)
+
+
+def test_settings_refuse_what_no_engine_offers(tmp_path):
+    with pytest.raises(ConfigError, match=r"backend 'sglang' is not benchmarked; choose one of torch, vllm"):
+        EngineBenchSettings(backend="sglang")
+    with pytest.raises(ConfigError, match=r"dtype 'float64' is not offered by the vllm engine; .* float32, bfloat16"):
+        EngineBenchSettings(backend="vllm", dtype="float64")
+    with pytest.raises(ConfigError, match="is not a Hugging Face model folder"):
+        EngineBenchSettings(model_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="prompt lengths"):
+        EngineBenchSettings(prompt_lengths=(64, 32))
+    assert parse_batch_sizes("1,16,32") == (1, 16, 32)
+    with pytest.raises(ConfigError, match=r"--batch-sizes '1,x' is not a comma-separated list"):
+        parse_batch_sizes("1,x")
+    with pytest.raises(ConfigError, match=r"--batch-sizes '0,4': every batch size must be >= 1"):
+        parse_batch_sizes("0,4")
+
+
+def test_a_bad_backend_on_the_command_line_is_a_clear_error():
+    result = runner.invoke(app, ["bench", "engine", "--backend", "tensorrt"])
+    assert result.exit_code == 2
+    assert "backend 'tensorrt' is not benchmarked; choose one of torch, vllm" in result.output
+
+
+def test_random_prompts_have_the_asked_lengths_no_eos_and_depend_on_the_seed_only(small_folder):
+    workload = random_workload(str(small_folder), 40, (3, 9), 12, seed=5)
+    again = random_workload(str(small_folder), 40, (3, 9), 12, seed=5)
+    other = random_workload(str(small_folder), 40, (3, 9), 12, seed=6)
+    lengths = [len(r.prompt_token_ids) for r in workload.requests]
+    assert min(lengths) >= 3 and max(lengths) <= 9 and len(set(lengths)) > 3
+    assert all(workload.eos_token_id not in r.prompt_token_ids for r in workload.requests)
+    assert max(t for r in workload.requests for t in r.prompt_token_ids) < 32_000
+    assert len({r.key for r in workload.requests}) == 40
+    assert {r.sampling.max_new_tokens for r in workload.requests} == {12}
+    assert [r.prompt_token_ids for r in workload.requests] == [r.prompt_token_ids for r in again.requests]
+    assert [r.prompt_token_ids for r in workload.requests] != [r.prompt_token_ids for r in other.requests]
+
+
+def test_the_perturbation_moves_every_tensor_by_the_asked_relative_rms():
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        "a": 3.0 * torch.randn(256, 128, generator=generator),
+        "b": 0.02 * torch.randn(4096, generator=generator),
+    }
+    state, summary = perturbed_weights(weights, 0.01, seed=1)
+    for name, weight in weights.items():
+        relative = (state[name] - weight).square().mean().sqrt() / weight.square().mean().sqrt()
+        assert relative == pytest.approx(0.01, rel=0.05), name
+    assert summary["relative_rms_change"] == 0.01 and "random perturbation" in summary["method"]
+    assert all(torch.equal(state[n], perturbed_weights(weights, 0.01, seed=1)[0][n]) for n in weights)
+    unchanged, _ = perturbed_weights(weights, 0.0, seed=1)
+    assert all(torch.equal(unchanged[n], weights[n]) for n in weights)
+
+
+def _run_quick(tmp_path, *arguments: str) -> dict:
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "engine", "--quick", "--json", str(out), *arguments])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def _check_rows(report: dict, hf_batch_sizes: set[str]) -> None:
+    assert set(report) == REPORT_FIELDS
+    for name in ROW_FIELDS:
+        expected = hf_batch_sizes if name in ("hf_generate_tokens_per_s", "engine_vs_hf_generate") else {"1", "16"}
+        assert set(report[name]) == expected, name
+    for name in ("engine_tokens_per_s", "engine_tokens_per_s_with_draft", "speedup_with_draft"):
+        assert all(value > 0 for value in report[name].values()), name
+    assert all(report["identical_outputs"].values()) and report["identical_with_and_without_draft"]
+    for key in ("1", "16"):
+        assert report["forward_passes_with_draft"][key] < report["forward_passes_no_draft"][key]
+    assert report["decode_steps_with_draft"] < report["decode_steps_no_draft"]
+    assert report["acceptance_length_mean"] > 1
+    share = report["keyed_sampling"]
+    assert share["share_of_forward_pass"] == pytest.approx(share["keyed_sample_s"] / share["forward_pass_s"])
+
+
+@pytest.mark.slow
+def test_quick_torch_run_on_the_shipped_model_reports_every_field(tmp_path):
+    report = _run_quick(tmp_path)
+    _check_rows(report, {"1", "16"})
+    assert report["policy_update"]["samples_with_nonzero_advantage"] > 0
+    assert set(report["exactness"]["torch"]) == {"float64", "float32", "bfloat16"}
+    assert report["exactness"]["torch"]["float64"]["differing"] == 0 and report["float64_identical"]
+    assert report["exactness"]["torch"]["float64"]["responses"] == 64
+    assert report["keyed_sampling"]["vocab_size"] == 19
+
+
+@pytest.mark.slow
+def test_quick_torch_run_on_a_model_folder_uses_random_prompts_and_a_perturbed_policy(tmp_path, small_folder):
+    report = _run_quick(tmp_path, "--model", str(small_folder), "--weight-noise", "0.01")
+    _check_rows(report, {"16"})
+    assert report["workload"]["max_new_tokens"] == 16 and report["workload"]["vocab_size"] == 32_000
+    assert report["policy_update"]["relative_rms_change"] == 0.01
+    assert report["exactness"]["torch"]["float64"] == {"responses": 8, "differing": 0, "mismatch_rate": 0.0}
+    assert report["keyed_sampling"]["vocab_size"] == 32_000
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_quick_vllm_run_reports_the_same_fields_as_torch(tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("BUBBLESPEC_SKIP_VLLM") == "1":
+            pytest.skip("vLLM is not installed and BUBBLESPEC_SKIP_VLLM=1")
+        raise RuntimeError("this test needs vLLM (pip install -e '.[vllm]'), or BUBBLESPEC_SKIP_VLLM=1 to skip it")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    report = _run_quick(tmp_path, "--backend", "vllm", "--exactness-requests", "8")
+    _check_rows(report, {"1", "16"})
+    assert set(report["exactness"]) == {"torch", "vllm"}
+    assert set(report["exactness"]["vllm"]) == {"float32", "bfloat16"}
+    assert report["exactness"]["torch"]["float64"]["differing"] == 0
