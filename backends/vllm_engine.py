@@ -206,7 +206,7 @@ class VLLMEngine:
         try:
             self.llm = vllm.LLM(
                 model=config.model_path,
-                tokenizer=config.model_path,
+                skip_tokenizer_init=True,  # requests are token ids; a model folder needs no tokenizer
                 dtype=config.dtype,
                 enforce_eager=config.enforce_eager,
                 max_model_len=config.max_model_len,

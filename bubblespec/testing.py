@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from bubblespec import plugins
 from bubblespec.errors import DraftError
@@ -34,6 +36,7 @@ from bubblespec.interfaces import (
     GenerationEngine,
     GenerationRequest,
     GenerationResult,
+    RolloutKey,
     SamplingParams,
 )
 from bubblespec.rollout import step_requests
@@ -216,3 +219,161 @@ def _changed(tokens: Sequence[int], rng: random.Random, vocab_size: int) -> list
         position = rng.randrange(len(changed))
         changed[position] = (changed[position] + 1) % vocab_size
     return changed
+
+
+class RealVocabularyConformance:
+    """The same promises at the scale users bring: a random checkpoint written by transformers with a real
+    vocabulary (32,000 by default), temperature 1 and temperature < 1 with top-k and top-p, and drafts of the kinds
+    a run produces: from a policy one small step older, random, truncated and over-long. Every generate call runs
+    under a time limit, and outputs with drafts must equal plain keyed decoding (up to ``max_mismatch_rate``).
+
+    Subclass it like :class:`EngineConformance`; ``make_engine(model_path)`` builds the engine under test. The
+    checkpoint's output head is scaled on a few hundred tokens so that its distributions are peaked like a trained
+    model's (a freshly initialised head gives nearly uniform ones, which no top-K scoring can decide); the older
+    policy is the same checkpoint with every weight matrix moved by ``policy_step`` of its standard deviation.
+    """
+
+    backend: str = "torch"
+    dtype: str = "float32"
+    family: str = "llama"
+    vocab_size: int = 32_000
+    max_mismatch_rate: float = 0.0
+    engine_settings: dict = {}
+    num_prompts: int = 6
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 24
+    time_limit_s: float = 120.0
+    head_scale: float = 40.0
+    policy_step: float = 0.02
+    sampling_settings: dict[str, dict] = {
+        "t1": {"temperature": 1.0},
+        "t0.7-topk40-topp0.9": {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
+    }
+
+    @pytest.fixture(scope="class")
+    def checkpoints(self, tmp_path_factory) -> tuple[Path, Path]:
+        """(newer, older) policy folders."""
+        folder = tmp_path_factory.mktemp(f"{self.family}-{self.vocab_size}")
+        return write_policy_pair(folder, self.family, self.vocab_size, self.head_scale, self.policy_step)
+
+    @pytest.fixture(scope="class")
+    def engine(self, checkpoints) -> GenerationEngine:
+        engine = self.make_engine(checkpoints[0])
+        yield engine
+        engine.close()
+
+    def make_engine(self, model_path: Path) -> GenerationEngine:
+        engine_class = plugins.load("backends", self.backend)
+        return engine_class.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
+
+    @pytest.fixture(scope="class")
+    def older_samples(self, checkpoints) -> dict:
+        """The older policy's keyed samples for every setting's requests: the drafts bubble drafting makes."""
+        older = plugins.load("backends", "torch").from_pretrained(str(checkpoints[1]), dtype="float32")
+        return {name: _by_key(older.generate(self.make_requests(name))) for name in self.sampling_settings}
+
+    def make_requests(self, setting: str) -> list[GenerationRequest]:
+        rng = random.Random(3)
+        params = SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True, **self.sampling_settings[setting])
+        return [
+            GenerationRequest(
+                tuple(rng.randrange(3, self.vocab_size) for _ in range(rng.randint(4, 24))),
+                RolloutKey(11, 1, f"prompt-{p}", s),
+                params,
+            )
+            for p in range(self.num_prompts)
+            for s in range(self.samples_per_prompt)
+        ]
+
+    def test_drafts_of_every_kind_never_change_outputs(self, engine, older_samples):
+        rng = random.Random(5)
+        vocab = engine.vocab_size
+        for setting in self.sampling_settings:
+            requests = self.make_requests(setting)
+            plain = _by_key(self._timed(engine, requests, f"{setting}, no drafts"))
+            for name, drafts in self._draft_variants(requests, older_samples[setting], plain, rng, vocab).items():
+                drafted = self._timed(engine, [_with_draft(r, drafts[r.key]) for r in requests], f"{setting}, {name}")
+                self._assert_same(plain, _by_key(drafted), f"{setting}, drafts: {name}")
+
+    def _draft_variants(self, requests, older: dict, plain: dict, rng: random.Random, vocab: int) -> dict:
+        """Draft tokens by key for each kind of draft a run can produce."""
+        keys = [r.key for r in requests]
+        return {
+            "older policy": {k: older[k].token_ids for k in keys},
+            "random": {k: [rng.randrange(vocab) for _ in range(self.max_new_tokens)] for k in keys},
+            "older policy, truncated": {k: older[k].token_ids[: self.max_new_tokens // 3] for k in keys},
+            "own response, over-long": {k: [*plain[k].token_ids, *rng.choices(range(vocab), k=30)] for k in keys},
+        }
+
+    def test_older_policy_drafts_are_accepted(self, engine, older_samples):
+        """Coupled drafts of a policy one small step older are mostly right; the engine must take them."""
+        setting = next(iter(self.sampling_settings))
+        requests = self.make_requests(setting)
+        older = older_samples[setting]
+        plain = self._timed(engine, requests, "no drafts")
+        drafted = self._timed(engine, [_with_draft(r, older[r.key].token_ids) for r in requests], "older drafts")
+        agreeing = sum(
+            a == b
+            for r, p in zip(requests, plain, strict=True)
+            for a, b in zip(older[r.key].token_ids, p.token_ids, strict=False)
+        )
+        accepted = sum(r.stats.draft_tokens_accepted for r in drafted)
+        assert agreeing > 0.3 * sum(len(p.token_ids) for p in plain), "the older policy is not one small step older"
+        assert accepted > 0, f"no draft token accepted ({sum(r.stats.undecided_steps for r in drafted)} undecided)"
+        assert sum(r.stats.decode_steps for r in drafted) < sum(r.stats.decode_steps for r in plain)
+
+    def _timed(self, engine, requests, what: str) -> list[GenerationResult]:
+        """``engine.generate(requests)`` under the time limit: a hang fails the test instead of stalling CI. (An
+        alarm in this thread, not a second thread: vLLM's CPU kernels must run in the thread that built them.)"""
+
+        def expire(signum, frame):
+            raise TimeoutError(f"{what}: generate did not return within {self.time_limit_s:g} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, self.time_limit_s)
+        try:
+            return engine.generate(requests)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    _assert_same = EngineConformance._assert_same
+
+
+_COMMON_TOKENS = 256
+
+
+def write_policy_pair(
+    folder: Path, family: str, vocab_size: int, head_scale: float, policy_step: float
+) -> tuple[Path, Path]:
+    """A random ``family`` checkpoint with a peaked output head (``newer``) and a copy of it one small random step
+    away (``older``); returns (newer, older)."""
+    from safetensors.torch import load_file, save_file
+
+    from bubblespec.random_checkpoints import write_random_checkpoint
+
+    newer = write_random_checkpoint(folder / "newer", family, vocab_size=vocab_size, tie_word_embeddings=False)
+    weights_file = newer / "model.safetensors"
+    weights = load_file(str(weights_file))
+    # A trained model's next-token mass sits on a few hundred likely tokens far above the rest of the vocabulary;
+    # a freshly initialised head is nearly uniform. Scale the head's rows of a random set of "common" tokens.
+    common = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(2))[:_COMMON_TOKENS]
+    head = weights["lm_head.weight"].clone()
+    head[common] *= head_scale
+    weights["lm_head.weight"] = head
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    older = folder / "older"
+    shutil.copytree(newer, older)
+    generator = torch.Generator().manual_seed(1)
+    moved = {
+        name: tensor + policy_step * tensor.float().std().nan_to_num() * torch.randn(tensor.shape, generator=generator)
+        if tensor.ndim == 2
+        else tensor
+        for name, tensor in weights.items()
+    }
+    save_file(
+        {n: t.to(weights[n].dtype).contiguous() for n, t in moved.items()},
+        str(older / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return newer, older

@@ -22,7 +22,7 @@ from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import GenerationRequest, SamplingParams
 from bubblespec.tasks.arithmetic import ArithmeticTask
-from bubblespec.testing import EngineConformance, _by_key, _with_draft
+from bubblespec.testing import EngineConformance, RealVocabularyConformance, _by_key, _with_draft
 from tests.sglang_fake_server import FakeSGLangServer
 
 MODEL = ArithmeticTask.model_path()
@@ -129,6 +129,18 @@ class TestSGLangEngineOnTheFakeWithFewCandidates(EngineConformance):
 
     dtype = "float64"
     engine_settings = {"tokens_per_call": 4, "top_logprobs_num": 3, "adaptive_draft_length": True}
+
+    def make_engine(self, model_path: Path):
+        return _engine_on_a_fake(model_path, dtype=self.dtype, **self.engine_settings)
+
+
+class TestSGLangEngineOnTheFakeAtARealVocabulary(RealVocabularyConformance):
+    """32,000 tokens with the top 20 candidates per draft position (float64 fake: exact)."""
+
+    backend = "sglang"
+    dtype = "float64"
+    num_prompts = 4
+    engine_settings = {"tokens_per_call": 8, "top_logprobs_num": 20}
 
     def make_engine(self, model_path: Path):
         return _engine_on_a_fake(model_path, dtype=self.dtype, **self.engine_settings)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from bubblespec.testing import EngineConformance
+from bubblespec.testing import EngineConformance, RealVocabularyConformance
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -141,3 +141,18 @@ def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
     steps = RunDirectory(config.run_dir).read_steps()
     assert [s["step"] for s in steps] == [0, 1, 2] and summary["generated_tokens"] > 0
     assert steps[2]["draft_tokens_accepted"] > 0
+
+
+class TestVLLMEngineAtARealVocabulary(RealVocabularyConformance):
+    """A Llama-shaped checkpoint with 32,000 tokens: verification from the top 64 logprobs of a prefill, undecided
+    positions decoded plainly. Every call must return (it used to resubmit an undecided chunk forever)."""
+
+    backend = "vllm"
+    family = "llama"
+    dtype = "float32"
+    engine_settings = {"max_batch_size": 16}
+
+    def make_engine(self, model_path):
+        from bubblespec.backends.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
