@@ -397,7 +397,7 @@ class SGLangEngine:
         replies, aborted = self._generate(body, stop)
         self.num_round_trips += 1
         if on_forward is not None:
-            on_forward(_forward_pass(replies))
+            on_forward(_forward_pass(replies, drafts, self._vocab_size))
         verified = [(s, d, r) for s, d, r in zip(active, drafts, replies, strict=True) if d]
         if aborted:
             verified = [(s, d, r) for s, d, r in verified if _reason(r) != "abort"]
@@ -520,8 +520,9 @@ def _reason(reply: dict) -> str | None:
     return reason.get("type") if isinstance(reason, dict) else None
 
 
-def _forward_pass(replies: list[dict]) -> ForwardPass:
-    """A round trip as one ForwardPass: tokens the server computed (cache misses + outputs) and their context."""
+def _forward_pass(replies: list[dict], drafts: list[list[int]], vocab_size: int) -> ForwardPass:
+    """A round trip as one ForwardPass: tokens the server computed (cache misses + outputs) and their context; each
+    generated token and each verified draft position is sampled or bounded over the whole vocabulary."""
     fed, context, pairs = 0, 0, 0
     for reply in replies:
         meta = reply.get("meta_info", {})
@@ -529,4 +530,5 @@ def _forward_pass(replies: list[dict]) -> ForwardPass:
         new = prompt - cached + len(reply.get("output_ids", []))
         fed, context = fed + new, context + prompt + len(reply.get("output_ids", []))
         pairs += new * cached + new * (new + 1) // 2
-    return ForwardPass(num_sequences=len(replies), num_tokens=fed, context_tokens=context, attention_pairs=pairs)
+    sampled = sum(len(r.get("output_ids", [])) for r in replies) + sum(len(d) for d in drafts)
+    return ForwardPass(len(replies), fed, context, pairs, sampled_logits=sampled * vocab_size)

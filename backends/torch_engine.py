@@ -3,7 +3,7 @@
 Every forward pass feeds each active sequence one chunk: a new sequence its prompt, a running one its last
 sampled token; either followed by up to ``max_draft_tokens_per_step`` draft tokens at the positions they
 propose. The keyed samples at the chunk's last prompt/last token and at every draft position decide how many
-draft tokens are accepted (:func:`bubblespec.sampling.count_accepted`); the rest are rolled back for free,
+draft tokens are accepted (:mod:`bubblespec.decoding`); the rest are rolled back for free,
 because the cache is addressed by absolute position (see :mod:`bubblespec.backends.torch_model`). Finished
 sequences leave the batch at once and queued requests take their slots (continuous batching), so a shard's
 long tail does not hold short requests hostage. Drafts align by position: after a mismatch the next step
@@ -56,8 +56,10 @@ class TorchEngineConfig(BaseModel):
     max_draft_tokens_per_step: int = Field(16, ge=0)
     """Draft tokens a sequence may verify in one forward pass (0 turns speculation off)."""
     verification: Literal["coupled", "one_hot"] = "coupled"
-    """"coupled": keyed sampling, outputs identical with and without drafts. "one_hot": the engine's own RNG,
-    outputs exact in distribution only (for comparison with engines that cannot take keyed noise)."""
+    """"coupled": keyed sampling, drafts made with the same noise. "one_hot": every policy version samples with
+    its own independent counter-based noise stream of the key (``sampling.stream_seeds``), so a draft of an older
+    version agrees only as often as two independent samples do, as with an engine that cannot take keyed noise;
+    outputs stay a pure function of (weights, key, version), reproducible and resumable."""
     adaptive_draft_length: bool = False
     """Shrink a sequence's proposals to what its last verify step accepted (+1) and grow them again after full
     acceptance. Worth it where a forward pass costs in proportion to its tokens (this CPU engine)."""
@@ -72,11 +74,7 @@ class TorchEngineConfig(BaseModel):
     draft_source_options: dict[str, dict] = {}
     """Keyword arguments of each dynamic source's constructor, by source name."""
     rank: int = Field(0, ge=0)
-    """The data-parallel rank this engine serves (it seeds the one-hot RNG stream; remote backends pick a server
-    by it)."""
-    one_hot_seed: int = 0
-    """Seed of the RNG that one-hot verification samples with (a run passes its ``seed``); every rank draws from
-    its own stream, seeded by (one_hot_seed, rank), so that ranks never draw the same numbers."""
+    """The data-parallel rank this engine serves (remote backends pick a server by it)."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads; None leaves torch's setting alone."""
 
@@ -108,8 +106,6 @@ class TorchEngine:
         self.device = device
         self._policy_version = 0
         self._cache: KVCache | None = None
-        stream = (config.one_hot_seed * 1_000_003 + config.rank) % 2**63
-        self._generator = torch.Generator(device=device).manual_seed(stream)
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
         self._proposal = ProposalSettings(
             max_draft_tokens_per_step=config.max_draft_tokens_per_step,
@@ -222,7 +218,7 @@ class TorchEngine:
         logits = self.model.forward(tokens.to(self.device), positions.to(self.device), cache, select.to(self.device))
         self.num_forward_passes += 1
         if on_forward is not None:
-            on_forward(_forward_pass(active, chunks))
+            on_forward(_forward_pass(active, chunks, width * self.vocab_size))
         sampled, logprobs = self._sample(active, logits, response_positions)
         for sequence, draft, row_samples, row_logprobs in zip(active, drafts, sampled, logprobs, strict=True):
             fed = len(sequence.pending)
@@ -237,16 +233,16 @@ class TorchEngine:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=self.device)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=self.device)
+        seeds = torch.tensor([s.noise_seed for s in active], dtype=torch.int64)
         if self.config.verification == "one_hot":
-            tokens, logprobs = sampling.engine_sample(logits, temperature, top_k, top_p, generator=self._generator)
-        else:
-            seeds = torch.tensor([s.noise_seed for s in active], dtype=torch.int64)
-            positions = response_positions.to(self.device)
-            tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)
+            # Stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other.
+            seeds = sampling.stream_seeds(seeds, (self._policy_version + 1) % 2**32)
+        positions = response_positions.to(self.device)
+        tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)
         return tokens.tolist(), logprobs.tolist()
 
 
-def _forward_pass(active: list[_Slot], chunks: list[list[int]]) -> ForwardPass:
+def _forward_pass(active: list[_Slot], chunks: list[list[int]], logits_per_row: int) -> ForwardPass:
     fed = [len(chunk) for chunk in chunks]
     starts = [s.cache_length for s in active]
     return ForwardPass(
@@ -254,4 +250,5 @@ def _forward_pass(active: list[_Slot], chunks: list[list[int]]) -> ForwardPass:
         num_tokens=sum(fed),
         context_tokens=sum(start + n for start, n in zip(starts, fed, strict=True)),
         attention_pairs=sum(n * start + n * (n + 1) // 2 for start, n in zip(starts, fed, strict=True)),
+        sampled_logits=len(active) * logits_per_row,
     )

@@ -296,7 +296,7 @@ class VLLMEngine:
                 if stop is not None and stop.is_set():
                     break
                 if on_forward is not None:
-                    on_forward(_forward_pass(list(live.values())))
+                    on_forward(_forward_pass(list(live.values()), self._vocab_size))
                 outputs = self._core.get_output().outputs
                 self.num_forward_passes += 1
                 finished = [self._absorb(live[o.request_id], o) for o in outputs if o.request_id in live]
@@ -442,11 +442,13 @@ class VLLMEngine:
         return result
 
 
-def _forward_pass(sequences: list[_Request]) -> ForwardPass:
-    """An estimate for cost models: one token per decoding sequence, the chunk (+1) per verification."""
+def _forward_pass(sequences: list[_Request], vocab_size: int) -> ForwardPass:
+    """An estimate for cost models: one token per decoding sequence, the chunk (+1) per verification; every fed
+    position is sampled (by the processor) or bounded (by verification) over the whole vocabulary."""
     fed = [len(s.verifying) + 1 if s.verifying else 1 for s in sequences]
     context = [len(s.request.prompt_token_ids) + len(s.tokens) + n for s, n in zip(sequences, fed, strict=True)]
-    return ForwardPass(len(sequences), sum(fed), sum(context), sum(n * c for n, c in zip(fed, context, strict=True)))
+    pairs = sum(n * c for n, c in zip(fed, context, strict=True))
+    return ForwardPass(len(sequences), sum(fed), sum(context), pairs, sampled_logits=sum(fed) * vocab_size)
 
 
 def _processor_class() -> type:

@@ -85,7 +85,9 @@ class RolloutConfig(Section):
     """Shrink a sequence's draft proposals after a rejection and grow them after full acceptance; worth it when
     a forward pass costs in proportion to its tokens (CPU engines), not on memory-bound GPUs."""
     verification: Literal["coupled", "one_hot"] = "coupled"
-    """coupled: keyed sampling, identical outputs with and without drafts; one_hot: exact in distribution."""
+    """coupled: drafts share the keyed noise of the policy that verifies them. one_hot: each policy version samples
+    with its own independent noise stream of the key, so drafts agree only as often as independent samples (as
+    with engines that cannot take keyed noise). Outputs are identical with and without drafts either way."""
     engine_options: dict[str, Any] = {}
     """Settings only the chosen backend knows, passed to its ``from_pretrained`` with the common ones (e.g. the
     server URLs of the sglang backend); the backend refuses what it does not know."""

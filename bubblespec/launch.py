@@ -74,8 +74,6 @@ def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
     dynamic = {}
     if any(name != REQUEST_DRAFT for name in chain):  # only then: other backends need not know the setting
         dynamic = {"draft_chain": chain, "draft_source_options": speculation.draft_source_options}
-    if rollout.verification == "one_hot" and _takes_setting(rollout.backend, "one_hot_seed"):
-        dynamic["one_hot_seed"] = config.seed  # the engine's own RNG is seeded by the run (and by its rank)
     return (
         {
             "model_path": path,
@@ -112,12 +110,6 @@ def _runs_draft_chain(name: str) -> bool:
         return bool(getattr(plugins.load("backends", name), "supports_draft_chain", False))
     except Exception:  # a backend whose engine is not installed cannot run anything here
         return False
-
-
-def _takes_setting(backend: str, name: str) -> bool:
-    """Whether a backend's settings model has ``name`` (a backend without one is given it)."""
-    model = getattr(plugins.load("backends", backend), "config_class", None)
-    return model is None or name in model.model_fields
 
 
 class LocalTrainer:

@@ -481,24 +481,6 @@ def _row_max(values_N: torch.Tensor, rows_N: torch.Tensor, num_rows: int) -> tor
     return initial_R.scatter_reduce_(0, rows_N, values_N, "amax")
 
 
-def engine_sample(
-    logits_BTV: torch.Tensor,
-    temperature_B: torch.Tensor,
-    top_k_B: torch.Tensor,
-    top_p_B: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples from ``softmax(mask(z / T))`` with an RNG instead of keyed noise (the old one-hot verification
-    path; ``keyed_sample`` with :func:`stream_seeds` replaces it). Returns tokens [B, T] and logprobs [B, T]."""
-    scores_BTV = mask_logits(logits_BTV, temperature_B, top_k_B, top_p_B)
-    batch, positions, vocab = scores_BTV.shape
-    probs = torch.softmax(scores_BTV, dim=-1).reshape(batch * positions, vocab)
-    sampled_BT = torch.multinomial(probs, 1, generator=generator).reshape(batch, positions)
-    greedy_B = temperature_B.to(scores_BTV.device) == 0
-    tokens_BT = torch.where(greedy_B[:, None], scores_BTV.argmax(-1), sampled_BT)
-    return tokens_BT, torch.log_softmax(scores_BTV, dim=-1).gather(-1, tokens_BT[..., None]).squeeze(-1)
-
-
 def count_accepted(sampled_BT: torch.Tensor, draft_BK: torch.Tensor, num_draft_B: torch.Tensor) -> torch.Tensor:
     """Number of leading draft tokens equal to the verifier's samples (coupled and one-hot verification alike).
 

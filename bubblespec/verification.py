@@ -38,7 +38,7 @@ import torch
 
 from bubblespec import sampling
 
-_NOISE_ROWS_PER_CHUNK = 16  # rows of [rows, V] noise computed at once: bounded memory at V = 152k
+_ROWS_PER_CHUNK = 64  # rows whose whole-vocabulary noise words are held at once (bounded memory at V = 152k)
 _MASS_SLACK = 1e-5  # rounding of float32 log-probabilities summed over the listed tokens
 _SHARE_MARGIN = 1e-9  # top-p decisions this close to the boundary are left to the engine
 
@@ -238,17 +238,17 @@ def _exclusive_cumsum(x_JC: torch.Tensor) -> torch.Tensor:
 
 def _noise_at_and_outside(ids_JC, valid_JC, seeds_J2, positions_J, vocab_size):
     """G(k, i, v) at the known tokens [J, C], and the largest G over every other token [J] (-inf if none)."""
-    num_rows = ids_JC.shape[0]
-    at_JC = torch.empty(ids_JC.shape, dtype=torch.float64, device=ids_JC.device)
-    outside_J = torch.empty(num_rows, dtype=torch.float64, device=ids_JC.device)
     seeds_J2 = seeds_J2.to(ids_JC.device, torch.int64)
-    positions_J = positions_J.to(ids_JC.device, torch.int64)
-    for start in range(0, num_rows, _NOISE_ROWS_PER_CHUNK):
-        rows = slice(start, start + _NOISE_ROWS_PER_CHUNK)
-        noise_RV = sampling.keyed_gumbel(seeds_J2[rows], positions_J[rows, None], vocab_size)[:, 0]
-        at_JC[rows] = noise_RV.gather(1, ids_JC[rows])
-        listed_RV = torch.zeros_like(noise_RV, dtype=torch.bool).scatter_(1, ids_JC[rows], valid_JC[rows])
-        outside_J[rows] = noise_RV.masked_fill(listed_RV, -math.inf).max(-1).values
+    positions_J1 = positions_J.to(ids_JC.device, torch.int64)[:, None]
+    at_JC = sampling.keyed_gumbel_at(seeds_J2, positions_J1, ids_JC[:, None, :])[:, 0]
+    # Padding columns repeat a listed token, so that they exclude nothing else.
+    excluded_JC = torch.where(valid_JC, ids_JC, ids_JC[:, :1])
+    outside_J = torch.empty(ids_JC.shape[0], dtype=torch.float64, device=ids_JC.device)
+    for start in range(0, ids_JC.shape[0], _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        outside_J[rows] = sampling.keyed_gumbel_max_outside(
+            seeds_J2[rows], positions_J1[rows], vocab_size, excluded_JC[rows, None, :]
+        )[:, 0]
     return at_JC, outside_J
 
 

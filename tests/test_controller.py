@@ -246,18 +246,6 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
         run(config)
 
 
-def test_one_hot_engines_get_the_run_seed():
-    from bubblespec.launch import engine_settings
-
-    coupled = validate({"seed": 7})
-    one_hot = validate({"seed": 7, "rollout": {"verification": "one_hot"}})
-    assert "one_hot_seed" not in engine_settings(coupled, "model")  # other backends need not know the setting
-    assert engine_settings(one_hot, "model")["one_hot_seed"] == 7
-    # vLLM verifies coupled only: its error is about verification, not about a setting the user never gave
-    vllm = validate({"seed": 7, "rollout": {"backend": "vllm", "verification": "one_hot"}})
-    assert "one_hot_seed" not in engine_settings(vllm, "model")
-
-
 def test_config_errors_name_the_field_and_the_choices(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.backend: .*unknown backend 'nope'; available: .*torch"):
         validate({"rollout": {"backend": "nope"}})
@@ -320,10 +308,13 @@ def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
 
     steps, _ = _run(tmp_path, "preempt", speculation={"enabled": True}, rollout={"num_ranks": 4})
     profile = PROFILES["h100-7b"]
-    # the most a single forward pass of these sizes can cost: 16 sequences x 17 tokens at 256 positions
+    # the most a single forward pass of these sizes can cost: 16 sequences x 17 tokens at 256 positions, each
+    # position sampled over the shipped model's vocabulary
     from bubblespec.interfaces import ForwardPass
+    from bubblespec.tasks import ArithmeticTask
 
-    longest_pass = profile.forward_seconds(ForwardPass(16, 16 * 17, 16 * 256, 16 * 17 * 256))
+    vocab = ArithmeticTask(seed=0).vocab_size
+    longest_pass = profile.forward_seconds(ForwardPass(16, 16 * 17, 16 * 256, 16 * 17 * 256, 16 * 17 * vocab))
     latencies = [r["preemption_latency_seconds"] for s in steps for r in s["ranks"]]
     assert any(latency > 0 for latency in latencies)  # drafting really was cut off at the barrier
     assert max(latencies) <= longest_pass

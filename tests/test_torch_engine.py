@@ -264,19 +264,32 @@ def test_one_hot_verification_runs_and_accepts_own_drafts(llama_path):
     assert all(r.stats.decode_steps <= 2 for r in greedy_spec)
 
 
-def test_one_hot_ranks_draw_their_own_numbers_and_the_run_seed_sets_them(llama_path):
-    """Ranks with the same batch must not draw the same samples (samples of one prompt on two ranks would be
-    copies), and a run's seed must reach the one-hot RNG as it reaches keyed sampling."""
+def test_one_hot_samples_are_counter_based_per_policy_version(llama_path):
+    """One-hot verification draws from an independent noise stream per policy version: reproducible on any rank
+    and after a resume (no RNG state), identical with and without drafts, and a draft of the previous version is
+    accepted only as often as an independent sample agrees (far less than a coupled draft)."""
 
-    def samples(seed: int, rank: int) -> list[tuple[int, ...]]:
-        engine = TorchEngine.from_pretrained(
-            llama_path, dtype="float64", verification="one_hot", one_hot_seed=seed, rank=rank
-        )
-        return [r.token_ids for r in engine.generate(_requests(6, seed=3, max_new_tokens=20))]
+    def engine(version: int, rank: int = 0, verification: str = "one_hot") -> TorchEngine:
+        built = TorchEngine.from_pretrained(llama_path, dtype="float64", verification=verification, rank=rank)
+        built.update_weights({}, version)
+        return built
 
-    assert samples(0, 0) == samples(0, 0)
-    assert samples(0, 0) != samples(0, 1)
-    assert samples(0, 0) != samples(1, 0)
+    requests = _requests(8, seed=3, max_new_tokens=20)
+    new = engine(1).generate(requests)
+    assert [r.token_ids for r in new] == [r.token_ids for r in engine(1, rank=3).generate(requests)]
+    old = engine(0).generate(requests)
+    assert [r.token_ids for r in old] != [r.token_ids for r in new], "versions share one stream"
+    coupled = engine(1, verification="coupled").generate(requests)
+    assert [r.token_ids for r in coupled] != [r.token_ids for r in new], "one-hot used the key's own noise"
+    drafted = engine(1).generate(
+        _with_drafts(requests, {i: _draft(r, o.token_ids) for i, (r, o) in enumerate(zip(requests, old, strict=True))})
+    )
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in new]
+    coupled_old = engine(0, verification="coupled").generate(requests)  # same weights: the policy did not move
+    coupled_drafts = {i: _draft(r, c.token_ids) for i, (r, c) in enumerate(zip(requests, coupled_old, strict=True))}
+    coupled_drafted = engine(1, verification="coupled").generate(_with_drafts(requests, coupled_drafts))
+    one_hot_accepted = sum(r.stats.draft_tokens_accepted for r in drafted)
+    assert one_hot_accepted < sum(r.stats.draft_tokens_accepted for r in coupled_drafted)
 
 
 def test_out_of_vocabulary_drafts_are_refused(engine64):

@@ -56,7 +56,7 @@ SETTINGS = [  # temperature, top_k, top_p
 def test_a_decided_sample_is_the_keyed_sample_of_the_full_logits(temperature, top_k, top_p, spread, peaked):
     """K = 16 of V = 3,001, with a draft token outside the top K half the time: every decided position equals
     the keyed sample over the whole vocabulary, and exact logprobs equal its logprob."""
-    vocab, rows, num_top = 3001, 48, 16
+    vocab, rows, num_top = 3001, 96, 16
     logits_JV, seeds_J2, positions_J, generator = _case(vocab, rows, spread, int(spread * 100) + top_k, peaked)
     extra_J = torch.randint(0, vocab, (rows,), generator=generator)
     ids_JC, logprobs_JC = _known(logits_JV, num_top, extra_J)
@@ -76,7 +76,7 @@ def test_a_decided_sample_is_the_keyed_sample_of_the_full_logits(temperature, to
     assert torch.allclose(logprobs_J[exact_J], expected_logprobs_J[exact_J], atol=1e-6, rtol=0)
     assert bool(logprobs_J[~decided_J].isnan().all()) and not bool(exact_J[~decided_J].any())
     if peaked and temperature <= 1.0:  # like a trained model's distributions: the top 16 decide nearly everything
-        assert decided >= 0.9 * rows, f"only {decided} of {rows} decided"
+        assert decided >= 0.85 * rows, f"only {decided} of {rows} decided"
 
 
 def _top_k_rule_reference(logits, num_top, extra, seed, position, temperature, top_k, vocab):
