@@ -7,12 +7,13 @@ acceptance length (tokens per verify step), draft coverage (requests that arrive
 (requests that verified at least one proposed token, whatever proposed it) and the rollout throughput ratio
 against the baseline (generated tokens per rollout-phase second, on the config's clock).
 
-A variant with the suffix ``:one-hot`` (``bubble:one-hot``) runs with ``rollout.verification: one_hot``: the
-engine samples with its own RNG, which is exact in distribution only, so its rollouts are other samples than
-plain decoding's and cannot be compared by digest. Its baseline is ``none:one-hot`` (plain decoding with the
-engine's RNG, added when a one-hot variant is asked for), and its reduction and throughput are per generated
-token, since the two runs generate different tokens (for coupled variants the tokens are the same and the
-normalisation changes nothing). Variants without a suffix run coupled whatever the config says.
+A variant with the suffix ``:one-hot`` (``bubble:one-hot``) runs with ``rollout.verification: one_hot``: every
+policy version samples with its own noise stream, independent of the one the drafts were made with, so a draft
+agrees only as often as an independent sample would (what engines that cannot take keyed noise get). Its rollouts
+are other samples than coupled plain decoding's; its baseline is ``none:one-hot`` (plain decoding with the same
+streams, added when a one-hot variant is asked for), whose rollouts it must equal (checked by digest).
+Reductions and throughput are per generated token (for variants with identical tokens the normalisation changes
+nothing). Variants without a suffix run coupled whatever the config says.
 
 Variants that use ``group`` run with ``prompt-grouped`` sharding (every sample of a prompt on one rank, as Seer
 deploys it: siblings can only propose for each other inside one engine); the others keep the config's.
@@ -141,10 +142,7 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
         "from_step_2": {v: _aggregate(steps[baselines[v]][1:], steps[v][1:]) for v in variants},
         "steady_state": {v: _aggregate(steps[baselines[v]][epoch:], steps[v][epoch:]) for v in variants},
     }
-    # Only coupled variants can be compared token for token; one-hot ones are exact in distribution only (None).
-    report["identical_rollouts"] = all(
-        s["identical_rollouts"] for v in variants for s in report["per_step"][v] if s["identical_rollouts"] is not None
-    )
+    report["identical_rollouts"] = all(s["identical_rollouts"] for v in variants for s in report["per_step"][v])
     return report
 
 
@@ -173,7 +171,7 @@ def _compare(off: dict, on: dict, variant: str) -> dict:
         "proposal_coverage": on.get("proposal_coverage", 0.0),
         "rollout_seconds": on["phase_seconds"]["rollout"],
         "throughput_ratio": on["generated_tokens"] / on["phase_seconds"]["rollout"] / tokens_per_second_off,
-        "identical_rollouts": same if parse_variant(variant)[1] == "coupled" else None,  # one-hot: other samples
+        "identical_rollouts": same,  # against the variant's own baseline (none, or none:one-hot)
     }
 
 
@@ -248,10 +246,10 @@ def print_report(report: dict) -> None:
         console.print(summary)
     if any(v != "coupled" for v in report["verification"].values()):
         console.print(
-            "one-hot variants sample with the engine's RNG (exact in distribution only): their rollouts are other "
-            "samples than plain decoding's, so they are compared with none:one-hot per generated token, not by digest"
+            "one-hot variants sample each policy version with its own noise stream: their rollouts are other "
+            "samples than coupled decoding's and are compared with none:one-hot"
         )
-    console.print(f"identical_rollouts={report['identical_rollouts']} (coupled variants against none)")
+    console.print(f"identical_rollouts={report['identical_rollouts']} (every variant against its baseline)")
 
 
 def plot_report(report: dict, folder: Path, prefix: str = "peers") -> list[Path]:

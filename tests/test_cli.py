@@ -207,16 +207,16 @@ def test_bench_peers_compares_one_hot_bubble_with_one_hot_plain_decoding(tmp_pat
     assert report["verification"] == {"none": "coupled", "none:one-hot": "one_hot", "bubble:one-hot": "one_hot"}
     assert report["baselines"] == {"none": "none", "none:one-hot": "none:one-hot", "bubble:one-hot": "none:one-hot"}
     plain, one_hot = report["per_step"]["none:one-hot"], report["per_step"]["bubble:one-hot"]
-    assert [s["identical_rollouts"] for s in one_hot] == [None, None, None] and report["identical_rollouts"] is True
-    # Step 1 has no drafts: the same engine RNG draws the same samples as the baseline.
-    assert one_hot[0]["generated_tokens"] == plain[0]["generated_tokens"] == one_hot[0]["decode_steps"]
+    # One-hot rollouts are a function of (weights, key, version) too: bubble:one-hot equals none:one-hot.
+    assert [s["identical_rollouts"] for s in one_hot] == [True, True, True] and report["identical_rollouts"] is True
+    assert [s["generated_tokens"] for s in one_hot] == [s["generated_tokens"] for s in plain]
+    assert one_hot[0]["generated_tokens"] == one_hot[0]["decode_steps"]  # step 1 has no drafts
     for step, baseline in zip(one_hot[1:], plain[1:], strict=True):
         assert step["draft_coverage"] == 1.0 and step["acceptance_length_mean"] > 1
-        # Other samples than the baseline's, so both numbers are per generated token.
-        assert step["decode_step_reduction"] == pytest.approx(1 - step["decode_steps"] / step["generated_tokens"])
+        assert step["decode_step_reduction"] == pytest.approx(1 - step["decode_steps"] / baseline["decode_steps"])
         tokens_per_second = [s["generated_tokens"] / s["rollout_seconds"] for s in (step, baseline)]
         assert step["throughput_ratio"] == pytest.approx(tokens_per_second[0] / tokens_per_second[1])
-    assert "in distribution" in result.output
+    assert "own noise stream" in result.output
 
 
 def test_bench_peers_refuses_unknown_sources_before_running():
