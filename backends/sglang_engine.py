@@ -51,9 +51,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bubblespec import sampling, verification
+from bubblespec import sampling
 from bubblespec.config import engine_config
-from bubblespec.decoding import ProposalSettings, Sequence
+from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult
 from bubblespec.sampling import keyed_sample
@@ -475,11 +475,11 @@ class SGLangEngine:
         return candidates[1][0] - candidates[0][0] + 1.0
 
     def _verified(self, verified: list[tuple[Sequence, list[int], dict]]) -> None:
-        """Keyed samples at the draft positions of every verify call of this round trip, decided on the client
-        from the top-K input logprobs (and each draft token's own) at once; then each sequence records its step."""
+        """Records every verify call of this round trip: keyed samples decided on the client from the top-K input
+        logprobs and each draft token's own, the processor's sample after the chunk as the bonus."""
         if not verified:
             return
-        ids, logprobs, seeds, positions, params = [], [], [], [], []
+        ids, logprobs, steps = [], [], []
         for sequence, draft, reply in verified:
             meta = reply["meta_info"]
             top = meta.get("input_top_logprobs") or []
@@ -492,27 +492,11 @@ class SGLangEngine:
                 token = own[j + 1] if len(own) == len(top) else [None, -1, None]
                 ids.append([c[1] for c in entry] + [token[1] if token[0] is not None else -1])
                 logprobs.append([c[0] for c in entry] + [token[0] if token[0] is not None else 0.0])
-            seeds += [sequence.noise_seed] * len(draft)
-            positions += range(len(sequence.tokens), len(sequence.tokens) + len(draft))
-            params += [sequence.request.sampling] * len(draft)
-        tokens_J, logprobs_J, _ = verification.decide_keyed_samples(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(logprobs, dtype=torch.float64),
-            len(ids[0]) - 1,
-            torch.tensor(seeds, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor([p.temperature for p in params], dtype=torch.float64),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            self._vocab_size,
-        )
-        tokens, lps, start = tokens_J.tolist(), logprobs_J.tolist(), 0
-        for sequence, draft, reply in verified:
-            samples = [t if t >= 0 else None for t in tokens[start : start + len(draft)]]
             bonus = reply["output_ids"][0]  # the processor's sample after the chunk
-            bonus_logprob = self._decoded_logprob(bonus, reply["meta_info"]["output_top_logprobs"][0])
-            sequence.record(draft, [*samples, bonus], [*lps[start : start + len(draft)], bonus_logprob], self._proposal)
-            start += len(draft)
+            steps.append((sequence, draft, bonus, self._decoded_logprob(bonus, meta["output_top_logprobs"][0])))
+        ids_JC = torch.tensor(ids, dtype=torch.int64)
+        logprobs_JC = torch.tensor(logprobs, dtype=torch.float64)
+        record_top_k_verifications(steps, ids_JC, logprobs_JC, ids_JC.shape[1] - 1, self._vocab_size, self._proposal)
 
 
 def _reason(reply: dict) -> str | None:

@@ -47,9 +47,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from bubblespec import sampling, verification
+from bubblespec import sampling
 from bubblespec.config import engine_config
-from bubblespec.decoding import ProposalSettings, Sequence
+from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
 from bubblespec.errors import EngineError, ModelLoadError
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
@@ -382,45 +382,22 @@ class VLLMEngine:
         sequences = [s for s in sequences if not s.uncached]
         if not sequences:
             return
-        ids, logprobs, valid = [], [], []
+        ids, logprobs = [], []
         for sequence in sequences:
             rows = slice(sequence.first - 1, sequence.first - 1 + len(sequence.verifying))
-            # Rows the prefix cache served were never computed: their entries are left undecided.
+            # Rows the prefix cache served were never computed: no known token, so they stay undecided.
             computed = torch.arange(rows.start, rows.stop) >= sequence.cached
             # Column 0 is the draft token itself, then the top K (or the whole vocabulary).
             known = sequence.rows.logprob_token_ids[rows].to(torch.int64)
             ids.append(torch.cat([known[:, 1:], known[:, :1]], 1).masked_fill(~computed[:, None], -1))
             scores = sequence.rows.logprobs[rows]
             logprobs.append(torch.cat([scores[:, 1:], scores[:, :1]], 1).masked_fill(~computed[:, None], 0.0))
-            valid.append(computed)
-        params = [s.request.sampling for s in sequences for _ in s.verifying]
-        positions = [len(s.tokens) + j for s in sequences for j in range(len(s.verifying))]
-        seeds = [s.noise_seed for s in sequences for _ in s.verifying]
-        tokens_J, logprobs_J, _ = verification.decide_keyed_samples(
-            torch.cat(ids).to(torch.int64),
-            torch.cat(logprobs),
-            ids[0].shape[1] - 1,
-            torch.tensor(seeds, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor([p.temperature for p in params], dtype=torch.float64),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            self._vocab_size,
+        verified = [(s, s.verifying, *s.bonus) for s in sequences]
+        num_top = ids[0].shape[1] - 1
+        record_top_k_verifications(
+            verified, torch.cat(ids), torch.cat(logprobs), num_top, self._vocab_size, self._proposal
         )
-        tokens_J = torch.where(torch.cat(valid), tokens_J, -1).tolist()
-        logprobs_J = logprobs_J.tolist()
-        start = 0
         for sequence in sequences:
-            width = len(sequence.verifying)
-            samples = [t if t >= 0 else None for t in tokens_J[start : start + width]]
-            bonus, bonus_logprob = sequence.bonus
-            sequence.record(
-                sequence.verifying,
-                [*samples, bonus],
-                [*logprobs_J[start : start + width], bonus_logprob],
-                self._proposal,
-            )
-            start += width
             sequence.verifying, sequence.rows = None, None
 
     def _sampled_logprobs(self, output, tokens: list[int]) -> list[float]:

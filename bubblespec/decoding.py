@@ -20,12 +20,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from bubblespec import plugins
 from bubblespec.draft_sources import REQUEST_DRAFT, ProposalContext
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import FinishReason, GenerationRequest, GenerationResult, RequestStats
-from bubblespec.verification import accepted_length
+from bubblespec.verification import accepted_length, decide_keyed_samples
 
 Alignment = Literal["position", "suffix"]
 
@@ -269,3 +271,39 @@ def _load_proposer(name: str, options: dict):
         return source(**options)
     except (TypeError, ValueError) as error:  # an option the source does not take, or a bad value
         raise RequestError(f"draft source {name!r} with options {options}: {error}") from None
+
+
+def record_top_k_verifications(
+    verified: Seq[tuple[Sequence, Seq[int], int, float]],
+    known_ids_JC: torch.Tensor,
+    known_logprobs_JC: torch.Tensor,
+    num_top: int,
+    vocab_size: int,
+    settings: ProposalSettings,
+) -> None:
+    """Records the verify steps of one engine call that returned top-K log-probabilities instead of logits.
+
+    verified: (sequence, draft, bonus token, its logprob) per verification, the bonus being the engine's keyed
+        sample after the draft (decided: the engine sampled it from full logits).
+    known_ids_JC / known_logprobs_JC: one row per draft position, in the order of ``verified`` and of each draft;
+        the layout of :func:`bubblespec.verification.decide_keyed_samples` (a row of -1 ids stays undecided).
+    """
+    rows = [(s, j) for s, draft, _, _ in verified for j in range(len(draft))]
+    params = [s.request.sampling for s, _ in rows]
+    tokens_J, logprobs_J, _ = decide_keyed_samples(
+        known_ids_JC,
+        known_logprobs_JC,
+        num_top,
+        torch.tensor([s.noise_seed for s, _ in rows], dtype=torch.int64),
+        torch.tensor([len(s.tokens) + j for s, j in rows], dtype=torch.int64),
+        torch.tensor([p.temperature for p in params], dtype=torch.float64),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        vocab_size,
+    )
+    tokens, logprobs, start = tokens_J.tolist(), logprobs_J.tolist(), 0
+    for sequence, draft, bonus, bonus_logprob in verified:
+        end = start + len(draft)
+        samples = [t if t >= 0 else None for t in tokens[start:end]]
+        sequence.record(draft, [*samples, bonus], [*logprobs[start:end], bonus_logprob], settings)
+        start = end
