@@ -257,14 +257,11 @@ class RealVocabularyConformance:
         return write_policy_pair(folder, self.family, self.vocab_size, self.head_scale, self.policy_step)
 
     @pytest.fixture(scope="class")
-    def engine(self, checkpoints) -> GenerationEngine:
-        engine = self.make_engine(checkpoints[0])
-        yield engine
-        engine.close()
+    def model_path(self, checkpoints) -> Path:
+        return checkpoints[0]
 
-    def make_engine(self, model_path: Path) -> GenerationEngine:
-        engine_class = plugins.load("backends", self.backend)
-        return engine_class.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
+    engine = EngineConformance.engine
+    make_engine = EngineConformance.make_engine
 
     @pytest.fixture(scope="class")
     def older_samples(self, checkpoints) -> dict:
