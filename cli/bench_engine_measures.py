@@ -27,6 +27,9 @@ from bubblespec.interfaces import GenerationRequest, GenerationResult
 
 VLLM_DTYPES = ("float32", "bfloat16")
 """The dtypes of the exactness table on the vLLM backend (vLLM has no float64)."""
+VLLM_GPU_MEMORY_SHARE = 0.3
+"""GPU memory each vLLM engine may take: the exactness table starts a second one, and the torch engines that
+draft share the same GPU (ignored on CPU)."""
 
 
 def make_engine(backend: str, model_path: str, dtype: str, settings):
@@ -42,7 +45,13 @@ def make_engine(backend: str, model_path: str, dtype: str, settings):
     from bubblespec.backends.vllm_engine import VLLMEngine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder; nothing to fetch
-    return VLLMEngine.from_pretrained(model_path, dtype=dtype, max_model_len=settings.max_model_len, **common)
+    return VLLMEngine.from_pretrained(
+        model_path,
+        dtype=dtype,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=VLLM_GPU_MEMORY_SHARE,
+        **common,
+    )
 
 
 def draft_results(model_path: str, dtype: str, settings, requests: list[GenerationRequest]) -> list[GenerationResult]:
