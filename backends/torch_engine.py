@@ -191,7 +191,9 @@ class TorchEngine:
 
     def _cache_for(self, sequences: list[_Slot]) -> KVCache:
         num_slots = min(len(sequences), self.config.max_batch_size)
-        longest_chunk = max(max(len(s.pending) for s in sequences), self.config.max_draft_tokens_per_step + 1)
+        # Every row of a pass is padded to the longest chunk (a new sequence's prompt + its draft), so a sequence
+        # near the end of its response writes padding up to that far past its own length.
+        longest_chunk = max(len(s.pending) for s in sequences) + self.config.max_draft_tokens_per_step
         positions = max(len(s.pending) + s.max_new_tokens for s in sequences) + longest_chunk
         cache = self._cache
         if cache is None or cache.keys.shape[1] < num_slots or cache.max_positions < positions:

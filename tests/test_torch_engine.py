@@ -176,6 +176,20 @@ def test_outputs_do_not_depend_on_batch_composition(llama_path):
     assert [r.token_ids for r in alone] == [r.token_ids for r in big[:4]]
 
 
+def test_a_long_prompt_with_a_draft_joining_a_sequence_near_its_end_fits_the_cache(llama_path):
+    """A chunk is padded to the batch's longest (a new sequence's prompt + draft), so a sequence deep into its
+    response feeds padding past its own length: the cache must hold that, not only the longest real position."""
+    prompt = tuple(range(3, 3 + 18))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    running = GenerationRequest(prompt, RolloutKey(0, 0, "running", 0), params)
+    short = GenerationRequest(prompt, RolloutKey(0, 0, "short", 0), SamplingParams(max_new_tokens=18, ignore_eos=True))
+    joining = GenerationRequest(prompt, RolloutKey(0, 0, "joining", 0), params)
+    engine = TorchEngine.from_pretrained(llama_path, dtype="float64", max_batch_size=2, max_draft_tokens_per_step=16)
+    plain = engine.generate([running, short, joining])
+    drafted = [running, short, GenerationRequest(prompt, joining.key, params, _draft(joining, [3] * 16))]
+    assert [r.token_ids for r in engine.generate(drafted)] == [r.token_ids for r in plain]
+
+
 class _StopAfter:
     """A stop signal that becomes set once the engine has run ``passes`` more forward passes."""
 
