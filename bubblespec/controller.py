@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +36,14 @@ from bubblespec.run_dir import RunDirectory
 from bubblespec.trainer import TrainSample
 
 logger = logging.getLogger(__name__)
+
+
+def score_responses(task, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
+    """The task's rewards of responses to prompts: its batched ``score`` where it has one, else one call each."""
+    score = getattr(task, "score", None)
+    if score is not None:
+        return [float(reward) for reward in score(prompts, responses)]
+    return [float(task(prompt, response)) for prompt, response in zip(prompts, responses, strict=True)]
 
 
 class RankPool(Protocol):
@@ -212,6 +220,7 @@ class Controller:
         self.on_phase(step, "weight sync")
         sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
+        record |= self._reward_failures(step)
         if drafting_while_training:
             for rank_record, drafted in zip(record["ranks"], training.ranks, strict=True):
                 rank_record["drafting_seconds_while_training"] = drafted.drafting_seconds
@@ -296,13 +305,27 @@ class Controller:
         held_out = parts.eval_task.batch(0)[: cfg.eval_prompts]
         requests = step_requests(held_out, cfg.seed, -1, 1, parts.sampling)  # step -1: keys no rollout uses
         by_key = {r.key: r for r in parts.ranks.evaluate(requests)}
-        return sum(parts.task(p, by_key[r.key].token_ids) for p, r in zip(held_out, requests, strict=True)) / len(
-            requests
-        )
+        rewards = score_responses(parts.task, held_out, [by_key[r.key].token_ids for r in requests])
+        return sum(rewards) / len(requests)
 
     def _rewards(self, prompts: list[Prompt], results: list[GenerationResult]) -> list[float]:
         by_uid = {p.uid: p for p in prompts}
-        return [float(self.parts.task(by_uid[r.key.prompt_uid], r.token_ids)) for r in results]
+        return score_responses(
+            self.parts.task, [by_uid[r.key.prompt_uid] for r in results], [r.token_ids for r in results]
+        )
+
+    def _reward_failures(self, step: int) -> dict:
+        """The step's reward calls that timed out or raised (scored 0), for tasks that run rewards in a pool."""
+        take = getattr(self.parts.task, "take_reward_failures", None)
+        if take is None:
+            return {}
+        failures = take()
+        if failures.timeouts or failures.errors:
+            logger.warning(
+                "step %d: %d reward calls timed out and %d raised, each scored 0; the first: %s",
+                step, failures.timeouts, failures.errors, failures.first_error,
+            )  # fmt: skip
+        return {"reward_timeouts": failures.timeouts, "reward_errors": failures.errors}
 
     def _checkpoint(self, step: int) -> None:
         store = self.parts.store

@@ -27,6 +27,11 @@ class ConfigError(BubblespecError, ValueError):
     """A run config that does not parse or validate; the message lists every problem with its field path."""
 
 
+class RewardError(BubblespecError, ValueError):
+    """A reward function returned something that is not a finite number, or the wrong number of scores; the
+    message names the reward and the row."""
+
+
 class EngineError(BubblespecError, RuntimeError):
     """A rollout engine failed while serving a request; the message names the rank and the backend."""
 

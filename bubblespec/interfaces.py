@@ -238,6 +238,8 @@ class Prompt:
     token_ids: tuple[int, ...]
     text: str
     answer: str
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """The prompt's dataset row, every column (tasks that read a dataset; empty otherwise)."""
 
 
 @runtime_checkable

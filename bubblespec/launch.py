@@ -7,13 +7,16 @@ cluster); the wall clock runs rollout ranks as Ray Serve deployments and the tra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from bubblespec import plugins
 from bubblespec.clocks import PROFILES
-from bubblespec.config import RunConfig
+from bubblespec.config import RunConfig, format_validation_error
 from bubblespec.controller import Components, Controller
 from bubblespec.draft_sources import REQUEST_DRAFT, HistoryDrafts, draft_chain
 from bubblespec.draft_store import TolerantDraftStore
@@ -41,19 +44,49 @@ def model_path(config: RunConfig, task) -> str:
 
 
 def make_task(config: RunConfig, held_out: bool = False):
-    """The configured task; ``held_out`` gives the same task with another seed (disjoint prompts) for eval."""
+    """The configured task; ``held_out`` gives its held-out version for eval.
+
+    A task whose constructor takes ``split`` holds out its own prompts (``split="eval"``, same seed); any other gets
+    another seed (disjoint prompts of a procedural task). A constructor that takes ``model_path`` gets the model
+    folder (its tokenizer, context length and generation config)."""
     task_class = plugins.load("tasks", config.task.name)
-    seed = config.task.seed + 1_000_003 if held_out else config.task.seed
+    parameters = inspect.signature(task_class).parameters
     prompts_per_step = config.eval_prompts if held_out else config.task.prompts_per_step
     options = dict(config.task.options)
-    if held_out:
+    context: dict = {}
+    seed = config.task.seed
+    if "split" in parameters:
+        context["split"] = "eval" if held_out else "train"
+    elif held_out:
+        seed += 1_000_003
         options.pop("dataset_size", None)  # the held-out set is one batch of its own size
+    if "model_path" in parameters:
+        context["model_path"] = model_path(config, task_class)
     try:
-        return task_class(seed=seed, prompts_per_step=prompts_per_step, **options)
+        return task_class(seed=seed, prompts_per_step=prompts_per_step, **context, **options)
+    except ConfigError:
+        raise
+    except ValidationError as error:  # a task that checks its options with pydantic
+        raise ConfigError(format_validation_error(error, f"task.options of task {config.task.name!r}")) from None
     except TypeError as error:  # an option the task's constructor does not take
         raise ConfigError(f"task.options {sorted(options)} do not fit task {config.task.name!r}: {error}") from None
     except ValueError as error:
         raise ConfigError(f"task.options of task {config.task.name!r}: {error}") from None
+
+
+def make_tasks(config: RunConfig) -> tuple[object, object | None]:
+    """The task and, when ``eval_every`` asks for one, its held-out version: built before anything starts, so a
+    bad dataset, tokenizer or reward fails first."""
+    task = make_task(config)
+    return task, make_task(config, held_out=True) if config.eval_every else None
+
+
+def close_tasks(*tasks) -> None:
+    """Stops what tasks started (a reward worker pool)."""
+    for task in tasks:
+        close = getattr(task, "close", None)
+        if close is not None:
+            close()
 
 
 def sampling_params(config: RunConfig, task) -> SamplingParams:
@@ -63,6 +96,7 @@ def sampling_params(config: RunConfig, task) -> SamplingParams:
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         max_new_tokens=sampling.max_new_tokens or task.max_new_tokens,
+        stop_token_ids=tuple(getattr(task, "stop_token_ids", ())),
     )
 
 
@@ -142,7 +176,7 @@ def build_virtual(config: RunConfig) -> Components:
 
     if config.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"trainer.device 'cuda': this machine has no CUDA device torch {torch.__version__} can use")
-    task = make_task(config)
+    task, eval_task = make_tasks(config)
     path = model_path(config, task)
     backend = load_backend(config)
     engine = backend.from_pretrained(**engine_settings(config, path))
@@ -160,7 +194,7 @@ def build_virtual(config: RunConfig) -> Components:
         bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
         sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
         sampling=sampling_params(config, task),
-        eval_task=make_task(config, held_out=True),
+        eval_task=eval_task,
         history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
     )
 
@@ -188,6 +222,7 @@ def run(
             parts = stack.enter_context(build_on_ray(config))
         else:
             parts = build_virtual(config)
+        stack.callback(close_tasks, parts.task, parts.eval_task)
         run_dir = RunDirectory(resume_dir or config.run_dir)
 
         def step_done(record: dict) -> None:

@@ -104,6 +104,12 @@ class RunMetrics:
             "Drafts the draft store evicted to stay under speculation.draft_store_max_tokens.",
             registry=self.registry,
         )
+        self.reward_failures = Counter(
+            "bubblespec_reward_failures",
+            "Reward calls that timed out or raised and scored 0 (tasks that run rewards in worker processes).",
+            ["kind"],
+            registry=self.registry,
+        )
         # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0.
         gauges = (*(gauge for _, gauge in self._step_gauges.values()), self.eval_reward, self.draft_store_tokens)
         for gauge in gauges:
@@ -136,6 +142,9 @@ class RunMetrics:
         if "draft_store" in record:
             self.draft_store_tokens.set(record["draft_store"]["tokens"])
             self.drafts_evicted.inc(record["drafts_evicted"])
+        if "reward_timeouts" in record:
+            self.reward_failures.labels("timeout").inc(record["reward_timeouts"])
+            self.reward_failures.labels("error").inc(record["reward_errors"])
 
     def observe_steps(self, records: Iterable[dict]) -> None:
         for record in records:

@@ -7,7 +7,8 @@ built-ins do in its own pyproject.toml, e.g.::
     my-engine = "my_package.engine:MyEngine"
 
 Only the plugin a config names is imported, so optional engines stay optional. Nothing is loaded from a path
-or a module name given at run time: plugins come only from installed entry points.
+given at run time: plugins come only from installed entry points. (A reward may also be named
+``module:function``, an importable module's function: see :mod:`bubblespec.rewards`.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ KINDS: dict[str, str] = {
     "draft_sources": "bubblespec.draft_sources",
     "policies": "bubblespec.policies",
     "tasks": "bubblespec.tasks",
+    "rewards": "bubblespec.rewards",
 }
 
 

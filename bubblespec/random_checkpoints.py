@@ -23,6 +23,7 @@ transformers is imported inside the functions, so importing this module costs no
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,42 @@ def _rope_parameters(
             "original_max_position_embeddings": int(original),
         }
     return rope
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen's ChatML chat template (without its tool-calling parts)."""
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def write_chat_tokenizer(folder: str | Path, vocab_size: int, chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    """Writes a Qwen-style tokenizer with ``vocab_size`` tokens into a model folder, for tests and examples where no
+    real tokenizer can be downloaded: byte-level BPE as Qwen2's (without merges: one token per byte), the special
+    tokens ``<|endoftext|>`` (EOS, id 0), ``<|im_start|>`` and ``<|im_end|>`` (end of turn, also an EOS of the
+    folder's generation config), then filler tokens ``<t123>`` up to ``vocab_size`` (so that every id a model of that
+    vocabulary samples decodes). ``chat_template=None`` writes none. Returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*CHAT_SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size must be at least {len(tokens)}, got {vocab_size}")
+    tokens += [f"<t{i}>" for i in range(len(tokens), vocab_size)]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    folder = Path(folder)
+    fast.save_pretrained(folder)
+    generation = {"eos_token_id": [0, tokens.index("<|im_end|>")], "bos_token_id": None}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return folder

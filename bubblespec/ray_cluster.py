@@ -75,11 +75,11 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
 
     from bubblespec.config import engine_config
     from bubblespec.draft_store import TolerantDraftStore
-    from bubblespec.launch import engine_settings, load_backend, make_task, model_path, sampling_params
+    from bubblespec.launch import engine_settings, load_backend, make_tasks, model_path, sampling_params
     from bubblespec.ray_train import RayTrainer
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
 
-    task = make_task(config)
+    task, eval_task = make_tasks(config)
     path = model_path(config, task)
     backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     rollout, trainer_cfg = config.rollout, config.trainer
@@ -114,7 +114,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
                 bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
                 sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
                 sampling=sampling_params(config, task),
-                eval_task=make_task(config, held_out=True),
+                eval_task=eval_task,
                 history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
             )
         finally:

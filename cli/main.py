@@ -56,12 +56,15 @@ def validate(
     config_path: Annotated[Path, typer.Argument(help="A run config (YAML).", metavar="CONFIG")],
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
 ) -> None:
-    """Check a run config: print it resolved (defaults filled in), or every error with its field path."""
+    """Check a run config: print it resolved (defaults filled in), or every error with its field path. The task is
+    built too, so a dataset, tokenizer or reward that does not load is reported here."""
     import yaml
 
     from bubblespec.config import load_config
+    from bubblespec.launch import close_tasks, make_tasks
 
     config = load_config(config_path, overrides or [])
+    close_tasks(*make_tasks(config))
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
 
 

@@ -1,0 +1,346 @@
+"""The ``dataset`` task: the user's own prompts and answers from local files, the model folder's tokenizer and
+chat template, and the rewards the config names.
+
+Files are read with the ``datasets`` library (JSONL, JSON, Parquet, CSV, or a folder written by
+``Dataset.save_to_disk``), never from a hub. Each row's prompt is plain text or a list of ``{role, content}``
+messages; with a chat template (the tokenizer's, applied with the generation prompt added) the text becomes a
+user message, and ``system_prompt`` a system message before it. The tokenizer's EOS token, the EOS ids of the
+folder's ``generation_config.json`` and any ``stop_tokens`` end a response.
+
+Steps go through the rows in epochs: epoch ``e`` is a permutation of the rows seeded by ``(seed, e)``, cut into
+``len(rows) // prompts_per_step`` batches (the remainder waits for a later epoch's permutation), so ``batch(step)``
+is a pure function of the step, the prompts of any later step are known in advance, and a prompt appears at most
+once per step. A prompt's uid is its row's (``train-17``) in every epoch, so history drafts and length predictions
+recognise it. The held-out split (``split="eval"``) is ``eval_path``, or a seeded ``eval_fraction`` of the rows
+taken out of training, in file order.
+
+See docs/tasks.md for the options with examples.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from bubblespec.config import Section
+from bubblespec.errors import ConfigError
+from bubblespec.interfaces import Prompt
+from bubblespec.rewards import RewardItem, RewardScorer, parse_specs
+
+logger = logging.getLogger(__name__)
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File suffixes the task reads, and the ``datasets`` builder of each."""
+
+
+class DatasetOptions(Section):
+    """``task.options`` of the dataset task."""
+
+    path: str | list[str]
+    """Training rows: local files (a glob, or a list of files or globs) in one format (.jsonl, .json, .parquet,
+    .csv), or a folder written by ``datasets``' ``save_to_disk``."""
+    eval_path: str | list[str] | None = None
+    """Held-out rows, in the same forms as ``path``."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Without ``eval_path``: this share of the rows (a seeded choice) is held out instead of trained on."""
+    prompt_column: str = "prompt"
+    """The column with the prompt: plain text, or a list of ``{role, content}`` messages."""
+    answer_column: str | None = "answer"
+    """The column with the reference answer (given to rewards as ``answer``); None: the rows have none."""
+    chat_template: bool | None = None
+    """Apply the tokenizer's chat template (with the generation prompt); None: when the tokenizer has one."""
+    system_prompt: str | None = None
+    """A system message before each prompt (needs the chat template)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Longest prompt in tokens (template included); None: what the model's context leaves for one new token."""
+    long_prompts: Literal["drop", "error"] = "drop"
+    """What a longer prompt does: dropped (counted in the run log) or an error naming the row."""
+    max_new_tokens: int = Field(512, ge=1)
+    """Longest response, unless ``rollout.sampling.max_new_tokens`` says otherwise."""
+    stop_tokens: list[str] = []
+    """Tokens (by their text, e.g. ``<|im_end|>``) that end a response, besides the tokenizer's and the generation
+    config's EOS."""
+    reward: Any = "exact"
+    """A reward name, a ``{name, weight, ...options}`` mapping or a list of them: built-ins ``exact``, ``math``,
+    ``format``, a ``bubblespec.rewards`` plugin, or ``module:function`` (see :mod:`bubblespec.rewards`)."""
+    reward_workers: int = Field(2, ge=0)
+    """Worker processes that run rewards, each call under ``reward_timeout_s``; 0: in the controller, no limit."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """Time a reward call has to return; a call that times out or raises scores 0 and is counted."""
+
+    @model_validator(mode="after")
+    def _one_held_out_source(self) -> DatasetOptions:
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("give eval_path or eval_fraction, not both")
+        return self
+
+
+class DatasetTask:
+    """Prompt source and reward function over a local dataset (see the module docstring)."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        prompts_per_step: int = 16,
+        *,
+        model_path: str,
+        split: Literal["train", "eval"] = "train",
+        **options: Any,
+    ) -> None:
+        self.options = DatasetOptions(**options)
+        self.seed, self.split = seed, split
+        self.tokenizer = load_tokenizer(model_path)
+        self.context_length = _context_length(model_path)
+        self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, self.options.stop_tokens)
+        self.scorer = RewardScorer(
+            parse_specs(self.options.reward), self.options.reward_workers, self.options.reward_timeout_s
+        )
+        rows, source = self._rows()
+        self.prompts = self._prompts(rows, source)
+        if split == "eval":
+            prompts_per_step = min(prompts_per_step, len(self.prompts))
+        if len(self.prompts) < prompts_per_step:
+            raise ConfigError(
+                f"task.options: {source} has {len(self.prompts)} usable rows; task.prompts_per_step "
+                f"{prompts_per_step} needs at least that many"
+            )
+        self.prompts_per_step = prompts_per_step
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
+
+    # -- PromptSource -------------------------------------------------------------------------------------------
+
+    def batch(self, step: int) -> list[Prompt]:
+        """The prompts of ``step``: batch ``step % steps_per_epoch`` of epoch ``step // steps_per_epoch``'s
+        permutation (the held-out split: in file order)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        steps_per_epoch = len(self.prompts) // self.prompts_per_step
+        epoch, index = divmod(step, steps_per_epoch)
+        order = self._epoch_order(epoch) if self.split == "train" else range(len(self.prompts))
+        start = index * self.prompts_per_step
+        return [self.prompts[i] for i in order[start : start + self.prompts_per_step]]
+
+    def peek(self, step: int) -> list[Prompt]:
+        return self.batch(step)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of the rows; the two latest are kept (a step and the one it peeks at)."""
+        if epoch not in self._orders:
+            order = list(range(len(self.prompts)))
+            random.Random(f"bubblespec.dataset\x1f{self.seed}\x1f{epoch}").shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
+        return self._orders[epoch]
+
+    # -- rewards ------------------------------------------------------------------------------------------------
+
+    def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float:
+        return self.score([prompt], [response_token_ids])[0]
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
+        """The configured rewards' weighted sum for each (prompt, response token ids), in one pass over the pool."""
+        return self.scorer([self._reward_item(p, ids) for p, ids in zip(prompts, responses, strict=True)])
+
+    def take_reward_failures(self):
+        """Reward calls that timed out or raised since the last call (:class:`bubblespec.rewards.RewardFailures`)."""
+        return self.scorer.take_failures()
+
+    def close(self) -> None:
+        self.scorer.close()
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _reward_item(self, prompt: Prompt, response_token_ids: Sequence[int]) -> RewardItem:
+        row = dict(prompt.columns)
+        original = row.pop(self.options.prompt_column)
+        if self.options.answer_column is not None:
+            row.setdefault("answer", row[self.options.answer_column])
+        return RewardItem(prompt.uid, original, self.decode(response_token_ids), row)
+
+    # -- loading ------------------------------------------------------------------------------------------------
+
+    def _rows(self) -> tuple[list[dict], str]:
+        """This split's rows and a description of where they came from."""
+        options = self.options
+        if options.eval_path is not None:
+            path = options.eval_path if self.split == "eval" else options.path
+            return read_rows(path), _describe(path)
+        rows = read_rows(options.path)
+        if options.eval_fraction is None:
+            if self.split == "eval":
+                raise ConfigError(
+                    "eval_every needs held-out prompts: set task.options.eval_path, or task.options.eval_fraction "
+                    "to hold out a share of task.options.path"
+                )
+            return rows, _describe(options.path)
+        held_out = set(random.Random(f"bubblespec.dataset-split\x1f{self.seed}").sample(
+            range(len(rows)), max(1, round(options.eval_fraction * len(rows)))
+        ))  # fmt: skip
+        chosen = [row for i, row in enumerate(rows) if (i in held_out) == (self.split == "eval")]
+        return chosen, f"{_describe(options.path)} ({self.split} share of eval_fraction {options.eval_fraction})"
+
+    def _prompts(self, rows: list[dict], source: str) -> list[Prompt]:
+        options = self.options
+        if not rows:
+            raise ConfigError(f"task.options: {source} has no rows")
+        for column in (options.prompt_column, options.answer_column):
+            if column is not None and column not in rows[0]:
+                raise ConfigError(
+                    f"task.options: {column!r} is not a column of {source}; its columns: {', '.join(rows[0])}"
+                )
+        texts = [self._render(row[options.prompt_column], f"{self.split}-{i}") for i, row in enumerate(rows)]
+        encoded = self.tokenizer(texts, add_special_tokens=not self._uses_template)["input_ids"]
+        limit = min(options.max_prompt_tokens or self.context_length, self.context_length - 1)
+        prompts, dropped = [], 0
+        for i, (row, text, ids) in enumerate(zip(rows, texts, encoded, strict=True)):
+            uid = f"{self.split}-{i}"
+            if len(ids) > limit:
+                if options.long_prompts == "error":
+                    raise ConfigError(
+                        f"task.options: row {uid} of {source} has a prompt of {len(ids)} tokens, longer than "
+                        f"{limit} (max_prompt_tokens, and the model's context of {self.context_length}); set "
+                        "long_prompts: drop to leave such rows out"
+                    )
+                dropped += 1
+                continue
+            answer = "" if options.answer_column is None else str(row[options.answer_column])
+            prompts.append(Prompt(uid=uid, token_ids=tuple(ids), text=text, answer=answer, columns=row))
+        if dropped:
+            logger.warning("dataset task: dropped %d of %d %s prompts longer than %d tokens", dropped, len(rows),
+                           self.split, limit)  # fmt: skip
+        self.num_dropped_prompts = dropped
+        return prompts
+
+    @functools.cached_property
+    def _uses_template(self) -> bool:
+        wanted, available = self.options.chat_template, bool(getattr(self.tokenizer, "chat_template", None))
+        if wanted and not available:
+            raise ConfigError("task.options.chat_template is true, but the model folder's tokenizer has no chat "
+                              "template (tokenizer_config.json or chat_template.jinja)")  # fmt: skip
+        uses = available if wanted is None else wanted
+        if self.options.system_prompt is not None and not uses:
+            raise ConfigError("task.options.system_prompt needs a chat template, and this task applies none")
+        return uses
+
+    def _render(self, prompt: Any, uid: str) -> str:
+        """The prompt as the text the model continues: through the chat template, or as it is."""
+        messages = _messages(prompt, uid, self.options.prompt_column)
+        if not self._uses_template:
+            if messages is not None:
+                raise ConfigError(
+                    f"task.options: row {uid}'s prompt is a list of chat messages, which needs a chat template "
+                    "(the tokenizer has none, or chat_template is false)"
+                )
+            return prompt
+        if messages is None:
+            messages = [{"role": "user", "content": prompt}]
+        if self.options.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.options.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _messages(prompt: Any, uid: str, column: str) -> list[dict] | None:
+    """The prompt's chat messages, None for plain text, an error for anything else."""
+    if isinstance(prompt, str):
+        return None
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise ConfigError(
+        f"task.options: row {uid}'s {column!r} is neither text nor a list of {{role, content}} messages: {prompt!r}"
+    )
+
+
+def read_rows(path: str | list[str]) -> list[dict]:
+    """Every row of a dataset given as files (globs) or a ``save_to_disk`` folder, as dicts, in file order."""
+    import datasets
+
+    paths = [path] if isinstance(path, str) else list(path)
+    if len(paths) == 1 and Path(paths[0]).expanduser().is_dir():
+        folder = Path(paths[0]).expanduser()
+        try:
+            loaded = datasets.load_from_disk(str(folder))
+        except FileNotFoundError as error:
+            raise ConfigError(f"task.options: {folder} is a folder but not one save_to_disk wrote: {error}") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ConfigError(f"task.options: {folder} holds splits {list(loaded)}, none named 'train'")
+            loaded = loaded["train"]
+        return loaded.to_list()
+    files = []
+    for pattern in paths:
+        found = sorted(glob.glob(str(Path(pattern).expanduser())))
+        if not found:
+            raise ConfigError(f"task.options: no file matches {pattern!r}")
+        files += found
+    suffixes = {Path(f).suffix.lower() for f in files}
+    unknown = suffixes - set(FORMATS)
+    if unknown or len({FORMATS[s] for s in suffixes - unknown}) > 1:
+        raise ConfigError(
+            f"task.options: files of {_describe(path)} must share one format of {', '.join(FORMATS)}; got "
+            f"{', '.join(sorted(suffixes))}"
+        )
+    builder = FORMATS[suffixes.pop()]
+    if all(Path(f).stat().st_size == 0 for f in files):
+        return []  # datasets' builders fail on empty files with no message of their own
+    try:
+        loaded = datasets.load_dataset(builder, data_files=files, split="train")
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        raise ConfigError(f"task.options: {_describe(path)} does not read as {builder}: {error}") from None
+    return loaded.to_list()
+
+
+def load_tokenizer(model_path: str):
+    """The model folder's tokenizer (transformers' ``AutoTokenizer``), or an error saying it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(
+            f"the dataset task needs the model folder's tokenizer, and {model_path} has none that transformers can "
+            f"load (tokenizer.json and tokenizer_config.json): {error}"
+        ) from None
+
+
+def _context_length(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2**31)
+
+
+def _stop_token_ids(tokenizer, model_path: str, stop_tokens: Sequence[str]) -> tuple[int, ...]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation = Path(model_path) / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    vocab = tokenizer.get_vocab()
+    for token in stop_tokens:
+        if token not in vocab:
+            raise ConfigError(f"task.options.stop_tokens: {token!r} is not a token of the model's tokenizer")
+        ids.add(vocab[token])
+    return tuple(sorted(ids))
+
+
+def _describe(path: str | list[str]) -> str:
+    return path if isinstance(path, str) else ", ".join(path)

@@ -1,0 +1,39 @@
+"""User reward functions for the reward tests, importable as ``tests.reward_functions:NAME``."""
+
+from __future__ import annotations
+
+import time
+
+
+def length_bonus(prompt, response, answer=None, scale=1.0, **columns):
+    return scale * len(response)
+
+
+def uses_columns(prompt, response, answer=None, level=None, **columns):
+    return float(level) if response.strip() == str(answer) else 0.0
+
+
+def batched_contains(prompts, responses, answer=None, **columns):
+    return [float(str(a) in r) for r, a in zip(responses, answer, strict=True)]
+
+
+batched_contains.batched = True
+
+
+def sleeps_on_slow(prompt, response, **columns):
+    if "slow" in response:
+        time.sleep(60)
+    return 1.0
+
+
+def raises_on_bad(prompt, response, **columns):
+    if "bad" in response:
+        raise RuntimeError("cannot score this one")
+    return 1.0
+
+
+def returns_text(prompt, response, **columns):
+    return "high"
+
+
+NOT_CALLABLE = 3

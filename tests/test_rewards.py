@@ -1,0 +1,125 @@
+"""Rewards of the dataset task: built-ins, user functions by name, weighted sums, the worker pool's time limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.errors import ConfigError, RewardError
+from bubblespec.rewards import (
+    RewardItem,
+    RewardScorer,
+    RewardSpec,
+    exact,
+    extract,
+    format_match,
+    math_answer,
+    parse_specs,
+)
+
+
+def _items(*responses, **columns):
+    return [RewardItem(f"train-{i}", "the prompt", r, dict(columns)) for i, r in enumerate(responses)]
+
+
+def test_exact_compares_normalised_text_or_the_last_match_of_a_pattern():
+    assert exact("p", "  Paris. ", answer="paris") == 1.0
+    assert exact("p", "Paris is big", answer="paris") == 0.0
+    assert exact("p", "1+3=4,2+9=1c;14;4914", answer="4914", pattern=";([0-9]+)") == 1.0
+    assert exact("p", "no answer here", answer="4914", pattern=";([0-9]+)") == 0.0
+    assert extract("a1 b2", r"[a-z]\d") == "b2"  # no group: the whole last match
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("x = 3, hence \\boxed{3}", "\\boxed{3}", 1.0),
+        ("after simplifying: 12", "12", 1.0),
+        ("the answer is \\boxed{4}", "5", 0.0),
+        ("I do not know", "5", 0.0),
+    ],
+)
+def test_math_checks_equivalence_with_math_verify(response, answer, expected):
+    assert math_answer("p", response, answer=answer) == expected
+
+
+def test_format_matches_the_whole_response():
+    pattern = r"<think>.*</think>\s*\\boxed\{.*\}"
+    assert format_match("p", "<think>a\nb</think> \\boxed{3}", pattern=pattern) == 1.0
+    assert format_match("p", "\\boxed{3}", pattern=pattern) == 0.0
+    with pytest.raises(TypeError, match="needs a pattern"):
+        format_match("p", "x")
+
+
+def test_specs_parse_names_mappings_and_weighted_lists():
+    assert parse_specs("exact") == (RewardSpec("exact"),)
+    assert parse_specs({"name": "format", "pattern": "x", "weight": 0.5}) == (
+        RewardSpec("format", 0.5, {"pattern": "x"}),
+    )
+    assert [s.name for s in parse_specs(["math", {"name": "format", "weight": 0.1, "pattern": "."}])] == [
+        "math",
+        "format",
+    ]
+    for bad, message in [
+        ([], "empty list"),
+        ({"weight": 1}, "'name'"),
+        (3, "reward name"),
+        ({"name": "x", "weight": "a"}, "weight"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_specs(bad)
+
+
+def test_a_weighted_sum_of_built_in_and_user_rewards_in_this_process():
+    specs = [RewardSpec("exact", 2.0), RewardSpec("tests.reward_functions:length_bonus", 0.5, {"scale": 0.1})]
+    scorer = RewardScorer(specs, workers=0)
+    assert scorer(_items("42", "7", answer="42")) == pytest.approx([2.0 + 0.5 * 0.2, 0.5 * 0.1])
+
+
+def test_user_rewards_get_every_column_and_batched_ones_get_lists():
+    scorer = RewardScorer([RewardSpec("tests.reward_functions:uses_columns")], workers=0)
+    assert scorer(_items("5", "6", answer="5", level=3)) == [3.0, 0.0]
+    batched = RewardScorer([RewardSpec("tests.reward_functions:batched_contains")], workers=0)
+    assert batched(_items("it is 42", "it is 41", answer="42")) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no-such-reward", "reward 'no-such-reward' is not known.*exact, format, math"),
+        ("no_such_module_anywhere:f", "module 'no_such_module_anywhere' does not import"),
+        ("tests.reward_functions:missing", "has no attribute 'missing'"),
+        ("tests.reward_functions:NOT_CALLABLE", "is not callable"),
+        ("rewards/mine.py:score", "not a file path"),
+    ],
+)
+def test_a_reward_that_cannot_be_loaded_is_a_clear_error(name, message):
+    with pytest.raises(ConfigError, match=message):
+        RewardScorer([RewardSpec(name)], workers=0)
+
+
+def test_a_reward_returning_a_non_number_names_the_reward_and_the_row():
+    scorer = RewardScorer([RewardSpec("tests.reward_functions:returns_text")], workers=0)
+    with pytest.raises(RewardError, match=r"returns_text.*'high' for row 'train-0'"):
+        scorer(_items("x"))
+
+
+@pytest.mark.slow
+def test_the_pool_scores_a_timed_out_or_raising_call_0_and_counts_it():
+    specs = [RewardSpec("tests.reward_functions:sleeps_on_slow"), RewardSpec("tests.reward_functions:raises_on_bad")]
+    scorer = RewardScorer(specs, workers=2, timeout_s=1.0)
+    try:
+        assert scorer(_items("fine", "slow", "bad")) == [2.0, 1.0, 1.0]
+        failures = scorer.take_failures()
+        assert (failures.timeouts, failures.errors) == (1, 1)
+        assert "sleeps_on_slow" in failures.first_error and "train-1" in failures.first_error
+        assert scorer(_items("fine")) == [2.0]  # the pool goes on
+        assert scorer.take_failures().timeouts == 0
+    finally:
+        scorer.close()
+    text = RewardScorer([RewardSpec("tests.reward_functions:returns_text")], workers=1)
+    try:
+        with pytest.raises(RewardError, match="returns_text"):  # from a worker too: an error, not a 0
+            text(_items("x"))
+    finally:
+        text.close()
