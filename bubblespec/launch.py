@@ -31,7 +31,7 @@ from bubblespec.trainer import GRPOLearner, TrainSample
 def model_path(config: RunConfig, task) -> str:
     """The model folder to load: model.path, or the task's shipped model; checked before anything starts."""
     if config.model.path:
-        folder = Path(config.model.path).expanduser()
+        folder = Path(config.model.path).expanduser().resolve()  # Ray workers do not share this process's cwd
         if not (folder / "config.json").is_file():
             raise ModelLoadError(
                 f"model.path {config.model.path!r} is not a Hugging Face model folder (no config.json there)"
