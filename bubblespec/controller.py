@@ -200,7 +200,13 @@ class Controller:
         self.response_lengths.observe(results)
         rewards = self._rewards(prompts, results)
         samples = [
-            TrainSample(tuple(req.prompt_token_ids), tuple(res.token_ids), i // cfg.task.samples_per_prompt, reward)
+            TrainSample(
+                tuple(req.prompt_token_ids),
+                tuple(res.token_ids),
+                i // cfg.task.samples_per_prompt,
+                reward,
+                engine_logprobs=tuple(res.logprobs),
+            )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
         drafting_while_training = speculate and cfg.speculation.draft_during_training and bool(plan)
@@ -366,6 +372,8 @@ def step_line(record: dict) -> str:
         "train_s": f"{phases['train']:.3f}",
         "sync_s": f"{phases['weight_sync']:.3f}",
     }
+    if "logprob_diff_mean" in record["train"]:
+        fields["logprob_diff"] = f"{record['train']['logprob_diff_mean']:.2e}"
     if "eval_reward" in record:
         fields["eval_reward"] = f"{record['eval_reward']:.4f}"
     return " ".join(f"{key}={value}" for key, value in fields.items())

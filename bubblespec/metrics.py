@@ -104,6 +104,16 @@ class RunMetrics:
             "Drafts the draft store evicted to stay under speculation.draft_store_max_tokens.",
             registry=self.registry,
         )
+        self.logprob_diff_mean = Gauge(
+            "bubblespec_logprob_diff_mean",
+            "Mean |engine logprob - trainer logprob| over the last trained step's response tokens.",
+            registry=self.registry,
+        )
+        self.logprob_diff_max = Gauge(
+            "bubblespec_logprob_diff_max",
+            "Largest |engine logprob - trainer logprob| of a response token in the last trained step.",
+            registry=self.registry,
+        )
         self.reward_failures = Counter(
             "bubblespec_reward_failures",
             "Reward calls that timed out or raised and scored 0 (tasks that run rewards in worker processes).",
@@ -111,7 +121,13 @@ class RunMetrics:
             registry=self.registry,
         )
         # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0.
-        gauges = (*(gauge for _, gauge in self._step_gauges.values()), self.eval_reward, self.draft_store_tokens)
+        gauges = (
+            *(gauge for _, gauge in self._step_gauges.values()),
+            self.eval_reward,
+            self.draft_store_tokens,
+            self.logprob_diff_mean,
+            self.logprob_diff_max,
+        )
         for gauge in gauges:
             gauge.set(float("nan"))
         self._server = None
@@ -142,6 +158,9 @@ class RunMetrics:
         if "draft_store" in record:
             self.draft_store_tokens.set(record["draft_store"]["tokens"])
             self.drafts_evicted.inc(record["drafts_evicted"])
+        if "logprob_diff_mean" in record["train"]:  # not in steps without reward signal (nothing trained)
+            self.logprob_diff_mean.set(record["train"]["logprob_diff_mean"])
+            self.logprob_diff_max.set(record["train"]["logprob_diff_max"])
         if "reward_timeouts" in record:
             self.reward_failures.labels("timeout").inc(record["reward_timeouts"])
             self.reward_failures.labels("error").inc(record["reward_errors"])

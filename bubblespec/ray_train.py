@@ -89,9 +89,9 @@ def train_loop(loop_config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     channel = loop_config["channel"]
 
-    def all_reduce(tensor: torch.Tensor) -> None:
+    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> None:
         try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         except Exception as error:
             raise PeerLost(f"trainer worker {rank}: an all-reduce failed: {error}") from error
 

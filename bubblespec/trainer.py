@@ -25,6 +25,8 @@ class TrainSample:
     response_token_ids: tuple[int, ...]
     group: int
     reward: float
+    engine_logprobs: tuple[float, ...] | None = None
+    """The rollout engine's log-probability of each response token, to measure how far the trainer's are."""
 
 
 def group_advantages(samples: Sequence[TrainSample], epsilon: float = 1e-6) -> list[float]:
@@ -45,7 +47,8 @@ class PeerFailed(RuntimeError):
 
 
 SKIPPED_STEP = {"loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "skipped": 1}
-"""The metrics of a step without reward signal (every group's rewards equal): no optimizer step is taken."""
+"""The metrics of a step without reward signal (every group's rewards equal): no optimizer step is taken, and no
+log-probabilities are computed, so the engine-trainer logprob agreement is not measured either."""
 
 
 class GRPOLearner:
@@ -66,7 +69,7 @@ class GRPOLearner:
         dtype: str,
         config: TrainerConfig,
         temperature: float,
-        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        all_reduce: Callable[..., None] | None = None,
     ) -> None:
         model_config, weights = read_checkpoint(model_path)
         self.dtype = DTYPES[dtype]
@@ -107,7 +110,20 @@ class GRPOLearner:
             # weights by its momentum. Skip it (all workers decide alike: has_signal covers the whole batch).
             return dict(SKIPPED_STEP)
         metrics = self._compute_gradients_with_peers(samples, advantages, num_samples_total or len(samples))
+        metrics |= self._logprob_agreement(metrics.pop("logprob_difference"))
         return {"loss": metrics["loss"], "grad_norm": self.apply_gradients()} | metrics | {"skipped": 0}
+
+    def _logprob_agreement(self, local: torch.Tensor) -> dict[str, float]:
+        """Mean and max |engine logprob - trainer logprob| over the batch's response tokens, every worker's share
+        (the peers have agreed that none failed, so these reductions cannot hang). ``local``: [sum of |diff|,
+        tokens compared, max |diff|] over this worker's samples that carry engine logprobs."""
+        total, maximum = local[:2].clone(), local[2:].clone()
+        if self.all_reduce is not None:
+            self.all_reduce(total)
+            self.all_reduce(maximum, op="max")
+        if total[1] == 0:
+            return {}
+        return {"logprob_diff_mean": float(total[0] / total[1]), "logprob_diff_max": float(maximum[0])}
 
     def _compute_gradients_with_peers(
         self, samples: Sequence[TrainSample], advantages: Sequence[float], num_samples_total: int
@@ -141,13 +157,16 @@ class GRPOLearner:
             L = 1/N sum_s 1/|s| sum_(t in s) -min(r_t A_s, clip(r_t, 1 - eps, 1 + eps) A_s)
 
         with N = ``num_samples_total``, |s| the response tokens of sample s, A_s its advantage and
-        r_t = exp(log pi(y_t) - log pi_old(y_t)). Returns the loss, the mean |A_s| and the trained tokens."""
+        r_t = exp(log pi(y_t) - log pi_old(y_t)). Returns the loss, the mean |A_s|, the trained tokens and, as a
+        tensor, this worker's ``logprob_difference`` from the engine's logprobs (see :meth:`_logprob_agreement`)."""
         self._copy_master_to_model()
         tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
         self.optimizer.zero_grad(set_to_none=False)
         loss = torch.zeros((), dtype=self.master_dtype)
+        difference = torch.zeros(3, dtype=torch.float64, device=self.master.device)
         if samples:
             logprobs = self._logprobs(tokens)
+            difference = self._logprob_difference(samples, logprobs.detach())
             # One optimizer step per RL step: the "old" policy is the current one, so the ratio is 1 with the
             # gradient of the policy-gradient loss; the clip matters once steps use several mini-batches.
             ratio = torch.exp(logprobs - logprobs.detach())
@@ -161,7 +180,22 @@ class GRPOLearner:
             "loss": loss.item(),
             "mean_advantage_abs": sum(abs(a) for a in advantages) / max(len(advantages), 1),
             "trained_tokens": int(response_mask.sum()),
+            "logprob_difference": difference,
         }
+
+    def _logprob_difference(self, samples: Sequence[TrainSample], logprobs: torch.Tensor) -> torch.Tensor:
+        """[sum of |engine - trainer|, tokens compared, max] over the response tokens of samples with engine
+        logprobs. ``logprobs``: [B, T - 1], row b's response tokens at [len(prompt) - 1, len(prompt) - 1 + len)."""
+        differences = [
+            (logprobs[row, len(s.prompt_token_ids) - 1 :][: len(s.engine_logprobs)].to(torch.float64)
+             - torch.tensor(s.engine_logprobs, dtype=torch.float64, device=logprobs.device)).abs()
+            for row, s in enumerate(samples)
+            if s.engine_logprobs
+        ]  # fmt: skip
+        if not differences:
+            return torch.zeros(3, dtype=torch.float64, device=logprobs.device)
+        flat = torch.cat(differences)
+        return torch.stack([flat.sum(), torch.tensor(float(len(flat)), dtype=torch.float64), flat.max()])
 
     def apply_gradients(self) -> float:
         """Sums the gradients across workers (``all_reduce``), clips their norm to ``max_grad_norm`` and takes

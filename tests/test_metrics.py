@@ -128,6 +128,9 @@ def test_every_metric_has_the_prefix_and_ranked_ones_the_rank_label(tmp_path):
                     "bubblespec_rollout_tokens_per_second",
                     "bubblespec_draft_store_tokens",
                     "bubblespec_drafts_evicted",
+                    "bubblespec_logprob_diff_mean",
+                    "bubblespec_logprob_diff_max",
+                    "bubblespec_reward_failures",
                 }, family.name
 
 

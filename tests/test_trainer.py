@@ -166,3 +166,66 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
     for learner, weights in zip(learners, before, strict=True):
         after = learner.checkpoint_state()["master_weights"]
         assert all(torch.equal(after[k], weights[k]) for k in weights)
+
+
+def _engine_samples(model_path: str, dtype: str, count: int = 8) -> list[TrainSample]:
+    """Samples the torch engine generated, with its logprobs, and alternating rewards (a signal to train on)."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+
+    engine = TorchEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=count)
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, ignore_eos=True)
+    requests = [GenerationRequest((1, 7 + i, 9), RolloutKey(0, 0, f"p{i // 2}", i % 2), params) for i in range(count)]
+    results = engine.generate(requests)
+    return [
+        TrainSample(r.prompt_token_ids, tuple(res.token_ids), i // 2, float(i % 2), engine_logprobs=tuple(res.logprobs))
+        for i, (r, res) in enumerate(zip(requests, results, strict=True))
+    ]
+
+
+def test_the_logprob_agreement_of_engine_and_trainer_is_measured(model_path):
+    exact = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 0.8).step(
+        _engine_samples(model_path, "float64")
+    )
+    assert exact["logprob_diff_mean"] < 1e-12 and exact["logprob_diff_max"] < 1e-11
+    rounded = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(
+        _engine_samples(model_path, "bfloat16")
+    )
+    assert 1e-4 < rounded["logprob_diff_mean"] < rounded["logprob_diff_max"] < 1.0
+    without = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(_samples())
+    assert "logprob_diff_mean" not in without  # samples without engine logprobs: nothing to compare
+
+
+def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
+    import threading
+
+    samples = _engine_samples(model_path, "bfloat16")
+    alone = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(samples)
+    barrier = threading.Barrier(2, timeout=30)
+    shared: list[torch.Tensor | None] = [None, None]
+
+    def all_reduce_for(rank):
+        def all_reduce(tensor, op="sum"):
+            shared[rank] = tensor.clone()
+            barrier.wait()
+            reduced = torch.maximum(shared[0], shared[1]) if op == "max" else shared[0] + shared[1]
+            barrier.wait()
+            tensor.copy_(reduced)
+
+        return all_reduce
+
+    metrics: dict[int, dict] = {}
+
+    def step(rank):
+        learner = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8, all_reduce_for(rank))
+        advantages = group_advantages(samples)
+        metrics[rank] = learner.step(samples[rank::2], advantages[rank::2], num_samples_total=len(samples))
+
+    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rank in range(2):
+        assert metrics[rank]["logprob_diff_mean"] == pytest.approx(alone["logprob_diff_mean"], rel=1e-9)
+        assert metrics[rank]["logprob_diff_max"] == pytest.approx(alone["logprob_diff_max"], rel=1e-9)
