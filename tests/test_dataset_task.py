@@ -322,3 +322,52 @@ def test_validate_reports_a_model_folder_without_a_tokenizer(problems, tmp_path)
     )
     result = CliRunner().invoke(app, ["validate", str(config)])
     assert result.exit_code == 2 and "needs the model folder's tokenizer" in result.output, result.output
+
+
+def _gym(model_path, split="train", seed=0, prompts_per_step=4, **options):
+    from bubblespec.tasks.reasoning_gym_task import ReasoningGymTask
+
+    options = {"datasets": "basic_arithmetic", "size": 12, "eval_size": 6, "reward_workers": 0} | options
+    return ReasoningGymTask(seed=seed, prompts_per_step=prompts_per_step, model_path=model_path, split=split, **options)
+
+
+def test_reasoning_gym_problems_are_seeded_and_scored_by_their_own_dataset(chat_model):
+    task = _gym(chat_model)
+    assert [p.text for p in _gym(chat_model).prompts] == [p.text for p in task.prompts]  # deterministic per seed
+    assert [p.answer for p in _gym(chat_model, seed=1).prompts] != [p.answer for p in task.prompts]
+    held_out = _gym(chat_model, split="eval", prompts_per_step=100)
+    assert len(held_out.prompts) == 6 and not {p.text for p in held_out.prompts} & {p.text for p in task.prompts}
+    prompt = task.prompts[0]
+    assert "<|im_start|>system\nThink about the problem" in prompt.text and prompt.columns["question"] in prompt.text
+    encode = task.tokenizer.encode
+    right, wrong = f"Adding up: <answer>{prompt.answer}</answer>", "<answer>no idea</answer>"
+    assert task.score([prompt, prompt, prompt], [encode(right), encode(wrong), encode(prompt.answer)]) == [
+        1.0,
+        0.0,
+        1.0,
+    ]
+
+
+def test_reasoning_gym_shares_problems_among_datasets_and_names_bad_ones(chat_model):
+    mixed = _gym(chat_model, datasets={"basic_arithmetic": {}, "chain_sum": {"min_terms": 2, "max_terms": 3}}, size=7)
+    sources = [p.columns["metadata"]["source_dataset"] for p in mixed.prompts]
+    assert sources == ["basic_arithmetic"] * 4 + ["chain_sum"] * 3
+    with pytest.raises(ConfigError, match="'no_such_puzzle'.*not registered.*basic_arithmetic"):
+        _gym(chat_model, datasets="no_such_puzzle")
+    with pytest.raises(ConfigError, match="'basic_arithmetic'.*bogus"):
+        _gym(chat_model, datasets={"basic_arithmetic": {"bogus": 1}})
+
+
+@pytest.mark.slow
+def test_the_reasoning_gym_example_runs_on_the_virtual_clock(chat_model, tmp_path):
+    overrides = [
+        f"output_dir={tmp_path}", f"model.path={chat_model}", "model.dtype=float32", "task.options.size=16",
+        "task.options.eval_size=4", "task.options.max_new_tokens=16", "task.options.reward_workers=1",
+        "task.prompts_per_step=4", "task.samples_per_prompt=2", "num_steps=2", "eval_every=2", "eval_prompts=4",
+        "clock.kind=virtual", "clock.profile=h100-7b", "metrics.port=0",
+    ]  # fmt: skip
+    config = load_config(EXAMPLES / "reasoning-gym.yaml", overrides)
+    run(config)
+    steps = RunDirectory(config.run_dir).read_steps()
+    assert [s["step"] for s in steps] == [0, 1] and "eval_reward" in steps[-1]
+    assert all(s["reward_errors"] == 0 and s["reward_timeouts"] == 0 for s in steps)

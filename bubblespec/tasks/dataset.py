@@ -41,20 +41,9 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "cs
 """File suffixes the task reads, and the ``datasets`` builder of each."""
 
 
-class DatasetOptions(Section):
-    """``task.options`` of the dataset task."""
+class PromptOptions(Section):
+    """How rows become prompts and responses become rewards: the options every task over rows shares."""
 
-    path: str | list[str]
-    """Training rows: local files (a glob, or a list of files or globs) in one format (.jsonl, .json, .parquet,
-    .csv), or a folder written by ``datasets``' ``save_to_disk``."""
-    eval_path: str | list[str] | None = None
-    """Held-out rows, in the same forms as ``path``."""
-    eval_fraction: float | None = Field(None, gt=0, lt=1)
-    """Without ``eval_path``: this share of the rows (a seeded choice) is held out instead of trained on."""
-    prompt_column: str = "prompt"
-    """The column with the prompt: plain text, or a list of ``{role, content}`` messages."""
-    answer_column: str | None = "answer"
-    """The column with the reference answer (given to rewards as ``answer``); None: the rows have none."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template (with the generation prompt); None: when the tokenizer has one."""
     system_prompt: str | None = None
@@ -76,6 +65,22 @@ class DatasetOptions(Section):
     reward_timeout_s: float = Field(10.0, gt=0)
     """Time a reward call has to return; a call that times out or raises scores 0 and is counted."""
 
+
+class DatasetOptions(PromptOptions):
+    """``task.options`` of the dataset task."""
+
+    path: str | list[str]
+    """Training rows: local files (a glob, or a list of files or globs) in one format (.jsonl, .json, .parquet,
+    .csv), or a folder written by ``datasets``' ``save_to_disk``."""
+    eval_path: str | list[str] | None = None
+    """Held-out rows, in the same forms as ``path``."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Without ``eval_path``: this share of the rows (a seeded choice) is held out instead of trained on."""
+    prompt_column: str = "prompt"
+    """The column with the prompt: plain text, or a list of ``{role, content}`` messages."""
+    answer_column: str | None = "answer"
+    """The column with the reference answer (given to rewards as ``answer``); None: the rows have none."""
+
     @model_validator(mode="after")
     def _one_held_out_source(self) -> DatasetOptions:
         if self.eval_path is not None and self.eval_fraction is not None:
@@ -83,26 +88,23 @@ class DatasetOptions(Section):
         return self
 
 
-class DatasetTask:
-    """Prompt source and reward function over a local dataset (see the module docstring)."""
+class RowsTask:
+    """Prompt source and reward function over rows held in memory: prompts rendered with the model folder's
+    tokenizer, seeded epochs, rewards in a pool (see the module docstring). A subclass says where the rows come
+    from (:meth:`_rows`) and which columns hold the prompt and the answer."""
+
+    prompt_column: str
+    answer_column: str | None
 
     def __init__(
-        self,
-        seed: int = 0,
-        prompts_per_step: int = 16,
-        *,
-        model_path: str,
-        split: Literal["train", "eval"] = "train",
-        **options: Any,
+        self, seed: int, prompts_per_step: int, model_path: str, split: Literal["train", "eval"], options: PromptOptions
     ) -> None:
-        self.options = DatasetOptions(**options)
+        self.options = options
         self.seed, self.split = seed, split
         self.tokenizer = load_tokenizer(model_path)
         self.context_length = _context_length(model_path)
-        self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, self.options.stop_tokens)
-        self.scorer = RewardScorer(
-            parse_specs(self.options.reward), self.options.reward_workers, self.options.reward_timeout_s
-        )
+        self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, options.stop_tokens)
+        self.scorer = RewardScorer(parse_specs(options.reward), options.reward_workers, options.reward_timeout_s)
         rows, source = self._rows()
         self.prompts = self._prompts(rows, source)
         if split == "eval":
@@ -114,6 +116,10 @@ class DatasetTask:
             )
         self.prompts_per_step = prompts_per_step
         self._orders: dict[int, list[int]] = {}
+
+    def _rows(self) -> tuple[list[dict], str]:
+        """This split's rows, in order, and a description of where they came from (for messages)."""
+        raise NotImplementedError
 
     @property
     def max_new_tokens(self) -> int:
@@ -164,43 +170,23 @@ class DatasetTask:
 
     def _reward_item(self, prompt: Prompt, response_token_ids: Sequence[int]) -> RewardItem:
         row = dict(prompt.columns)
-        original = row.pop(self.options.prompt_column)
-        if self.options.answer_column is not None:
-            row.setdefault("answer", row[self.options.answer_column])
+        original = row.pop(self.prompt_column)
+        if self.answer_column is not None:
+            row.setdefault("answer", row[self.answer_column])
         return RewardItem(prompt.uid, original, self.decode(response_token_ids), row)
 
     # -- loading ------------------------------------------------------------------------------------------------
-
-    def _rows(self) -> tuple[list[dict], str]:
-        """This split's rows and a description of where they came from."""
-        options = self.options
-        if options.eval_path is not None:
-            path = options.eval_path if self.split == "eval" else options.path
-            return read_rows(path), _describe(path)
-        rows = read_rows(options.path)
-        if options.eval_fraction is None:
-            if self.split == "eval":
-                raise ConfigError(
-                    "eval_every needs held-out prompts: set task.options.eval_path, or task.options.eval_fraction "
-                    "to hold out a share of task.options.path"
-                )
-            return rows, _describe(options.path)
-        held_out = set(random.Random(f"bubblespec.dataset-split\x1f{self.seed}").sample(
-            range(len(rows)), max(1, round(options.eval_fraction * len(rows)))
-        ))  # fmt: skip
-        chosen = [row for i, row in enumerate(rows) if (i in held_out) == (self.split == "eval")]
-        return chosen, f"{_describe(options.path)} ({self.split} share of eval_fraction {options.eval_fraction})"
 
     def _prompts(self, rows: list[dict], source: str) -> list[Prompt]:
         options = self.options
         if not rows:
             raise ConfigError(f"task.options: {source} has no rows")
-        for column in (options.prompt_column, options.answer_column):
+        for column in (self.prompt_column, self.answer_column):
             if column is not None and column not in rows[0]:
                 raise ConfigError(
                     f"task.options: {column!r} is not a column of {source}; its columns: {', '.join(rows[0])}"
                 )
-        texts = [self._render(row[options.prompt_column], f"{self.split}-{i}") for i, row in enumerate(rows)]
+        texts = [self._render(row[self.prompt_column], f"{self.split}-{i}") for i, row in enumerate(rows)]
         encoded = self.tokenizer(texts, add_special_tokens=not self._uses_template)["input_ids"]
         limit = min(options.max_prompt_tokens or self.context_length, self.context_length - 1)
         prompts, dropped = [], 0
@@ -215,7 +201,7 @@ class DatasetTask:
                     )
                 dropped += 1
                 continue
-            answer = "" if options.answer_column is None else str(row[options.answer_column])
+            answer = "" if self.answer_column is None else str(row[self.answer_column])
             prompts.append(Prompt(uid=uid, token_ids=tuple(ids), text=text, answer=answer, columns=row))
         if dropped:
             logger.warning("dataset task: dropped %d of %d %s prompts longer than %d tokens", dropped, len(rows),
@@ -236,7 +222,7 @@ class DatasetTask:
 
     def _render(self, prompt: Any, uid: str) -> str:
         """The prompt as the text the model continues: through the chat template, or as it is."""
-        messages = _messages(prompt, uid, self.options.prompt_column)
+        messages = _messages(prompt, uid, self.prompt_column)
         if not self._uses_template:
             if messages is not None:
                 raise ConfigError(
@@ -249,6 +235,43 @@ class DatasetTask:
         if self.options.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.options.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class DatasetTask(RowsTask):
+    """The ``dataset`` task: rows from the user's local files (see the module docstring)."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        prompts_per_step: int = 16,
+        *,
+        model_path: str,
+        split: Literal["train", "eval"] = "train",
+        **options: Any,
+    ) -> None:
+        dataset_options = DatasetOptions(**options)
+        self.prompt_column, self.answer_column = dataset_options.prompt_column, dataset_options.answer_column
+        super().__init__(seed, prompts_per_step, model_path, split, dataset_options)
+
+    def _rows(self) -> tuple[list[dict], str]:
+        """This split's rows and a description of where they came from."""
+        options = self.options
+        if options.eval_path is not None:
+            path = options.eval_path if self.split == "eval" else options.path
+            return read_rows(path), _describe(path)
+        rows = read_rows(options.path)
+        if options.eval_fraction is None:
+            if self.split == "eval":
+                raise ConfigError(
+                    "eval_every needs held-out prompts: set task.options.eval_path, or task.options.eval_fraction "
+                    "to hold out a share of task.options.path"
+                )
+            return rows, _describe(options.path)
+        held_out = set(random.Random(f"bubblespec.dataset-split\x1f{self.seed}").sample(
+            range(len(rows)), max(1, round(options.eval_fraction * len(rows)))
+        ))  # fmt: skip
+        chosen = [row for i, row in enumerate(rows) if (i in held_out) == (self.split == "eval")]
+        return chosen, f"{_describe(options.path)} ({self.split} share of eval_fraction {options.eval_fraction})"
 
 
 def _messages(prompt: Any, uid: str, column: str) -> list[dict] | None:
