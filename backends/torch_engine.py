@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bubblespec import sampling
-from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
+from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
 from bubblespec.config import engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings, load_proposers
 from bubblespec.draft_sources import REQUEST_DRAFT
@@ -114,6 +114,11 @@ class TorchEngine:
             draft_chain=config.draft_chain,
             proposers=load_proposers(config.draft_chain, config.draft_source_options),
         )
+
+    @staticmethod
+    def check_model(model_path: str) -> None:
+        """Raises the error this engine would raise for the folder's architecture, without loading weights."""
+        read_model_config(model_path)
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings) -> TorchEngine:

@@ -250,6 +250,16 @@ def read_checkpoint(model_path: str | Path) -> tuple[DecoderConfig, dict[str, to
     """Reads ``config.json`` and every ``*.safetensors`` file of a local Hugging Face model folder."""
     from safetensors.torch import load_file
 
+    config = read_model_config(model_path)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).expanduser().glob("*.safetensors")):
+        weights.update(load_file(file))
+    return config, weights
+
+
+def read_model_config(model_path: str | Path) -> DecoderConfig:
+    """The decoder configuration of a local Hugging Face model folder, without reading its weights: an error
+    naming what is missing or unsupported (architecture, rope type, ...)."""
     folder = Path(model_path).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
@@ -265,11 +275,7 @@ def read_checkpoint(model_path: str | Path) -> tuple[DecoderConfig, dict[str, to
         hf_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_file}: not valid JSON ({error})") from None
-    config = DecoderConfig.from_hf(hf_config, str(config_file))
-    weights: dict[str, torch.Tensor] = {}
-    for file in weight_files:
-        weights.update(load_file(file))
-    return config, weights
+    return DecoderConfig.from_hf(hf_config, str(config_file))
 
 
 class KVCache:

@@ -171,9 +171,31 @@ class SpeculationConfig(Section):
         return _installed("policies", name, role="sharding")
 
 
+class LoraSettings(Section):
+    rank: int = Field(16, ge=1)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scale numerator: adapters add (alpha / r) * B @ A to each target weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the linear layers that get adapters."""
+
+
 class TrainerConfig(Section):
     learning_rate: float = Field(3e-4, gt=0)
     """Adam learning rate."""
+    model: Literal["builtin", "transformers"] = "builtin"
+    """What the trainer trains: bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), or the
+    folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to run
+    the architecture: weights travel by Hugging Face name)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory (``trainer.model: transformers``)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward pass, gradients accumulated over a step's micro-batches; empty: all at once."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters (peft) instead of the weights; engines get the merged weights
+    (``trainer.model: transformers``)."""
     num_workers: int = Field(1, ge=1)
     """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
     clip_epsilon: float = Field(0.2, gt=0)
@@ -185,6 +207,13 @@ class TrainerConfig(Section):
     max_restarts: int = Field(3, ge=0)
     """Wall clock: how often Ray Train may restart a failed worker group; each restart rewinds the run to its
     last checkpoint (or its start) and replays the steps since, with identical results."""
+
+    @model_validator(mode="after")
+    def _transformers_features(self) -> TrainerConfig:
+        needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]
+        if needing and self.model != "transformers":
+            raise ValueError(f"{' and '.join(needing)} need trainer.model: transformers")
+        return self
 
 
 class ClockConfig(Section):

@@ -86,6 +86,8 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     settings = engine_settings(config, path)
     if hasattr(backend, "config_class"):  # bad engine settings: an error before Ray starts, not a failed deployment
         engine_config(rollout.backend, backend.config_class, settings)
+    if hasattr(backend, "check_model"):  # an architecture the engine cannot run: the same
+        backend.check_model(path)
     threads = rollout.num_ranks * rollout.threads_per_rank
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = threads + trainer_cfg.num_workers

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bubblespec.backends.torch_model import DTYPES, DecoderModel, read_checkpoint
+from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import TrainerConfig
+from bubblespec.trainer_models import load_trainer_model
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,16 @@ class GRPOLearner:
         temperature: float,
         all_reduce: Callable[..., None] | None = None,
     ) -> None:
-        model_config, weights = read_checkpoint(model_path)
         self.dtype = DTYPES[dtype]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.master = DecoderModel(model_config, weights, self.master_dtype, config.device)
+        # LoRA: the base stays in the run's dtype and frozen, the adapters train in float32 (no copy needed).
+        single = self.master_dtype == self.dtype or config.lora is not None
+        self.master = load_trainer_model(model_path, self.dtype if config.lora else self.master_dtype, config)
         self.parameters = self.master.trainable_parameters()
-        if self.master_dtype == self.dtype:
+        if single:
             self.model, self._model_parameters = self.master, self.parameters
         else:
-            self.model = DecoderModel(model_config, weights, self.dtype, config.device)
+            self.model = load_trainer_model(model_path, self.dtype, config)
             self._model_parameters = self.model.trainable_parameters()
             assert [p.shape for p in self._model_parameters] == [p.shape for p in self.parameters]
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate)
@@ -160,28 +162,40 @@ class GRPOLearner:
         r_t = exp(log pi(y_t) - log pi_old(y_t)). Returns the loss, the mean |A_s|, the trained tokens and, as a
         tensor, this worker's ``logprob_difference`` from the engine's logprobs (see :meth:`_logprob_agreement`)."""
         self._copy_master_to_model()
-        tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
         self.optimizer.zero_grad(set_to_none=False)
-        loss = torch.zeros((), dtype=self.master_dtype)
+        size = self.config.micro_batch_size or max(len(samples), 1)
+        loss, trained_tokens = 0.0, 0
         difference = torch.zeros(3, dtype=torch.float64, device=self.master.device)
-        if samples:
-            logprobs = self._logprobs(tokens)
-            difference = self._logprob_difference(samples, logprobs.detach())
-            # One optimizer step per RL step: the "old" policy is the current one, so the ratio is 1 with the
-            # gradient of the policy-gradient loss; the clip matters once steps use several mini-batches.
-            ratio = torch.exp(logprobs - logprobs.detach())
-            clipped = ratio.clamp(1 - self.config.clip_epsilon, 1 + self.config.clip_epsilon)
-            per_token = -torch.minimum(ratio * advantage_per_token, clipped * advantage_per_token)
-            per_sequence = (per_token * response_mask).sum(1) / response_mask.sum(1).clamp(min=1)
-            loss = per_sequence.sum() / num_samples_total
-            loss.backward()
+        for start in range(0, len(samples), size):  # gradients accumulate over micro-batches
+            part_loss, part_tokens, part_difference = self._backward(
+                samples[start : start + size], advantages[start : start + size], num_samples_total
+            )
+            loss, trained_tokens = loss + part_loss, trained_tokens + part_tokens
+            difference = torch.cat([difference[:2] + part_difference[:2], difference[2:].maximum(part_difference[2:])])
         self._gradients_to_master()
         return {
-            "loss": loss.item(),
+            "loss": loss,
             "mean_advantage_abs": sum(abs(a) for a in advantages) / max(len(advantages), 1),
-            "trained_tokens": int(response_mask.sum()),
+            "trained_tokens": trained_tokens,
             "logprob_difference": difference,
         }
+
+    def _backward(
+        self, samples: Sequence[TrainSample], advantages: Sequence[float], num_samples_total: int
+    ) -> tuple[float, int, torch.Tensor]:
+        """Back-propagates one micro-batch's share of the loss; returns it, its response tokens and its logprob
+        difference from the engine's."""
+        tokens, response_mask, advantage_per_token = self._batch(samples, advantages)
+        logprobs = self._logprobs(tokens)
+        # One optimizer step per RL step: the "old" policy is the current one, so the ratio is 1 with the
+        # gradient of the policy-gradient loss; the clip matters once steps use several mini-batches.
+        ratio = torch.exp(logprobs - logprobs.detach())
+        clipped = ratio.clamp(1 - self.config.clip_epsilon, 1 + self.config.clip_epsilon)
+        per_token = -torch.minimum(ratio * advantage_per_token, clipped * advantage_per_token)
+        per_sequence = (per_token * response_mask).sum(1) / response_mask.sum(1).clamp(min=1)
+        loss = per_sequence.sum() / num_samples_total
+        loss.backward()
+        return loss.item(), int(response_mask.sum()), self._logprob_difference(samples, logprobs.detach())
 
     def _logprob_difference(self, samples: Sequence[TrainSample], logprobs: torch.Tensor) -> torch.Tensor:
         """[sum of |engine - trainer|, tokens compared, max] over the response tokens of samples with engine
@@ -217,12 +231,18 @@ class GRPOLearner:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.has_master_copy:
             state["master_weights"] = self.master.state_dict()
+        if self.config.lora is not None:  # the base never changes: the adapters are the trained state
+            state["adapters"] = self.master.adapter_state()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         """``state``: a :meth:`checkpoint_state` plus the checkpoint's ``weights`` (master weights, or weights
-        in the run's dtype from an older checkpoint)."""
-        self.master.load_weights(state["weights"], strict=True)
+        in the run's dtype from an older checkpoint). Under LoRA the weights are merged ones, for the engines; the
+        learner keeps its base (the model folder's, never trained) and takes the adapters."""
+        if "adapters" in state:
+            self.master.load_adapter_state(state["adapters"])
+        else:
+            self.master.load_weights(state["weights"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
 
     def _copy_master_to_model(self) -> None:

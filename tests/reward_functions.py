@@ -37,3 +37,8 @@ def returns_text(prompt, response, **columns):
 
 
 NOT_CALLABLE = 3
+
+
+def digit_share(prompt, response, **columns):
+    """A reward any response earns some of (a random model's too): the share of its characters that are digits."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)

@@ -222,7 +222,7 @@ SMALL = {
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def _math_example(tmp_path, name: str, model_path: str, speculation: bool) -> list[dict]:
+def _math_example(tmp_path, name: str, model_path: str, speculation: bool, extra=()) -> list[dict]:
     """examples/math.yaml, small, on the virtual clock, with the random chat model."""
     overrides = [
         f"name={name}", f"output_dir={tmp_path}", f"model.path={model_path}", "model.dtype=float64",
@@ -231,22 +231,31 @@ def _math_example(tmp_path, name: str, model_path: str, speculation: bool) -> li
         "eval_every=2", "eval_prompts=4", "checkpoint_every=10", "clock.kind=virtual", "clock.profile=h100-7b",
         "trainer.learning_rate=1e-5", "metrics.port=0", f"speculation.enabled={str(speculation).lower()}",
         "speculation.draft_during_training=true",  # equal-length responses leave no bubble to draft in
+        # a random model never earns the math reward: digit_share gives the trainer a signal to train on
+        'task.options.reward=[math, {name: format, weight: 0.1, pattern: ".*boxed.*"}, '
+        '"tests.reward_functions:digit_share"]',
+        *extra,
     ]  # fmt: skip
     config = load_config(EXAMPLES / "math.yaml", overrides)
     run(config)
     return RunDirectory(config.run_dir).read_steps()
 
 
+LORA = ("trainer.model=transformers", "trainer.lora.rank=4", "trainer.learning_rate=1e-3")
+
+
 @pytest.mark.slow
-def test_the_math_example_runs_a_chat_model_and_speculation_changes_no_rollout(chat_model, tmp_path):
-    plain = _math_example(tmp_path, "plain", chat_model, speculation=False)
-    drafted = _math_example(tmp_path, "drafted", chat_model, speculation=True)
+@pytest.mark.parametrize("trainer", [(), LORA], ids=["built-in", "transformers-lora"])
+def test_the_math_example_runs_a_chat_model_and_speculation_changes_no_rollout(chat_model, tmp_path, trainer):
+    plain = _math_example(tmp_path, "plain", chat_model, speculation=False, extra=trainer)
+    drafted = _math_example(tmp_path, "drafted", chat_model, speculation=True, extra=trainer)
     assert [(s["rollout_digest"], s["reward_mean"]) for s in drafted] == [
         (s["rollout_digest"], s["reward_mean"]) for s in plain
     ]
     assert sum(s["draft_tokens_accepted"] for s in drafted) > 0
     assert all(s["reward_timeouts"] == 0 and s["reward_errors"] == 0 for s in drafted)
     assert "eval_reward" in drafted[-1]
+    assert all(s["train"]["skipped"] == 0 for s in drafted)  # every step trained
 
 
 def test_make_tasks_gives_the_held_out_split_the_same_seed_and_the_model_folder(chat_model, problems):

@@ -255,6 +255,20 @@ def test_unsupported_architecture_names_the_supported_ones(model_type):
         DecoderConfig.from_hf(_llama_config(model_type=model_type), "config.json")
 
 
+def test_the_torch_engine_checks_an_architecture_without_loading_weights(tmp_path):
+    """What a run checks before Ray starts (a folder whose weights the check never opens)."""
+    import json
+
+    from bubblespec.backends.torch_engine import TorchEngine
+
+    (tmp_path / "model.safetensors").write_text("not read")
+    (tmp_path / "config.json").write_text(json.dumps(_llama_config(model_type="gpt_neox")))
+    with pytest.raises(ModelLoadError, match=r"'gpt_neox' is not supported"):
+        TorchEngine.check_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(_llama_config()))
+    TorchEngine.check_model(str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "rope",
     [

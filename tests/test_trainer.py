@@ -229,3 +229,80 @@ def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
     for rank in range(2):
         assert metrics[rank]["logprob_diff_mean"] == pytest.approx(alone["logprob_diff_mean"], rel=1e-9)
         assert metrics[rank]["logprob_diff_max"] == pytest.approx(alone["logprob_diff_max"], rel=1e-9)
+
+
+def _tokens(learner: GRPOLearner, samples) -> torch.Tensor:
+    return learner._batch(samples, [0.0] * len(samples))[0]
+
+
+def test_the_transformers_learner_scores_and_trains_like_the_built_in_one(qwen2_path):
+    from bubblespec.backends.torch_engine import TorchEngine
+
+    samples = _samples(vocab_size=40, count=8)
+    builtin = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3), 0.9)
+    hf = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3, model="transformers"), 0.9)
+    with torch.no_grad():
+        assert torch.allclose(
+            builtin._logprobs(_tokens(builtin, samples)), hf._logprobs(_tokens(hf, samples)), atol=1e-5
+        )
+    first, second = builtin.step(samples), hf.step(samples)
+    assert (
+        first["loss"] == pytest.approx(second["loss"], abs=1e-6) and first["trained_tokens"] == second["trained_tokens"]
+    )
+    before, after = builtin.state_dict(), hf.state_dict()
+    assert set(after) >= set(before)  # Hugging Face names, as the engines take them
+    engine = TorchEngine.from_pretrained(qwen2_path, dtype="float32")
+    initial = engine.model.state_dict()
+    assert any(not torch.equal(after[n], initial[n]) for n in before)  # the step trained the weights
+    engine.update_weights(after, version=1)
+
+
+def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(model_path, qwen2_path):
+    samples, advantages = _samples(count=8), [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1]
+    whole = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 1.0)
+    parts = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3, micro_batch_size=3), 1.0)
+    first = whole.compute_gradients(samples, advantages, len(samples))
+    second = parts.compute_gradients(samples, advantages, len(samples))
+    assert torch.allclose(_gradient(whole), _gradient(parts), atol=1e-12, rtol=0)
+    assert (
+        first["loss"] == pytest.approx(second["loss"], abs=1e-12)
+        and first["trained_tokens"] == second["trained_tokens"]
+    )
+    small = _samples(vocab_size=40, count=4)
+    plain = GRPOLearner(qwen2_path, "float32", TrainerConfig(model="transformers"), 1.0)
+    checkpointed = GRPOLearner(
+        qwen2_path, "float32", TrainerConfig(model="transformers", gradient_checkpointing=True), 1.0
+    )
+    plain.compute_gradients(small, advantages[:4], 4)
+    checkpointed.compute_gradients(small, advantages[:4], 4)
+    assert torch.allclose(_gradient(plain), _gradient(checkpointed), atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_trains_the_adapters_and_engines_get_merged_weights(qwen2_path, dtype):
+    from bubblespec.config import LoraSettings
+
+    config = TrainerConfig(
+        learning_rate=1e-2, model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj", "down_proj"])
+    )
+    learner = GRPOLearner(qwen2_path, dtype, config, 1.0)
+    base = {n: t.clone() for n, t in learner.master._base_state().items()}
+    assert all(p.dtype == torch.float32 for p in learner.parameters) and len(learner.parameters) == 2 * 2 * 2
+    learner.step(_samples(vocab_size=40, count=8))
+    merged = learner.state_dict()
+    changed = {n for n in base if not torch.equal(merged[n], base[n].to(merged[n].dtype))}
+    assert changed and all(n.endswith(("q_proj.weight", "down_proj.weight")) for n in changed)
+    assert all(torch.equal(t, base[n]) for n, t in learner.master._base_state().items())  # the base is not trained
+    assert all(t.dtype == getattr(torch, dtype) for t in merged.values())
+    resumed = GRPOLearner(qwen2_path, dtype, config, 1.0)
+    resumed.load_checkpoint_state(learner.checkpoint_state() | {"weights": merged})
+    assert all(torch.equal(resumed.state_dict()[n], merged[n]) for n in merged)
+
+
+def test_lora_and_gradient_checkpointing_need_the_transformers_model():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="lora need trainer.model: transformers"):
+        TrainerConfig(lora={"rank": 4})
+    with pytest.raises(ValidationError, match="gradient_checkpointing need trainer.model: transformers"):
+        TrainerConfig(gradient_checkpointing=True)
