@@ -176,8 +176,8 @@ class LoraSettings(Section):
     """LoRA rank r."""
     alpha: float = Field(32.0, gt=0)
     """LoRA scale numerator: adapters add (alpha / r) * B @ A to each target weight."""
-    dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapters' input while training."""
+    init_seed: int = 0
+    """Seed of the adapters' random initialisation (B starts at zero, A random), so that runs are reproducible."""
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     """Names of the linear layers that get adapters."""
 

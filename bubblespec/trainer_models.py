@@ -45,7 +45,6 @@ class TransformersModel:
         except (OSError, ValueError, KeyError) as error:
             raise ModelLoadError(f"transformers cannot load {model_path} as a causal LM: {error}") from None
         self.device = torch.device(device)
-        model.to(self.device)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -53,9 +52,13 @@ class TransformersModel:
         if lora is not None:
             from peft import LoraConfig, get_peft_model
 
-            settings = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            # No adapter dropout: it would draw from an RNG no checkpoint restores, and a run must be reproducible.
+            settings = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
                                   target_modules=list(lora.target_modules), bias="none")  # fmt: skip
-            model = get_peft_model(model, settings)  # adapters in float32 (peft's autocast_adapter_dtype)
+            with torch.random.fork_rng(devices=[]):  # A's random start, the same in every run and worker
+                torch.manual_seed(lora.init_seed)
+                model = get_peft_model(model, settings)  # adapters in float32 (peft's autocast_adapter_dtype)
+        model.to(self.device)  # after the adapters: they are initialised on the CPU's seeded generator
         model.train()
         self.module = model
         self._names = list(self._base_state().keys())

@@ -247,21 +247,25 @@ def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_pa
 
 
 def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
-    """The replica's own error (here: a model folder without weights), not Serve's "failed to update"."""
-    from bubblespec.errors import EngineError
+    """The replica's own error (here: weights that do not read), not Serve's "failed to update". A folder whose
+    architecture or files the engine can tell are wrong fails before Ray starts."""
+    import shutil
 
-    broken = tmp_path / "no-weights"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "llama", "vocab_size": 19}')
-    config = validate(
-        _small_run(tmp_path, name="broken", metrics={"enabled": False})
-        | {"clock": {"kind": "wall"}, "model": {"path": str(broken)}, "rollout": {"num_ranks": 1}}
-    )
-    with pytest.raises(
-        EngineError,
-        match=r"rank 0 could not start its engine \(backend 'torch'\): .*ModelLoadError: "
-        r"model path .* has no \*\.safetensors weights",
-    ):
+    from bubblespec.errors import EngineError, ModelLoadError
+    from bubblespec.tasks.arithmetic import ArithmeticTask
+
+    missing = tmp_path / "no-weights"
+    missing.mkdir()
+    (missing / "config.json").write_text('{"model_type": "llama", "vocab_size": 19}')
+    base = _small_run(tmp_path, name="broken", metrics={"enabled": False}) | {"clock": {"kind": "wall"}}
+    config = validate(base | {"model": {"path": str(missing)}, "rollout": {"num_ranks": 1}})
+    with pytest.raises(ModelLoadError, match=r"model path .* has no \*\.safetensors weights"):
+        run(config)  # before Ray starts: the engine's check_model
+    corrupt = tmp_path / "corrupt-weights"
+    shutil.copytree(ArithmeticTask.model_path(), corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    config = validate(base | {"model": {"path": str(corrupt)}, "rollout": {"num_ranks": 1}})
+    with pytest.raises(EngineError, match=r"rank 0 could not start its engine \(backend 'torch'\): "):
         run(config)
     assert not config.run_dir.exists()
 

@@ -299,6 +299,21 @@ def test_lora_trains_the_adapters_and_engines_get_merged_weights(qwen2_path, dty
     assert all(torch.equal(resumed.state_dict()[n], merged[n]) for n in merged)
 
 
+def test_lora_adapters_start_the_same_in_every_learner(qwen2_path):
+    """A run must be reproducible: peft draws A from the global RNG, which differs between two learners of a
+    process (and between processes) unless the adapters' initialisation is seeded."""
+    from bubblespec.config import LoraSettings
+
+    config = TrainerConfig(model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj"]))
+    first = GRPOLearner(qwen2_path, "float32", config, 1.0).master.adapter_state()
+    torch.rand(100)  # the global RNG moves on, as anything else in the process would make it
+    second = GRPOLearner(qwen2_path, "float32", config, 1.0).master.adapter_state()
+    assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+    other = TrainerConfig(model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj"], init_seed=1))
+    third = GRPOLearner(qwen2_path, "float32", other, 1.0).master.adapter_state()
+    assert any(not torch.equal(first[n], third[n]) for n in first)
+
+
 def test_lora_and_gradient_checkpointing_need_the_transformers_model():
     from pydantic import ValidationError
 
