@@ -185,6 +185,11 @@ class LoraSettings(Section):
 class TrainerConfig(Section):
     learning_rate: float = Field(3e-4, gt=0)
     """Adam learning rate."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator (``bubblespec/advantages.py``): GRPO's group-normalised rewards, Dr. GRPO's without the
+    std, RLOO's leave-one-out baseline, or REINFORCE++'s batch-normalised one."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO only: divide by the group's reward std, the batch's, or nothing."""
     model: Literal["builtin", "transformers"] = "builtin"
     """What the trainer trains: bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), or the
     folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to run

@@ -32,7 +32,7 @@ import torch
 
 from bubblespec.config import RunConfig
 from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
-from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample, group_advantages
+from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample, sample_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class RayTrainer:
         from ray.train.torch import TorchConfig, TorchTrainer
 
         self.num_workers = config.trainer.num_workers
+        self.trainer_config = config.trainer
         self.channel = TrainerChannel.remote(self.num_workers)
         use_gpu = config.trainer.device == "cuda"
         trainer = TorchTrainer(
@@ -237,7 +238,9 @@ class RayTrainer:
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         start = time.perf_counter()
-        metrics, weights = self._call("train", (samples, group_advantages(samples)))
+        trainer = self.trainer_config
+        advantages = sample_advantages(samples, trainer.advantage, trainer.scale_rewards)
+        metrics, weights = self._call("train", (samples, advantages))
         return metrics, weights, time.perf_counter() - start
 
     def checkpoint_state(self) -> dict:

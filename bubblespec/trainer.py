@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bubblespec.advantages import Estimator, Scale, compute_advantages
 from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import TrainerConfig
 from bubblespec.trainer_models import load_trainer_model
@@ -32,15 +33,14 @@ class TrainSample:
 
 def group_advantages(samples: Sequence[TrainSample], epsilon: float = 1e-6) -> list[float]:
     """GRPO advantages: each reward minus its group's mean, divided by the group's standard deviation."""
-    groups: dict[int, list[float]] = {}
-    for sample in samples:
-        groups.setdefault(sample.group, []).append(sample.reward)
-    stats = {}
-    for group, rewards in groups.items():
-        mean = sum(rewards) / len(rewards)
-        variance = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)
-        stats[group] = (mean, variance**0.5)
-    return [(s.reward - stats[s.group][0]) / (stats[s.group][1] + epsilon) for s in samples]
+    return sample_advantages(samples, "grpo", "group", epsilon)
+
+
+def sample_advantages(
+    samples: Sequence[TrainSample], estimator: Estimator = "grpo", scale: Scale = "group", epsilon: float = 1e-6
+) -> list[float]:
+    """The advantage of each sample by ``estimator`` (:mod:`bubblespec.advantages`)."""
+    return compute_advantages([s.reward for s in samples], [s.group for s in samples], estimator, scale, epsilon)
 
 
 class PeerFailed(RuntimeError):
@@ -104,7 +104,9 @@ class GRPOLearner:
         """One optimizer step on ``samples``. With data parallelism each worker passes its own slice, the
         advantages computed over the whole batch (groups may straddle workers) and the total batch size, so
         that the all-reduced gradient is the gradient of the whole batch's loss."""
-        advantages = group_advantages(samples) if advantages is None else list(advantages)
+        if advantages is None:
+            advantages = sample_advantages(samples, self.config.advantage, self.config.scale_rewards)
+        advantages = list(advantages)
         if has_signal is None:
             has_signal = any(advantages)
         if not has_signal:

@@ -65,6 +65,17 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     assert steps[0]["draft_coverage"] == 0 and steps[1]["draft_coverage"] > 0
 
 
+@pytest.mark.parametrize(
+    "advantage", ["dr_grpo", "rloo", "reinforce_pp", {"advantage": "grpo", "scale_rewards": "batch"}]
+)
+def test_speculation_changes_no_rollout_or_weight_for_every_advantage_estimator(tmp_path, advantage):
+    trainer = advantage if isinstance(advantage, dict) else {"advantage": advantage}
+    plain_steps, plain_weights = _run(tmp_path, "plain", speculation={"enabled": False}, trainer=trainer)
+    steps, weights = _run(tmp_path, "spec", speculation={"enabled": True}, trainer=trainer)
+    assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
+    assert sum(s["draft_tokens_accepted"] for s in steps) > 0
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize(
     ("changes", "message"),

@@ -321,3 +321,13 @@ def test_lora_and_gradient_checkpointing_need_the_transformers_model():
         TrainerConfig(lora={"rank": 4})
     with pytest.raises(ValidationError, match="gradient_checkpointing need trainer.model: transformers"):
         TrainerConfig(gradient_checkpointing=True)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_the_learner_trains_on_the_configured_advantages(model_path, advantage):
+    from bubblespec.trainer import sample_advantages
+
+    samples = _samples(count=8)
+    metrics = GRPOLearner(model_path, "float32", TrainerConfig(advantage=advantage), 1.0).step(samples)
+    expected = sample_advantages(samples, advantage)
+    assert metrics["mean_advantage_abs"] == pytest.approx(sum(map(abs, expected)) / len(expected))
