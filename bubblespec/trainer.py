@@ -1,4 +1,5 @@
-"""GRPO on the built-in decoder: group-normalised advantages and a clipped ratio.
+"""The learner: a clipped policy-gradient step on GRPO-family advantages (:mod:`bubblespec.advantages`), training the
+built-in decoder or a transformers model (:mod:`bubblespec.trainer_models`).
 
 The learner is plain torch and knows nothing of Ray: the controller runs it in-process (virtual clock, tests)
 or inside Ray Train workers (:mod:`bubblespec.ray_train`), where ``all_reduce`` averages gradients across
