@@ -184,12 +184,20 @@ class LoraSettings(Section):
 
 class TrainerConfig(Section):
     learning_rate: float = Field(3e-4, gt=0)
-    """Adam learning rate."""
+    """AdamW learning rate (the peak, with a schedule)."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     """Advantage estimator (``bubblespec/advantages.py``): GRPO's group-normalised rewards, Dr. GRPO's without the
     std, RLOO's leave-one-out baseline, or REINFORCE++'s batch-normalised one."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """GRPO only: divide by the group's reward std, the batch's, or nothing."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: a constant learning rate, or a cosine decay to 0 at ``decay_steps``."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up from learning_rate / warmup_steps to learning_rate."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Optimizer step at which the cosine schedule reaches 0 (required by it; typically num_steps)."""
     model: Literal["builtin", "transformers"] = "builtin"
     """What the trainer trains: bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), or the
     folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to run
@@ -215,6 +223,8 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _transformers_features(self) -> TrainerConfig:
+        if self.lr_schedule == "cosine" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
+            raise ValueError("lr_schedule cosine needs decay_steps (the step it reaches 0) above warmup_steps")
         needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]
         if needing and self.model != "transformers":
             raise ValueError(f"{' and '.join(needing)} need trainer.model: transformers")

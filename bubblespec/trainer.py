@@ -9,6 +9,8 @@ rollout results, never from drafts.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +44,17 @@ def sample_advantages(
 ) -> list[float]:
     """The advantage of each sample by ``estimator`` (:mod:`bubblespec.advantages`)."""
     return compute_advantages([s.reward for s in samples], [s.group for s in samples], estimator, scale, epsilon)
+
+
+def lr_factor(config: TrainerConfig, optimizer_steps: int) -> float:
+    """The learning rate of optimizer step ``optimizer_steps`` (0-based) as a share of ``learning_rate``: a linear
+    warm-up over ``warmup_steps``, then constant, or a cosine decay to 0 at ``decay_steps``."""
+    if optimizer_steps < config.warmup_steps:
+        return (optimizer_steps + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (optimizer_steps - config.warmup_steps) / max(config.decay_steps - config.warmup_steps, 1))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class PeerFailed(RuntimeError):
@@ -85,7 +98,8 @@ class GRPOLearner:
             self.model = load_trainer_model(model_path, self.dtype, config)
             self._model_parameters = self.model.trainable_parameters()
             assert [p.shape for p in self._model_parameters] == [p.shape for p in self.parameters]
-        self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate)
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, config))
         self.config = config
         self.temperature = temperature if temperature > 0 else 1.0
         self.all_reduce = all_reduce
@@ -222,6 +236,7 @@ class GRPOLearner:
                 self.all_reduce(parameter.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm or float("inf"))
         self.optimizer.step()
+        self.scheduler.step()
         return float(grad_norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -231,7 +246,7 @@ class GRPOLearner:
     def checkpoint_state(self) -> dict:
         """The optimizer state; in a bfloat16 run also ``master_weights`` (float32), which a checkpoint saves as
         its weights so that a resumed run continues exactly."""
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.has_master_copy:
             state["master_weights"] = self.master.state_dict()
         if self.config.lora is not None:  # the base never changes: the adapters are the trained state
@@ -247,6 +262,8 @@ class GRPOLearner:
         else:
             self.master.load_weights(state["weights"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:  # checkpoints written before schedules existed: constant, nothing to restore
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def _copy_master_to_model(self) -> None:
         if self.has_master_copy:

@@ -331,3 +331,34 @@ def test_the_learner_trains_on_the_configured_advantages(model_path, advantage):
     metrics = GRPOLearner(model_path, "float32", TrainerConfig(advantage=advantage), 1.0).step(samples)
     expected = sample_advantages(samples, advantage)
     assert metrics["mean_advantage_abs"] == pytest.approx(sum(map(abs, expected)) / len(expected))
+
+
+def test_warm_up_then_cosine_schedule_and_it_resumes(model_path):
+    import math
+
+    config = TrainerConfig(learning_rate=1e-3, warmup_steps=2, lr_schedule="cosine", decay_steps=6)
+    learner = GRPOLearner(model_path, "float32", config, 1.0)
+    rates = []
+    for step in range(4):
+        rates.append(learner.optimizer.param_groups[0]["lr"])
+        learner.step(_samples(count=4, seed=step))
+    # the cosine starts from the peak right after the warm-up
+    expected = [0.5e-3, 1e-3, 1e-3, 1e-3 * 0.5 * (1 + math.cos(math.pi / 4))]
+    assert rates == pytest.approx(expected, rel=1e-12)
+    resumed = GRPOLearner(model_path, "float32", config, 1.0)
+    resumed.load_checkpoint_state(learner.checkpoint_state() | {"weights": learner.master.state_dict()})
+    assert resumed.optimizer.param_groups[0]["lr"] == learner.optimizer.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match="cosine needs decay_steps"):
+        TrainerConfig(lr_schedule="cosine")
+
+
+def test_weight_decay_shrinks_the_weights_adamw_style(model_path):
+    samples = _samples(count=4)
+    plain = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 1.0)
+    decayed = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3, weight_decay=0.1), 1.0)
+    before = plain.master.state_dict()
+    plain.step(samples)
+    decayed.step(samples)
+    after_plain, after_decayed = plain.master.state_dict(), decayed.master.state_dict()
+    for name in before:  # decoupled: w <- w * (1 - lr * wd) then the same Adam update
+        assert torch.allclose(after_decayed[name], after_plain[name] - 1e-3 * 0.1 * before[name], atol=1e-15)
