@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,6 +278,19 @@ def read_model_config(model_path: str | Path) -> DecoderConfig:
     return DecoderConfig.from_hf(hf_config, str(config_file))
 
 
+def check_weight_names(given: Sequence[str], expected: Sequence[str], strict: bool) -> None:
+    """Weights by Hugging Face name: an unknown name is refused, and with ``strict`` so is a missing one."""
+    known = set(expected)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise ValueError(f"unknown weight names {unknown[:5]}; expected names like {expected[0]!r}")
+    if strict:
+        present = set(given)
+        missing = [name for name in expected if name not in present]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights {missing[:5]} ({len(missing)} in all)")
+
+
 class KVCache:
     """Keys and values by (layer, slot, head, absolute position). Slots ``[0, num_active)`` are in use."""
 
@@ -354,12 +367,8 @@ class DecoderModel:
         """Copies ``weights`` (Hugging Face names) into the model; unknown names or wrong shapes are refused."""
         expected = self.config.parameter_shapes()
         ignored = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        unknown = [n for n in weights if n not in expected and n not in ignored and "rotary_emb" not in n]
-        if unknown:
-            raise ValueError(f"unknown weight names {unknown[:5]}; expected names like {next(iter(expected))!r}")
-        missing = [n for n in expected if n not in weights]
-        if strict and missing:
-            raise ModelLoadError(f"checkpoint is missing weights {missing[:5]} ({len(missing)} in all)")
+        given = [n for n in weights if n not in ignored and "rotary_emb" not in n]
+        check_weight_names(given, list(expected), strict)
         for name, tensor in weights.items():
             if name not in expected:
                 continue

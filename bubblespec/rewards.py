@@ -19,6 +19,7 @@ finite number is a :class:`~bubblespec.errors.RewardError` naming the reward and
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import importlib
 import math
 import multiprocessing
@@ -124,6 +125,7 @@ def parse_specs(value: Any) -> tuple[RewardSpec, ...]:
     return tuple(specs)
 
 
+@functools.lru_cache(maxsize=64)  # looked up for every call (in workers, per response): the entry points once
 def load_reward(name: str) -> Callable[..., Any]:
     """The function a reward name stands for: a ``bubblespec.rewards`` plugin (the built-ins are plugins too) or
     ``module:function``."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from bubblespec.backends.torch_model import DecoderModel, read_checkpoint
+from bubblespec.backends.torch_model import DecoderModel, check_weight_names, read_checkpoint
 from bubblespec.config import LoraSettings, TrainerConfig
 from bubblespec.errors import ModelLoadError
 
@@ -61,7 +61,6 @@ class TransformersModel:
         model.to(self.device)  # after the adapters: they are initialised on the CPU's seeded generator
         model.train()
         self.module = model
-        self._names = list(self._base_state().keys())
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor) -> torch.Tensor:
         # Right-padded rows from position 0: causal attention keeps every real token's logits unaffected by padding.
@@ -82,12 +81,7 @@ class TransformersModel:
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = False) -> None:
         """Base weights by Hugging Face name (into the base model under LoRA; adapters are not touched)."""
         current = self._base_state()
-        unknown = [name for name in weights if name not in current]
-        if unknown:
-            raise ValueError(f"unknown weight names {unknown[:5]}; expected names like {self._names[0]!r}")
-        missing = [name for name in current if name not in weights]
-        if strict and missing:
-            raise ModelLoadError(f"checkpoint is missing weights {missing[:5]} ({len(missing)} in all)")
+        check_weight_names(list(weights), list(current), strict)
         for name, tensor in weights.items():
             current[name].copy_(tensor.to(current[name].dtype))
 
