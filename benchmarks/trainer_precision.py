@@ -96,16 +96,14 @@ def _random_llama(folder: Path, vocab_size: int, hidden_size: int, num_layers: i
 def _measure(learner: GRPOLearner, samples, advantages, repeats: int, autocast: bool):
     """The first step's gradient (flattened) and response log-probabilities; the median seconds per step."""
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    tokens, mask, _ = learner._batch(samples, advantages)
-    with torch.no_grad(), context:
-        logprobs_BT = learner._logprobs(tokens).float()
-    logprobs = logprobs_BT[mask.bool()]
+    with context:
+        logprobs = torch.cat(learner.response_logprobs(samples)).float()
     times = []
     gradient = None
     for _ in range(repeats):
         start = time.perf_counter()
         with context:
-            learner.compute_gradients(samples, advantages, len(samples))
+            learner.compute_gradients(samples, advantages)
         if gradient is None:
             gradient = torch.cat([p.grad.flatten().float() for p in learner.parameters])
         learner.apply_gradients()

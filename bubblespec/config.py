@@ -211,8 +211,49 @@ class TrainerConfig(Section):
     (``trainer.model: transformers``)."""
     num_workers: int = Field(1, ge=1)
     """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    """PPO's clipped surrogate, or CISPO's clipped importance weight on every token's log-probability gradient
+    (``bubblespec/policy_loss.py``)."""
+    importance_ratio: Literal["token", "sequence"] = "token"
+    """The ratio pi / pi_old per token, or per response as the geometric mean of its tokens' (GSPO)."""
     clip_epsilon: float = Field(0.2, gt=0)
-    """PPO/GRPO ratio clipping."""
+    """Ratio clipping to [1 - clip_epsilon, 1 + clip_epsilon]; clip_ratio_low / clip_ratio_high override a side."""
+    clip_ratio_low: float | None = Field(None, gt=0, lt=1)
+    """The clip's lower side, 1 - this; empty: clip_epsilon."""
+    clip_ratio_high: float | None = Field(None, gt=0)
+    """The clip's upper side, 1 + this (DAPO's clip-higher: 0.28 with a low side of 0.2; CISPO's weight cap);
+    empty: clip_epsilon."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """How per-token losses become a mini-batch's loss: the mean over all its tokens (DAPO), the mean over
+    responses of each response's token mean (GRPO), or of its token sum over a constant (Dr. GRPO)."""
+    loss_norm_tokens: int | None = Field(None, ge=1)
+    """The constant of seq-mean-token-sum-norm; empty: the rollout's max_new_tokens."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each step's batch; with more than one (or several mini-batches) the ratio and clip act."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step (several optimizer steps per RL step); empty: the whole batch, one step."""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """The old policy's log-probabilities: recomputed by the trainer before the first update, or the rollout
+    engine's as sampled (no extra forward pass; the ratio then also corrects engine-trainer mismatch)."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: weight each token's loss by min(pi_old / pi_engine, tis_cap), correcting the
+    mismatch between the engine's and the trainer's numerics; empty: off."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of KL(pi || pi_ref) to the initial policy (a frozen copy); 0: no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator: log ratio (k1), half its square (k2), or exp(-log ratio) + log ratio - 1 (k3)."""
+    kl_penalty: Literal["loss", "reward"] = "loss"
+    """Where the KL acts: a term of the loss (GRPO), or subtracted from each response's reward before advantages
+    (PPO/RLHF style; the old policy's KL, summed over the response's tokens)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef times the mean per-token entropy."""
+    mask_truncated: bool = False
+    """Responses that reached max_new_tokens without stopping are left out of the loss (DAPO)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer loses up to
+    overlong_penalty of reward, in proportion to how far into the buffer it went; 0: off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The reward a response of max_new_tokens loses under overlong_buffer."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Gradient-norm clipping; empty disables it."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -225,6 +266,11 @@ class TrainerConfig(Section):
     def _transformers_features(self) -> TrainerConfig:
         if self.lr_schedule == "cosine" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
             raise ValueError("lr_schedule cosine needs decay_steps (the step it reaches 0) above warmup_steps")
+        if self.tis_cap is not None and self.old_logprobs == "engine":
+            raise ValueError("tis_cap corrects trainer old logprobs toward the engine's; with old_logprobs: engine "
+                             "the ratio already is pi / pi_engine: leave tis_cap empty")  # fmt: skip
+        if self.policy_loss == "cispo" and self.importance_ratio == "sequence":
+            raise ValueError("policy_loss cispo weights each token by its own ratio: use importance_ratio token")
         needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]
         if needing and self.model != "transformers":
             raise ValueError(f"{' and '.join(needing)} need trainer.model: transformers")

@@ -206,6 +206,8 @@ class Controller:
                 i // cfg.task.samples_per_prompt,
                 reward,
                 engine_logprobs=tuple(res.logprobs),
+                truncated=res.finish_reason == "length",
+                max_response_tokens=req.sampling.max_new_tokens,
             )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]

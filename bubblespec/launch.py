@@ -156,7 +156,9 @@ class LocalTrainer:
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         metrics = self.learner.step(samples)
-        return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"])
+        # Each epoch passes over the batch's tokens once (the recomputation of old logprobs is not charged).
+        passes = self.config.trainer.ppo_epochs
+        return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"] * passes)
 
     def checkpoint_state(self) -> dict:
         """The optimizer state, and the float32 master weights of a bfloat16 run (see :class:`GRPOLearner`)."""

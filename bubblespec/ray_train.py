@@ -32,7 +32,7 @@ import torch
 
 from bubblespec.config import RunConfig
 from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
-from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample, sample_advantages
+from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +145,7 @@ class _Worker:
         if self.learner is None:
             raise self.failure
         if kind == "train":
-            samples, advantages = payload
-            metrics = self.learner.step(
-                samples[self.rank :: self.world],
-                advantages[self.rank :: self.world],
-                num_samples_total=len(samples),
-                has_signal=any(advantages),
-            )
+            metrics = self.learner.step(payload, rank=self.rank, world=self.world)
             return metrics, self._from_worker_0(self.learner.state_dict)
         if kind == "checkpoint":
             return self._from_worker_0(self.learner.checkpoint_state)
@@ -202,7 +196,6 @@ class RayTrainer:
         from ray.train.torch import TorchConfig, TorchTrainer
 
         self.num_workers = config.trainer.num_workers
-        self.trainer_config = config.trainer
         self.channel = TrainerChannel.remote(self.num_workers)
         use_gpu = config.trainer.device == "cuda"
         trainer = TorchTrainer(
@@ -238,9 +231,7 @@ class RayTrainer:
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         start = time.perf_counter()
-        trainer = self.trainer_config
-        advantages = sample_advantages(samples, trainer.advantage, trainer.scale_rewards)
-        metrics, weights = self._call("train", (samples, advantages))
+        metrics, weights = self._call("train", samples)
         return metrics, weights, time.perf_counter() - start
 
     def checkpoint_state(self) -> dict:

@@ -79,13 +79,13 @@ def test_a_bfloat16_step_agrees_with_a_float32_step(model_path):
     gradients, logprobs = {}, {}
     for dtype in ("float32", "bfloat16"):
         learner = GRPOLearner(model_path, dtype, TrainerConfig(), 1.0)
-        metrics = learner.compute_gradients(samples, advantages, len(samples))
-        assert isinstance(metrics["loss"], float)
+        metrics = learner.compute_gradients(samples, advantages)
+        assert metrics["loss"].dtype == torch.float64 and metrics["tokens"] == sum(
+            len(s.response_token_ids) for s in samples
+        )
         gradients[dtype] = _gradient(learner)
         assert gradients[dtype].dtype == torch.float32
-        tokens, mask, _ = learner._batch(samples, advantages)
-        with torch.no_grad():
-            logprobs[dtype] = learner._logprobs(tokens)[mask.bool()]
+        logprobs[dtype] = torch.cat(learner.response_logprobs(samples))
     reference, other = gradients["float32"], gradients["bfloat16"]
     assert float((other - reference).norm() / reference.norm()) < 0.2
     assert float(torch.nn.functional.cosine_similarity(other, reference, dim=0)) > 0.98
@@ -133,7 +133,7 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
     shared: list[torch.Tensor | None] = [None, None]
 
     def all_reduce_for(rank):
-        def all_reduce(tensor):
+        def all_reduce(tensor, op="sum"):
             shared[rank] = tensor.clone()
             barrier.wait()
             total = shared[0] + shared[1]
@@ -147,17 +147,17 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
         for rank in range(2)
     ]
     before = [learner.checkpoint_state()["master_weights"] for learner in learners]
-    good = [TrainSample((1, 5), (6, 2), group=0, reward=1.0)]
-    bad = [TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
+    # Worker 0 computes sample 0, worker 1 sample 1 (every world-th sample of the batch).
+    batch = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
     raised: dict[int, BaseException] = {}
 
-    def step(rank, share):
+    def step(rank):
         try:
-            learners[rank].step(share, [1.0], num_samples_total=2, has_signal=True)
+            learners[rank].step(batch, rank=rank, world=2)
         except Exception as error:  # collected for the assertions below
             raised[rank] = error
 
-    threads = [threading.Thread(target=step, args=(0, good)), threading.Thread(target=step, args=(1, bad))]
+    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -218,8 +218,7 @@ def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
 
     def step(rank):
         learner = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8, all_reduce_for(rank))
-        advantages = group_advantages(samples)
-        metrics[rank] = learner.step(samples[rank::2], advantages[rank::2], num_samples_total=len(samples))
+        metrics[rank] = learner.step(samples, rank=rank, world=2)
 
     threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -231,20 +230,15 @@ def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
         assert metrics[rank]["logprob_diff_max"] == pytest.approx(alone["logprob_diff_max"], rel=1e-9)
 
 
-def _tokens(learner: GRPOLearner, samples) -> torch.Tensor:
-    return learner._batch(samples, [0.0] * len(samples))[0]
-
-
 def test_the_transformers_learner_scores_and_trains_like_the_built_in_one(qwen2_path):
     from bubblespec.backends.torch_engine import TorchEngine
 
     samples = _samples(vocab_size=40, count=8)
     builtin = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3), 0.9)
     hf = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3, model="transformers"), 0.9)
-    with torch.no_grad():
-        assert torch.allclose(
-            builtin._logprobs(_tokens(builtin, samples)), hf._logprobs(_tokens(hf, samples)), atol=1e-5
-        )
+    assert torch.allclose(
+        torch.cat(builtin.response_logprobs(samples)), torch.cat(hf.response_logprobs(samples)), atol=1e-5
+    )
     first, second = builtin.step(samples), hf.step(samples)
     assert (
         first["loss"] == pytest.approx(second["loss"], abs=1e-6) and first["trained_tokens"] == second["trained_tokens"]
@@ -261,20 +255,19 @@ def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(m
     samples, advantages = _samples(count=8), [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1]
     whole = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 1.0)
     parts = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3, micro_batch_size=3), 1.0)
-    first = whole.compute_gradients(samples, advantages, len(samples))
-    second = parts.compute_gradients(samples, advantages, len(samples))
+    first = whole.compute_gradients(samples, advantages)
+    second = parts.compute_gradients(samples, advantages)
     assert torch.allclose(_gradient(whole), _gradient(parts), atol=1e-12, rtol=0)
     assert (
-        first["loss"] == pytest.approx(second["loss"], abs=1e-12)
-        and first["trained_tokens"] == second["trained_tokens"]
+        float(first["loss"]) == pytest.approx(float(second["loss"]), abs=1e-12) and first["tokens"] == second["tokens"]
     )
     small = _samples(vocab_size=40, count=4)
     plain = GRPOLearner(qwen2_path, "float32", TrainerConfig(model="transformers"), 1.0)
     checkpointed = GRPOLearner(
         qwen2_path, "float32", TrainerConfig(model="transformers", gradient_checkpointing=True), 1.0
     )
-    plain.compute_gradients(small, advantages[:4], 4)
-    checkpointed.compute_gradients(small, advantages[:4], 4)
+    plain.compute_gradients(small, advantages[:4])
+    checkpointed.compute_gradients(small, advantages[:4])
     assert torch.allclose(_gradient(plain), _gradient(checkpointed), atol=1e-7)
 
 
