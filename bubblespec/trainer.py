@@ -195,7 +195,10 @@ class GRPOLearner:
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         maxima = torch.full((len(_MAXIMA),), float("-inf"), dtype=torch.float64)
         if before.old:
-            sums[7:9], maxima[2] = self._logprob_difference(samples, owned, before.old)
+            difference = self._logprob_difference(samples, owned, before.old)
+            sums[_SUMS.index("diff_sum")], sums[_SUMS.index("diff_count")], maxima[_MAXIMA.index("diff_max")] = (
+                difference
+            )
         grad_norms, learning_rate = [], self.scheduler.get_last_lr()[0]
         for epoch in range(config.ppo_epochs):
             for batch, share in zip(batches, shares, strict=True):
