@@ -51,6 +51,31 @@ STEP_GAUGES = {
     "bubblespec_reward": ("reward_mean", "Mean reward of the last step's samples."),
     "bubblespec_rollout_tokens_per_second": ("rollout_tokens_per_second", "Tokens per second of the last rollout."),
 }
+TRAIN_GAUGES = {
+    # metric: (field of the step record's "train", help); set on steps that trained (not on skipped ones)
+    "bubblespec_train_loss": ("loss", "Policy loss of the last trained step (mean over its optimizer steps)."),
+    "bubblespec_train_grad_norm": ("grad_norm", "Gradient norm before clipping (mean over the step's updates)."),
+    "bubblespec_train_learning_rate": ("learning_rate", "Learning rate of the last trained step's first update."),
+    "bubblespec_train_entropy": ("entropy", "Mean per-token entropy of the policy on the trained responses."),
+    "bubblespec_train_kl": ("kl", "Mean per-token KL estimate to the reference model (with trainer.kl_coef)."),
+    "bubblespec_train_ratio_mean": ("ratio_mean", "Mean importance ratio pi / pi_old over trained tokens."),
+    "bubblespec_train_ratio_max": ("ratio_max", "Largest importance ratio of a trained token."),
+    "bubblespec_train_ratio_min": ("ratio_min", "Smallest importance ratio of a trained token."),
+    "bubblespec_train_clip_fraction_low": ("clip_fraction_low", "Share of tokens the clip's lower side cut off."),
+    "bubblespec_train_clip_fraction_high": ("clip_fraction_high", "Share of tokens the clip's upper side cut off."),
+    "bubblespec_logprob_diff_mean": (
+        "logprob_diff_mean",
+        "Mean |engine logprob - trainer logprob| over the last trained step's response tokens.",
+    ),
+    "bubblespec_logprob_diff_max": (
+        "logprob_diff_max",
+        "Largest |engine logprob - trainer logprob| of a response token in the last trained step.",
+    ),
+}
+TRAIN_COUNTERS = {
+    "bubblespec_trained_tokens": ("trained_tokens", "Response tokens the trainer trained on."),
+    "bubblespec_optimizer_steps": ("optimizer_steps", "Optimizer steps taken (ppo_epochs x mini-batches per step)."),
+}
 PHASES = ("rollout", "train", "weight_sync")
 
 
@@ -104,16 +129,12 @@ class RunMetrics:
             "Drafts the draft store evicted to stay under speculation.draft_store_max_tokens.",
             registry=self.registry,
         )
-        self.logprob_diff_mean = Gauge(
-            "bubblespec_logprob_diff_mean",
-            "Mean |engine logprob - trainer logprob| over the last trained step's response tokens.",
-            registry=self.registry,
-        )
-        self.logprob_diff_max = Gauge(
-            "bubblespec_logprob_diff_max",
-            "Largest |engine logprob - trainer logprob| of a response token in the last trained step.",
-            registry=self.registry,
-        )
+        self._train_gauges = {
+            name: (field, Gauge(name, text, registry=self.registry)) for name, (field, text) in TRAIN_GAUGES.items()
+        }
+        self._train_counters = {
+            name: (field, Counter(name, text, registry=self.registry)) for name, (field, text) in TRAIN_COUNTERS.items()
+        }
         self.reward_failures = Counter(
             "bubblespec_reward_failures",
             "Reward calls that timed out or raised and scored 0 (tasks that run rewards in worker processes).",
@@ -125,8 +146,7 @@ class RunMetrics:
             *(gauge for _, gauge in self._step_gauges.values()),
             self.eval_reward,
             self.draft_store_tokens,
-            self.logprob_diff_mean,
-            self.logprob_diff_max,
+            *(gauge for _, gauge in self._train_gauges.values()),
         )
         for gauge in gauges:
             gauge.set(float("nan"))
@@ -158,9 +178,13 @@ class RunMetrics:
         if "draft_store" in record:
             self.draft_store_tokens.set(record["draft_store"]["tokens"])
             self.drafts_evicted.inc(record["drafts_evicted"])
-        if "logprob_diff_mean" in record["train"]:  # not in steps without reward signal (nothing trained)
-            self.logprob_diff_mean.set(record["train"]["logprob_diff_mean"])
-            self.logprob_diff_max.set(record["train"]["logprob_diff_max"])
+        train = record["train"]
+        if not train.get("skipped"):  # a step without reward signal trained nothing: the gauges keep their values
+            for field, gauge in self._train_gauges.values():
+                if field in train:  # kl only with a reference model, logprob_diff with engine logprobs
+                    gauge.set(train[field])
+        for field, counter in self._train_counters.values():
+            counter.inc(train.get(field, 0))
         if "reward_timeouts" in record:
             self.reward_failures.labels("timeout").inc(record["reward_timeouts"])
             self.reward_failures.labels("error").inc(record["reward_errors"])

@@ -57,6 +57,13 @@ PLAUSIBLE = {
     "Reward": (0, 1),  # the arithmetic task's reward is 0 or 1 per sample
     "Policy version and steps": (1, NUM_STEPS),
     "Draft store": (0, 1e6),  # tokens held (a few thousand in this run) and evictions (none under the default cap)
+    "Loss and gradient norm": (-10, 100),
+    "Learning rate": (POSITIVE, 1e-2),
+    "Entropy and KL": (0, 10),  # nats per token: the shipped vocabulary has 19 tokens (log 19 = 2.94)
+    "Importance ratio": (POSITIVE, 100),  # two epochs: the second moves it off 1 (to 0.06 for one token here)
+    "Clip fractions": (0, 1),
+    "Trained tokens and optimizer steps": (0, math.inf),
+    "Engine-trainer logprob agreement": (0, 1),
 }
 
 
@@ -104,6 +111,7 @@ def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
                 "sampling": {"max_new_tokens": 48},
             },
             "speculation": {"enabled": True},
+            "trainer": {"ppo_epochs": 2, "kl_coef": 0.01},  # every training panel has a series
             "clock": {"kind": "virtual", "profile": "h100-7b"},
             "metrics": metrics,
         }

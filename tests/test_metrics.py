@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bubblespec.config import validate
 from bubblespec.errors import ConfigError
 from bubblespec.launch import run
-from bubblespec.metrics import RunMetrics, metric_names
+from bubblespec.metrics import TRAIN_COUNTERS, TRAIN_GAUGES, RunMetrics, metric_names
 
 
 def free_port() -> int:
@@ -128,9 +128,9 @@ def test_every_metric_has_the_prefix_and_ranked_ones_the_rank_label(tmp_path):
                     "bubblespec_rollout_tokens_per_second",
                     "bubblespec_draft_store_tokens",
                     "bubblespec_drafts_evicted",
-                    "bubblespec_logprob_diff_mean",
-                    "bubblespec_logprob_diff_max",
                     "bubblespec_reward_failures",
+                    *TRAIN_GAUGES,
+                    *TRAIN_COUNTERS,
                 }, family.name
 
 
