@@ -1,10 +1,13 @@
 """``bubblespec report RUN_DIR``: pictures and a readable summary of a run directory, written to RUN_DIR/report/.
 
-    report/timeline.png   one row per rank, the steps one after another: generation, drafting in the bubble,
-                          the idle rest of the bubble, then training and weight sync across all ranks
+    report/timeline.png   the last TIMELINE_STEPS steps in detail, one row per rank, the steps one after another:
+                          generation, drafting in the bubble, the idle rest of the bubble, then training and weight
+                          sync across all ranks; below, each rank's seconds per activity over the whole run
     report/steps.png      per step: acceptance length, decode steps vs tokens, bubble use and draft coverage,
                           reward and held-out eval reward
-    report/summary.md     headline numbers, a table per step and per rank, the two pictures
+    report/training.png   per step: loss and gradient norm, entropy and KL, importance ratio and clip fractions,
+                          learning rate
+    report/summary.md     headline numbers, a table per step and per rank, the pictures
 
 The timeline is built by :func:`timeline_segments`, a pure function of the step records, so that what the
 picture shows can be tested without looking at pixels.
@@ -38,6 +41,8 @@ SEGMENT_COLORS: dict[str, str] = {
     "weight_sync": "#9467bd",
 }
 ROLLOUT_ACTIVITIES = ("generate", "draft", "idle")
+TIMELINE_STEPS = 12
+"""Steps the timeline draws in detail (the last ones): more would make bars too thin to read."""
 RECORD_FIELDS = (
     "step",
     "reward_mean",
@@ -81,6 +86,7 @@ def write_report(run_dir: str | Path) -> Path:
     report.mkdir(exist_ok=True)
     draw_timeline(records, config.clock.kind, report / "timeline.png")
     draw_steps(records, report / "steps.png")
+    draw_training(records, report / "training.png")
     (report / "summary.md").write_text(summary_markdown(config, records, _summary(path, config, records)))
     return report
 
@@ -174,19 +180,31 @@ def _tile(activities: list, rollout: float, step: int, rank: int, gap: str = "id
     return tiled
 
 
+def rank_activity_seconds(records: list[dict]) -> dict[int, dict[str, float]]:
+    """Per rank, the seconds of each timeline activity summed over the steps (the timeline's bars, added up)."""
+    totals: dict[int, dict[str, float]] = {}
+    for segment in timeline_segments(records):
+        rank = totals.setdefault(segment.rank, dict.fromkeys(SEGMENT_LABELS, 0.0))
+        rank[segment.kind] += segment.end - segment.start
+    return totals
+
+
 def draw_timeline(records: list[dict], clock: str, file: Path) -> None:
+    """The last :data:`TIMELINE_STEPS` steps bar by bar, and under them every rank's seconds per activity over
+    the whole run, so that the picture stays readable at any run length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    segments = timeline_segments(records)
+    shown_records = records[-TIMELINE_STEPS:]
+    segments = timeline_segments(shown_records)
     num_ranks = 1 + max(s.rank for s in segments)
-    num_steps = len(records)
-    size = (min(6 + 0.7 * num_steps, 28), min(2.4 + 0.45 * num_ranks, 14))
+    num_steps = len(shown_records)
+    size = (min(6 + 0.7 * num_steps, 16), min(4.4 + 0.7 * num_ranks, 18))
     figure = Figure(figsize=size, dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    bounds = _step_bounds(records)
+    axes, totals_axes = figure.subplots(2, 1, height_ratios=[1.4, 1])
+    bounds = _step_bounds(shown_records)
     for index, (start, end) in enumerate(bounds):
         if index % 2 == 0:
             axes.axvspan(start, end, color="#ececec", zorder=0)
@@ -200,14 +218,69 @@ def draw_timeline(records: list[dict], clock: str, file: Path) -> None:
     axes.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
     axes.set_yticks(range(num_ranks), [f"rank {rank}" for rank in range(num_ranks)])
     axes.set_xlabel(f"{clock} seconds (steps one after another)")
-    label_every = max(1, math.ceil(num_steps / 40))
     top = axes.secondary_xaxis("top")
-    shown = list(range(0, num_steps, label_every))
-    top.set_xticks([(bounds[i][0] + bounds[i][1]) / 2 for i in shown], [str(records[i]["step"]) for i in shown])
+    top.set_xticks([(start + end) / 2 for start, end in bounds], [str(r["step"]) for r in shown_records])
     top.set_xlabel("step")
+    which = "every step" if num_steps == len(records) else f"the last {num_steps} of {len(records)} steps"
+    axes.set_title(f"what each rank did: {which} ({clock} clock)")
+
+    totals = rank_activity_seconds(records)
+    ranks = sorted(totals)
+    left = [0.0] * len(ranks)
+    for kind in SEGMENT_LABELS:
+        widths = [totals[rank][kind] for rank in ranks]
+        totals_axes.barh(ranks, widths, left=left, color=SEGMENT_COLORS[kind], height=0.7)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for rank, total in zip(ranks, left, strict=True):
+        idle = totals[rank]["idle"]
+        totals_axes.text(total, rank, f"  idle {idle / total:.0%}" if total else "", va="center", fontsize="small")
+    totals_axes.set_ylim(len(ranks) - 0.5, -0.5)
+    totals_axes.set_yticks(ranks, [f"rank {rank}" for rank in ranks])
+    totals_axes.set_xlabel(f"{clock} seconds")
+    totals_axes.set_title(f"seconds per activity over all {len(records)} steps")
     handles = [Patch(color=SEGMENT_COLORS[kind], label=label) for kind, label in SEGMENT_LABELS.items()]
     figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
-    axes.set_title(f"what each rank did ({clock} clock)")
+    figure.savefig(file)
+
+
+TRAINING_PANELS = (
+    ("loss and gradient norm", (("loss", "loss"), ("grad_norm", "grad norm"))),
+    ("entropy and KL to the reference", (("entropy", "entropy (nats/token)"), ("kl", "KL"))),
+    ("importance ratio and clip fractions", (("ratio_min", "ratio min"), ("ratio_mean", "ratio mean"),
+                                             ("ratio_max", "ratio max"), ("clip_fraction_low", "clipped low"),
+                                             ("clip_fraction_high", "clipped high"))),
+    ("learning rate", (("learning_rate", "learning rate"),)),
+)  # fmt: skip
+
+
+def training_series(records: list[dict], field: str) -> list[float]:
+    """A training metric per step; NaN where the step trained nothing (no reward signal) or lacks it."""
+    values = []
+    for record in records:
+        train = record.get("train") or {}
+        values.append(math.nan if train.get("skipped") or field not in train else float(train[field]))
+    return values
+
+
+def draw_training(records: list[dict], file: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [r["step"] for r in records]
+    figure = Figure(figsize=(min(10 + 0.1 * len(steps), 20), 7.5), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    for axes, (title, fields) in zip(figure.subplots(2, 2).flat, TRAINING_PANELS, strict=True):
+        for field, label in fields:
+            series = training_series(records, field)
+            if not all(math.isnan(v) for v in series):
+                axes.plot(steps, series, ".-", label=label)
+        axes.set(title=title, xlabel="step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            axes.legend(fontsize="small")
+    figure.suptitle("the policy update per step (gaps: steps without reward signal, which train nothing)")
     figure.savefig(file)
 
 
@@ -340,6 +413,10 @@ def summary_markdown(config, records: list[dict], summary: dict) -> str:
         "1 - decode steps / tokens. Acceptance length: tokens per verify step (— when no draft was verified).",
         "",
         "![per-step measures](steps.png)",
+        "",
+        "## Training",
+        "",
+        "![the policy update per step](training.png)",
         "",
         "## Ranks over the whole run",
         "",

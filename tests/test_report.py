@@ -4,6 +4,7 @@ segments they are drawn from, and the errors for folders that are not (finished)
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
@@ -75,15 +76,43 @@ def test_report_has_the_three_files_and_valid_images(run_dir, report):
     import matplotlib.image
 
     assert report == run_dir / "report"
-    assert sorted(p.name for p in report.iterdir()) == ["steps.png", "summary.md", "timeline.png"]
-    for name in ("timeline.png", "steps.png"):
+    assert sorted(p.name for p in report.iterdir()) == ["steps.png", "summary.md", "timeline.png", "training.png"]
+    for name in ("timeline.png", "steps.png", "training.png"):
         width, height = png_size(report / name)
         assert 400 <= width <= 4000 and 200 <= height <= 2000, (name, width, height)
         pixels = matplotlib.image.imread(report / name)
         assert pixels.shape[:2] == (height, width)
         assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::37]}) > 10  # not a blank canvas
     summary = (report / "summary.md").read_text()
-    assert "](timeline.png)" in summary and "](steps.png)" in summary
+    assert "](timeline.png)" in summary and "](steps.png)" in summary and "](training.png)" in summary
+
+
+def test_the_timeline_stays_readable_at_any_run_length(records, tmp_path):
+    """80 steps: the picture draws the last TIMELINE_STEPS in detail (it was 3,080 pixels wide before) and every
+    rank's seconds per activity over the whole run, which add up to the run's seconds."""
+    from bubblespec.report import TIMELINE_STEPS, draw_timeline, rank_activity_seconds
+
+    long_run = [dict(r, step=i) for i, r in enumerate(records * 27)][:80]
+    draw_timeline(long_run, "virtual", tmp_path / "timeline.png")
+    width, height = png_size(tmp_path / "timeline.png")
+    assert width <= 16 * 110 and height <= 2000, (width, height)
+    shown = {s.step for s in timeline_segments(long_run[-TIMELINE_STEPS:])}
+    assert shown == set(range(80 - TIMELINE_STEPS, 80))
+    totals = rank_activity_seconds(long_run)
+    run_seconds = sum(sum(r["phase_seconds"].values()) for r in long_run)
+    for rank in range(NUM_RANKS):
+        assert sum(totals[rank].values()) == pytest.approx(run_seconds)
+        generated = sum(r["ranks"][rank]["generation_seconds"] for r in long_run)
+        assert totals[rank]["generate"] == pytest.approx(generated)
+
+
+def test_training_series_leave_gaps_for_steps_that_trained_nothing():
+    from bubblespec.report import training_series
+
+    records = [{"train": {"loss": 0.5, "kl": 0.1}}, {"train": {"loss": 0.0, "skipped": 1}}, {"train": {"loss": 0.2}}]
+    loss, kl = training_series(records, "loss"), training_series(records, "kl")
+    assert loss[0] == 0.5 and math.isnan(loss[1]) and loss[2] == 0.2
+    assert kl[0] == 0.1 and math.isnan(kl[1]) and math.isnan(kl[2])
 
 
 def table_rows(summary: str, heading: str) -> list[list[str]]:
