@@ -254,6 +254,12 @@ class TrainerConfig(Section):
     overlong_penalty of reward, in proportion to how far into the buffer it went; 0: off."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The reward a response of max_new_tokens loses under overlong_buffer."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: train only on groups whose rewards are not all equal (they carry no signal), at
+    most ``train_prompts`` of them, in prompt order. Over-provision ``task.prompts_per_step`` above train_prompts:
+    every prompt is generated (no extra rounds), so the next step's prompts stay known for bubble drafting."""
+    train_prompts: int | None = Field(None, ge=1)
+    """With filter_groups: the most groups a step trains on; empty: every group with signal."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Gradient-norm clipping; empty disables it."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -269,6 +275,8 @@ class TrainerConfig(Section):
         if self.tis_cap is not None and self.old_logprobs == "engine":
             raise ValueError("tis_cap corrects trainer old logprobs toward the engine's; with old_logprobs: engine "
                              "the ratio already is pi / pi_engine: leave tis_cap empty")  # fmt: skip
+        if self.train_prompts is not None and not self.filter_groups:
+            raise ValueError("train_prompts caps the groups filter_groups keeps: set filter_groups: true")
         if self.policy_loss == "cispo" and self.importance_ratio == "sequence":
             raise ValueError("policy_loss cispo weights each token by its own ratio: use importance_ratio token")
         needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]

@@ -5,6 +5,7 @@
 One RL step (:meth:`GRPOLearner.step`)::
 
     rewards     task rewards, plus DAPO's overlong shaping and, with kl_penalty "reward", - kl_coef * KL(old || ref)
+    filter      with filter_groups (DAPO's dynamic sampling): only groups whose rewards differ, train_prompts at most
     advantages  from the whole batch's rewards; a batch without signal takes no step
     before      with more than one update per step, truncated importance sampling or a KL penalty: the old policy's
                 log-probabilities (and the frozen reference model's), once, without gradient
@@ -75,6 +76,18 @@ def shaped_rewards(samples: Sequence[TrainSample], config: TrainerConfig) -> lis
         excess = len(sample.response_token_ids) - (sample.max_response_tokens - config.overlong_buffer)
         rewards.append(sample.reward - config.overlong_penalty * max(excess, 0) / config.overlong_buffer)
     return rewards
+
+
+def filter_groups(samples: Sequence[TrainSample], rewards: Sequence[float], max_groups: int | None):
+    """DAPO's dynamic-sampling filter: the samples (and rewards) of groups whose rewards are not all equal, the first
+    ``max_groups`` such groups in order of first appearance; and the number of groups kept and dropped."""
+    members: dict[int, list[int]] = {}
+    for index, sample in enumerate(samples):
+        members.setdefault(sample.group, []).append(index)
+    informative = [g for g, rows in members.items() if len({rewards[i] for i in rows}) > 1]
+    kept = set(informative[:max_groups] if max_groups is not None else informative)
+    rows = [i for i, sample in enumerate(samples) if sample.group in kept]
+    return [samples[i] for i in rows], [rewards[i] for i in rows], len(kept), len(members) - len(kept)
 
 
 def loss_settings(config: TrainerConfig) -> LossSettings:
@@ -174,17 +187,23 @@ class GRPOLearner:
         """One RL step's updates on the whole batch ``samples``; with data parallelism each worker passes the same
         batch and its ``rank`` of ``world``, and computes every world-th sample of each mini-batch."""
         samples, config = list(samples), self.config
+        rewards = shaped_rewards(samples, config)
+        kept = {}
+        if config.filter_groups:
+            samples, rewards, groups_kept, groups_dropped = filter_groups(samples, rewards, config.train_prompts)
+            kept = {"groups_kept": groups_kept, "groups_dropped": groups_dropped}
+            if not samples:
+                return dict(SKIPPED_STEP) | kept
         size = config.mini_batch_size or max(len(samples), 1)
         batches = [list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size)]
         shares = [batch[rank::world] for batch in batches]
         owned = sorted(i for share in shares for i in share)
-        rewards = shaped_rewards(samples, config)
         penalised = bool(config.kl_coef) and config.kl_penalty == "reward"
         advantages = self._advantages(samples, rewards)
         if not penalised and not any(advantages):
             # Every group's rewards were equal: the gradient is zero, and an Adam step would still move the
             # weights by its momentum. Skip it (all workers decide alike: they all see the whole batch).
-            return dict(SKIPPED_STEP)
+            return dict(SKIPPED_STEP) | kept
         self._copy_master_to_model()
         before = self._agreed(lambda: self._before_updates(samples, owned, len(batches)))
         if penalised:
@@ -208,7 +227,7 @@ class GRPOLearner:
                 sums += torch.stack([stats[name] for name in _SUMS]).to(torch.float64).cpu()
                 maxima = maxima.maximum(torch.stack([stats[name] for name in _MAXIMA]).to(torch.float64).cpu())
                 grad_norms.append(self.apply_gradients())
-        return self._metrics(samples, advantages, sums, maxima, grad_norms, learning_rate)
+        return self._metrics(samples, advantages, sums, maxima, grad_norms, learning_rate) | kept
 
     def _advantages(self, samples: Sequence[TrainSample], rewards: Sequence[float]) -> list[float]:
         groups = [s.group for s in samples]

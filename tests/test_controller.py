@@ -76,6 +76,38 @@ def test_speculation_changes_no_rollout_or_weight_for_every_advantage_estimator(
     assert sum(s["draft_tokens_accepted"] for s in steps) > 0
 
 
+RECIPE_CHECKS = {
+    # recipe: a check on its step records that its algorithm really acted
+    "grpo": lambda steps: all(s["train"]["kl"] > 0 for s in steps[1:]),
+    "dr-grpo": lambda steps: all("kl" not in s["train"] and s["train"]["optimizer_steps"] == 1 for s in steps),
+    "dapo": lambda steps: (
+        all(s["train"]["groups_dropped"] > 0 for s in steps)
+        and max(s["train"]["optimizer_steps"] for s in steps) > 1
+        and max(s["train"]["ratio_max"] for s in steps) > 1.0
+    ),
+    "rloo": lambda steps: all(s["train"]["ratio_max"] == 1.0 for s in steps) and steps[-1]["train"]["kl"] != 0,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPE_CHECKS))
+def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, recipe):
+    """examples/recipe-*.yaml, shortened to 3 steps of 16 prompts: the side-by-side bench finds identical rollouts
+    and final weights, and fewer decode steps with speculation."""
+    from pathlib import Path
+
+    from bubblespec.cli.bench_run import run_side_by_side
+
+    overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=20" if recipe == "dapo" else
+                 "task.prompts_per_step=16"] + (["trainer.train_prompts=16"] if recipe == "dapo" else [])  # fmt: skip
+    config = load_config(Path(__file__).parent.parent / "examples" / f"recipe-{recipe}.yaml", overrides)
+    report = run_side_by_side(config, tmp_path)
+    assert report["identical_rollouts"] and report["identical_weights"]
+    assert report["from_step_2"]["decode_step_reduction"] > 0.3
+    steps = RunDirectory(tmp_path / f"{config.name}-speculation-on").read_steps()
+    assert RECIPE_CHECKS[recipe](steps), [s["train"] for s in steps]
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize(
     ("changes", "message"),

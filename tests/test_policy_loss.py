@@ -271,3 +271,24 @@ def test_settings_that_contradict_each_other_are_refused():
         TrainerConfig(policy_loss="cispo", importance_ratio="sequence")
     with pytest.raises(ValidationError, match="loss_aggregation"):
         TrainerConfig(loss_aggregation="sum")
+
+
+def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
+    from bubblespec.trainer import filter_groups
+
+    samples = [TrainSample((1, 2), (5, 6, 7), group=g, reward=r) for g, rs in enumerate(
+        [(1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (0.5, 0.2), (1.0, 0.0)]) for r in rs]  # fmt: skip
+    rewards = [s.reward for s in samples]
+    kept, kept_rewards, num_kept, num_dropped = filter_groups(samples, rewards, max_groups=2)
+    assert [s.group for s in kept] == [1, 1, 3, 3] and kept_rewards == [0.0, 1.0, 0.5, 0.2]
+    assert (num_kept, num_dropped) == (2, 3)
+    assert [s.group for s in filter_groups(samples, rewards, None)[0]] == [1, 1, 3, 3, 4, 4]
+    config = TrainerConfig(filter_groups=True, train_prompts=2)
+    metrics = GRPOLearner(model_path, "float64", config, 1.0).step(samples)
+    assert metrics["groups_kept"] == 2 and metrics["groups_dropped"] == 3 and metrics["trained_tokens"] == 4 * 3
+    expected = compute_advantages(kept_rewards, [1, 1, 3, 3])
+    assert metrics["mean_advantage_abs"] == pytest.approx(sum(map(abs, expected)) / 4)
+    nothing = GRPOLearner(model_path, "float64", config, 1.0).step(samples[:2] + samples[4:6])
+    assert nothing["skipped"] == 1 and nothing["groups_kept"] == 0
+    with pytest.raises(ValidationError, match="set filter_groups: true"):
+        TrainerConfig(train_prompts=4)
