@@ -118,7 +118,9 @@ class PeerFailed(RuntimeError):
     """Another data-parallel worker failed in this step; this one exchanged no gradient and took no step."""
 
 
-SKIPPED_STEP = {"loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "skipped": 1}
+SKIPPED_STEP = {
+    "loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "optimizer_steps": 0, "skipped": 1
+}  # fmt: skip
 """The metrics of a step without reward signal (every group's rewards equal): no optimizer step is taken, and no
 log-probabilities are computed, so the engine-trainer logprob agreement is not measured either."""
 
