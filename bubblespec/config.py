@@ -238,6 +238,10 @@ class TrainerConfig(Section):
     tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: weight each token's loss by min(pi_old / pi_engine, tis_cap), correcting the
     mismatch between the engine's and the trainer's numerics; empty: off."""
+    sampling_filters: bool = False
+    """Score responses under the distribution the rollout sampled from: its temperature and also its top_k / top_p
+    (tokens outside them get probability 0), so that the trainer's logprobs are the engine's. Off: temperature
+    only, as TRL and verl do."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of KL(pi || pi_ref) to the initial policy (a frozen copy); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -150,8 +150,8 @@ class LocalTrainer:
     """The GRPO learner in this process; time is the profile's (virtual clock)."""
 
     def __init__(self, config: RunConfig, path: str, seconds: Callable[[int], float]) -> None:
-        self.config, self.path, self.temperature = config, path, config.rollout.sampling.temperature
-        self.learner = GRPOLearner(path, config.model.dtype, config.trainer, self.temperature)
+        self.config, self.path = config, path
+        self.learner = self._new_learner()
         self.seconds = seconds
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
@@ -169,8 +169,13 @@ class LocalTrainer:
         self.learner.load_checkpoint_state(state)
 
     def reset(self) -> dict:
-        self.learner = GRPOLearner(self.path, self.config.model.dtype, self.config.trainer, self.temperature)
+        self.learner = self._new_learner()
         return self.learner.state_dict()
+
+    def _new_learner(self) -> GRPOLearner:
+        sampling = self.config.rollout.sampling
+        return GRPOLearner(self.path, self.config.model.dtype, self.config.trainer, sampling.temperature,
+                           top_k=sampling.top_k, top_p=sampling.top_p)  # fmt: skip
 
 
 def build_virtual(config: RunConfig) -> Components:

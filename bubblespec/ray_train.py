@@ -127,7 +127,13 @@ class _Worker:
     def _new_learner(self) -> GRPOLearner:
         config = self.loop_config
         return GRPOLearner(
-            config["model_path"], config["dtype"], config["trainer"], config["temperature"], all_reduce=self.all_reduce
+            config["model_path"],
+            config["dtype"],
+            config["trainer"],
+            config["temperature"],
+            all_reduce=self.all_reduce,
+            top_k=config["top_k"],
+            top_p=config["top_p"],
         )
 
     def run(self, kind: str, payload):
@@ -206,6 +212,8 @@ class RayTrainer:
                 "dtype": config.model.dtype,
                 "trainer": config.trainer,
                 "temperature": config.rollout.sampling.temperature,
+                "top_k": config.rollout.sampling.top_k,
+                "top_p": config.rollout.sampling.top_p,
             },
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
             scaling_config=ScalingConfig(

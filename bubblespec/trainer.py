@@ -156,6 +156,8 @@ class GRPOLearner:
         config: TrainerConfig,
         temperature: float,
         all_reduce: Callable[..., None] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> None:
         self.dtype = DTYPES[dtype]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)
@@ -178,6 +180,9 @@ class GRPOLearner:
         self.config = config
         self.settings = loss_settings(config)
         self.temperature = temperature if temperature > 0 else 1.0
+        # The rollout's filters, applied to the trainer's distribution with trainer.sampling_filters (not greedy).
+        filtered = config.sampling_filters and temperature > 0 and (top_k > 0 or top_p < 1.0)
+        self.filters = (top_k, top_p) if filtered else None
         self.all_reduce = all_reduce
 
     @property
@@ -460,12 +465,27 @@ class GRPOLearner:
         index_BR = (starts_B[:, None] + torch.arange(width)[None]).clamp(max=tokens_BW.shape[1] - 2)
         index_BR = index_BR.to(logits_BWV.device)
         logits_BRV = logits_BWV.gather(1, index_BR[..., None].expand(-1, -1, logits_BWV.shape[-1]))
-        logprobs_BRV = torch.log_softmax(logits_BRV.to(self.master_dtype) / self.temperature, dim=-1)
+        scores_BRV = logits_BRV.to(self.master_dtype) / self.temperature
+        if self.filters is not None:  # the tokens the rollout's top-k / top-p kept, exactly as sampling decides them
+            scores_BRV = scores_BRV.masked_fill(~self._kept(logits_BRV.detach()), float("-inf"))
+        logprobs_BRV = torch.log_softmax(scores_BRV, dim=-1)
         targets_BR = tokens_BW.to(logits_BWV.device).gather(1, index_BR + 1)
         logprobs_BR = logprobs_BRV.gather(-1, targets_BR[..., None]).squeeze(-1)
         source_BRV = logprobs_BRV if entropy_gradient else logprobs_BRV.detach()
-        entropy_BR = -(source_BRV.exp() * source_BRV).sum(-1)
-        return logprobs_BR, entropy_BR
+        plogp_BRV = source_BRV.exp() * source_BRV
+        if self.filters is not None:
+            plogp_BRV = plogp_BRV.masked_fill(torch.isinf(source_BRV), 0.0)  # 0 * log 0 = 0, not NaN
+        return logprobs_BR, -plogp_BRV.sum(-1)
+
+    def _kept(self, logits_BRV: torch.Tensor) -> torch.Tensor:
+        """[B, R, V] True where the rollout's top-k / top-p keep a token (:func:`bubblespec.sampling.mask_logits`)."""
+        from bubblespec.sampling import mask_logits
+
+        top_k, top_p = self.filters
+        rows = logits_BRV.shape[0]
+        temperature_B = torch.full((rows,), self.temperature, dtype=torch.float64)
+        top_k_B, top_p_B = torch.full((rows,), top_k), torch.full((rows,), top_p, dtype=torch.float64)
+        return torch.isfinite(mask_logits(logits_BRV, temperature_B, top_k_B, top_p_B))
 
     def _mask(self, samples: Sequence[TrainSample], width: int, lengths: Sequence[int]) -> torch.Tensor:
         """[B, R] ones on the trained response tokens, in the master dtype (a bfloat16 mask of 1,001 ones would

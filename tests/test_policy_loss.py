@@ -292,3 +292,25 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
     assert nothing["skipped"] == 1 and nothing["groups_kept"] == 0
     with pytest.raises(ValidationError, match="set filter_groups: true"):
         TrainerConfig(train_prompts=4)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.8), (20, 0.9)])
+def test_sampling_filters_make_the_trainer_score_what_the_engine_sampled_from(model_path, top_k, top_p):
+    """The engine samples with top-k / top-p and reports logprobs under that distribution; with
+    trainer.sampling_filters the trainer's logprobs (and entropy) are the same distribution's (float64)."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+
+    engine = TorchEngine.from_pretrained(model_path, dtype="float64", max_batch_size=8)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=12, ignore_eos=True)
+    requests = [GenerationRequest((1, 7 + i, 9), RolloutKey(3, 0, f"p{i // 2}", i % 2), params) for i in range(8)]
+    samples = [
+        TrainSample(r.prompt_token_ids, tuple(res.token_ids), i // 2, float(i % 2), engine_logprobs=tuple(res.logprobs))
+        for i, (r, res) in enumerate(zip(requests, engine.generate(requests), strict=True))
+    ]
+    filtered = GRPOLearner(model_path, "float64", TrainerConfig(sampling_filters=True), 0.7, top_k=top_k, top_p=top_p)
+    plain = GRPOLearner(model_path, "float64", TrainerConfig(), 0.7, top_k=top_k, top_p=top_p)
+    exact, unfiltered = filtered.step(samples), plain.step(samples)
+    assert exact["logprob_diff_max"] < 1e-10
+    assert unfiltered["logprob_diff_mean"] > 1e-3  # temperature alone leaves out the filters' renormalisation
+    assert 0 < exact["entropy"] < unfiltered["entropy"]  # fewer tokens kept, less entropy
