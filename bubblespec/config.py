@@ -338,6 +338,15 @@ class RunConfig(Section):
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @model_validator(mode="after")
+    def _groups_to_compare(self) -> RunConfig:
+        if self.trainer.filter_groups and self.task.samples_per_prompt < 2:
+            raise ValueError(
+                "trainer.filter_groups keeps groups whose rewards differ: it needs task.samples_per_prompt >= 2 "
+                f"(got {self.task.samples_per_prompt}), or every step trains nothing"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name

@@ -98,8 +98,9 @@ def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, re
 
     from bubblespec.cli.bench_run import run_side_by_side
 
-    overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=20" if recipe == "dapo" else
-                 "task.prompts_per_step=16"] + (["trainer.train_prompts=16"] if recipe == "dapo" else [])  # fmt: skip
+    overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=16"]
+    if recipe == "dapo":  # 20 prompts generated for 16 trained
+        overrides += ["task.prompts_per_step=20", "trainer.train_prompts=16"]
     config = load_config(Path(__file__).parent.parent / "examples" / f"recipe-{recipe}.yaml", overrides)
     report = run_side_by_side(config, tmp_path)
     assert report["identical_rollouts"] and report["identical_weights"]

@@ -271,6 +271,11 @@ def test_settings_that_contradict_each_other_are_refused():
         TrainerConfig(policy_loss="cispo", importance_ratio="sequence")
     with pytest.raises(ValidationError, match="loss_aggregation"):
         TrainerConfig(loss_aggregation="sum")
+    from bubblespec.config import validate
+    from bubblespec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="filter_groups .* needs task.samples_per_prompt >= 2"):
+        validate({"task": {"samples_per_prompt": 1}, "trainer": {"filter_groups": True}})
 
 
 def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
