@@ -74,8 +74,8 @@ def main() -> None:
                 "drafts_made": record["drafts_made"],
                 "host_seconds": seconds,
                 "seconds_per_1k_tokens": 1000 * seconds / max(record["generated_tokens"], 1),
-                "draft_store_drafts": len(parts.store),
-                "draft_store_tokens": parts.store.num_tokens,
+                "draft_store_drafts": len(parts.service.store),
+                "draft_store_tokens": parts.service.store.num_tokens,
                 "drafts_evicted": record["drafts_evicted"],
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }

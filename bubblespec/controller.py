@@ -5,7 +5,9 @@
         idle ranks draft the keys of B_t+1 (bubble policy order) with pi_t until the barrier
         train on the samples of step t (never on drafts) --> pi_t+1 --> weights to every rank
 
-The controller is the same for every clock and cluster: rank pools and trainers are passed in.
+The controller is the RL loop only: prompts -> :class:`bubblespec.service.RolloutService` (ranks, draft store,
+drafting plan) -> rewards -> trainer -> new weights to the service. It is the same for every clock and cluster:
+the service and the trainer are passed in.
 """
 
 from __future__ import annotations
@@ -19,20 +21,15 @@ from typing import Protocol
 
 from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import RunConfig
-from bubblespec.draft_sources import HistoryDrafts
 from bubblespec.errors import TrainerRestarted
 from bubblespec.interfaces import (
-    BubblePolicy,
-    Draft,
-    DraftStore,
     GenerationResult,
     Prompt,
-    SamplingParams,
     acceptance_length,
 )
-from bubblespec.predictions import ResponseLengths, predicted_lengths
-from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+from bubblespec.rollout import RolloutOutcome
 from bubblespec.run_dir import RunDirectory
+from bubblespec.service import RolloutService
 from bubblespec.trainer import TrainSample
 
 logger = logging.getLogger(__name__)
@@ -44,29 +41,6 @@ def score_responses(task, prompts: Sequence[Prompt], responses: Sequence[Sequenc
     if score is not None:
         return [float(reward) for reward in score(prompts, responses)]
     return [float(task(prompt, response)) for prompt, response in zip(prompts, responses, strict=True)]
-
-
-class RankPool(Protocol):
-    num_ranks: int
-
-    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome: ...
-
-    def update_weights(self, state_dict, version: int) -> float:
-        """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
-        ...
-
-    def start_drafting(self, plan: DraftPlan) -> None:
-        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
-        ...
-
-    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
-        per-rank records and timelines (seconds from the start of training) and no results."""
-        ...
-
-    def evaluate(self, requests) -> list[GenerationResult]:
-        """Generates held-out requests with the current weights (no drafts, not timed)."""
-        ...
 
 
 class Trainer(Protocol):
@@ -93,14 +67,15 @@ class Components:
     """What the controller drives; built by :mod:`bubblespec.launch` for the configured clock and cluster."""
 
     task: object  # PromptSource + RewardFn
-    ranks: RankPool
+    service: RolloutService
     trainer: Trainer
-    store: DraftStore
-    bubble_policy: BubblePolicy
-    sharding_policy: object
-    sampling: SamplingParams
     eval_task: object = None  # the task with a held-out seed, for RunConfig.eval_every
-    history: HistoryDrafts | None = None  # the history draft source, when speculation.draft_sources names it
+
+
+def task_peek(task, num_steps: int):
+    """The service's peek for a run of ``num_steps`` on ``task``: the task's prompts of a later step, none past the
+    end of the run."""
+    return lambda step: [] if step >= num_steps else task.peek(step)
 
 
 class Controller:
@@ -117,10 +92,7 @@ class Controller:
         self.run_dir = run_dir
         self.on_step = on_step or (lambda record: None)
         self.on_phase = on_phase or (lambda step, phase: None)
-        self._warned_unpeekable = False
         self._evicted = 0  # drafts the store had evicted by the end of the last step
-        self.response_lengths = ResponseLengths()
-        """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
 
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
@@ -153,10 +125,8 @@ class Controller:
         checkpoint = run_dir.latest_checkpoint()
         if checkpoint is None:
             if not fresh_parts:
-                parts.ranks.update_weights(parts.trainer.reset(), version=0)
-                if parts.history is not None:
-                    parts.history.restore([])
-            self.response_lengths.restore([])
+                parts.service.update_weights(parts.trainer.reset(), version=0)
+            parts.service.restore([], [], [])
             run_dir.truncate_steps(-1)
             return 0
         weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
@@ -165,12 +135,8 @@ class Controller:
         # The checkpoint may hold float32 master weights; engines get them rounded to the run's dtype, as the
         # trainer sends them.
         dtype = DTYPES[self.config.model.dtype]
-        parts.ranks.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
-        self.response_lengths.restore(state.get("response_lengths", []))
-        parts.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
-        parts.store.put(drafts)
-        if parts.history is not None:
-            parts.history.restore(run_dir.load_history(checkpoint))
+        parts.service.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
+        parts.service.restore(drafts, run_dir.load_history(checkpoint), state.get("response_lengths", []))
         run_dir.truncate_steps(step)
         return step + 1
 
@@ -178,26 +144,10 @@ class Controller:
         cfg, parts = self.config, self.parts
         initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
         prompts = parts.task.batch(step)
-        requests = step_requests(prompts, cfg.seed, step, cfg.task.samples_per_prompt, parts.sampling)
-        speculate = cfg.speculation.uses_bubble
-        drafts = self._static_drafts([r.key for r in requests])
-        requests = attach_drafts(requests, drafts)
-        predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
-        shards = parts.sharding_policy.shard(requests, parts.ranks.num_ranks, predicted)
-        plan = self._plan(step) if speculate else DraftPlan([])
-
         self.on_phase(step, "rollout")
-        outcome = parts.ranks.rollout(shards, plan)
-        if speculate:
-            self._store(outcome.drafts)
-            parts.store.drop_steps_before(step + 1)  # this step's drafts are used up
-            plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
-
-        by_key = {result.key: result for result in outcome.results}
-        results = [by_key[r.key] for r in requests]  # request order, whatever the sharding
-        if parts.history is not None:
-            parts.history.observe(results)
-        self.response_lengths.observe(results)
+        outcome = parts.service.generate(step, prompts, cfg.task.samples_per_prompt)
+        results = outcome.results  # in request order: prompt by prompt, sample by sample
+        requests = parts.service.requests(step, prompts, cfg.task.samples_per_prompt)
         rewards = self._rewards(prompts, results)
         samples = [
             TrainSample(
@@ -211,22 +161,19 @@ class Controller:
             )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
-        drafting_while_training = speculate and cfg.speculation.draft_during_training and bool(plan)
-        if drafting_while_training:
-            parts.ranks.start_drafting(plan)
+        drafting_while_training = parts.service.start_drafting()
         self.on_phase(step, "train")
         try:
             train_metrics, weights, train_seconds = parts.trainer.train(samples)
         except TrainerRestarted:
             if drafting_while_training:
-                parts.ranks.stop_drafting(0.0)  # the ranks stop before the run rewinds
+                parts.service.stop_drafting(0.0)  # the ranks stop before the run rewinds
             raise
         if drafting_while_training:
-            training = parts.ranks.stop_drafting(train_seconds)
-            self._store(training.drafts)
+            training = parts.service.stop_drafting(train_seconds)
             outcome.drafts += training.drafts
         self.on_phase(step, "weight sync")
-        sync_seconds = parts.ranks.update_weights(weights, version=step + 1)
+        sync_seconds = parts.service.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
         record |= self._reward_failures(step)
         if drafting_while_training:
@@ -235,7 +182,7 @@ class Controller:
                 rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced
             record["training_timelines"] = training.timelines
         record["rollout_digest"] = rollout_digest(results)
-        store = parts.store.stats() if hasattr(parts.store, "stats") else {}
+        store = parts.service.store.stats() if hasattr(parts.service.store, "stats") else {}
         if store:
             record["draft_store"] = store
             record["drafts_evicted"] = store["evicted"] - self._evicted
@@ -248,71 +195,12 @@ class Controller:
         self._latest_weights = weights
         return record
 
-    def _static_drafts(self, keys: list) -> dict:
-        """Each key's draft from the first static source (``speculation.draft_sources`` order) that has one."""
-        speculation, parts = self.config.speculation, self.parts
-        drafts: dict = {}
-        if not speculation.enabled:
-            return drafts
-        for name in speculation.draft_sources:
-            if name == "bubble":
-                found = parts.store.get(keys)
-            elif name == "history" and parts.history is not None:
-                found = parts.history.drafts(keys)
-            else:
-                continue
-            drafts = found | drafts  # earlier sources win
-        return drafts
-
-    def _plan(self, step: int) -> DraftPlan:
-        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps,
-        the nearest step first. Within a step, keys without a draft or with an unfinished one come first (in
-        bubble-policy order) and go on from their draft; then finished drafts of an older policy, to be
-        re-verified and refreshed by the current one."""
-        cfg, parts = self.config, self.parts
-        ordered = []
-        for future_step in range(step + 1, step + 1 + cfg.speculation.lookahead_steps):
-            requests = self._future_requests(future_step)
-            stored = parts.store.get([r.key for r in requests])
-            predicted = predicted_lengths([r.key for r in requests], stored, self.response_lengths)
-            by_key = {r.key: r for r in attach_drafts(requests, stored)}
-            in_order = [by_key[k] for k in parts.bubble_policy.order(list(by_key), predicted)]
-            ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
-            ordered += [r for r in in_order if r.draft is not None and r.draft.finished]
-        return DraftPlan(ordered, parts.ranks.num_ranks, cfg.rollout.max_batch_size)
-
-    def _store(self, drafts: list[Draft]) -> None:
-        """Stores new drafts, except an unfinished one shorter than the draft it would replace: stopped while
-        re-verifying an older draft, it would throw away that draft's tail."""
-        stored = self.parts.store.get([d.key for d in drafts])
-        self.parts.store.put(
-            [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
-        )
-
-    def _future_requests(self, future_step: int) -> list:
-        """The requests of a later step, or none if the run ends first or the task cannot say its prompts."""
-        cfg, parts = self.config, self.parts
-        if future_step >= cfg.num_steps:
-            return []
-        prompts = parts.task.peek(future_step)
-        if prompts is None:
-            if not self._warned_unpeekable:
-                logger.warning(
-                    "task %r cannot say the prompts of step %d in advance (peek returned None): the bubble "
-                    "stays idle and steps run without drafts",
-                    cfg.task.name,
-                    future_step,
-                )
-                self._warned_unpeekable = True
-            return []
-        return step_requests(prompts, cfg.seed, future_step, cfg.task.samples_per_prompt, parts.sampling)
-
     def _evaluate(self) -> float:
         """Mean reward of the current weights (after this step's update) on the held-out prompts."""
         parts, cfg = self.parts, self.config
         held_out = parts.eval_task.batch(0)[: cfg.eval_prompts]
-        requests = step_requests(held_out, cfg.seed, -1, 1, parts.sampling)  # step -1: keys no rollout uses
-        by_key = {r.key: r for r in parts.ranks.evaluate(requests)}
+        requests = parts.service.requests(-1, held_out, 1)  # step -1: keys no rollout uses
+        by_key = {r.key: r for r in parts.service.evaluate(requests)}
         rewards = score_responses(parts.task, held_out, [by_key[r.key].token_ids for r in requests])
         return sum(rewards) / len(requests)
 
@@ -336,26 +224,20 @@ class Controller:
         return {"reward_timeouts": failures.timeouts, "reward_errors": failures.errors}
 
     def _checkpoint(self, step: int) -> None:
-        store = self.parts.store
-        future_keys = [
-            r.key
-            for future_step in range(step + 1, step + 1 + self.config.speculation.lookahead_steps)
-            for r in self._future_requests(future_step)
-        ]
-        pending = list(store.get(future_keys).values()) if self.config.speculation.uses_bubble else []
         trainer_state = dict(self.parts.trainer.checkpoint_state())
         master_weights = trainer_state.pop("master_weights", None)
+        drafting = self.parts.service.snapshot()
         self.run_dir.save_checkpoint(
             step,
             weights=self._latest_weights if master_weights is None else master_weights,
             trainer_state=trainer_state,
-            drafts=pending,
+            drafts=self.parts.service.pending_drafts(step),
             state={
                 "num_steps": self.config.num_steps,
                 "time": time.time(),
-                "response_lengths": self.response_lengths.snapshot(),
-            },
-            history=None if self.parts.history is None else self.parts.history.snapshot(),
+                "response_lengths": drafting["response_lengths"],
+            },  # fmt: skip
+            history=drafting["history"],
         )
 
 

@@ -17,14 +17,14 @@ from pydantic import ValidationError
 from bubblespec import plugins
 from bubblespec.clocks import PROFILES
 from bubblespec.config import RunConfig, format_validation_error
-from bubblespec.controller import Components, Controller
-from bubblespec.draft_sources import REQUEST_DRAFT, HistoryDrafts, draft_chain
-from bubblespec.draft_store import TolerantDraftStore
+from bubblespec.controller import Components, Controller, task_peek
+from bubblespec.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams, acceptance_length
 from bubblespec.metrics import RunMetrics
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
+from bubblespec.service import RolloutService
 from bubblespec.trainer import GRPOLearner, TrainSample
 
 
@@ -189,21 +189,17 @@ def build_virtual(config: RunConfig) -> Components:
     engine = backend.from_pretrained(**engine_settings(config, path))
     profile = PROFILES[config.clock.profile]
     trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))
-    store_class = plugins.load("draft_stores", config.speculation.draft_store)
-    store = TolerantDraftStore(
-        store_class(vocab_size=engine.vocab_size, max_tokens=config.speculation.draft_store_max_tokens)
+    service = RolloutService.build(
+        VirtualRankPool(engine, config.rollout.num_ranks, profile),
+        engine.vocab_size,
+        config.speculation,
+        config.rollout,
+        sampling_params(config, task),
+        config.seed,
+        config.task.samples_per_prompt,
+        task_peek(task, config.num_steps),
     )
-    return Components(
-        task=task,
-        ranks=VirtualRankPool(engine, config.rollout.num_ranks, profile),
-        trainer=trainer,
-        store=store,
-        bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
-        sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
-        sampling=sampling_params(config, task),
-        eval_task=eval_task,
-        history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
-    )
+    return Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
 
 
 def run(
@@ -247,8 +243,8 @@ def run(
             if metrics is not None:
                 metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
         started = time.perf_counter()
-        if on_activity is not None and hasattr(parts.ranks, "on_activity"):
-            parts.ranks.on_activity = on_activity
+        if on_activity is not None and hasattr(parts.service.ranks, "on_activity"):
+            parts.service.ranks.on_activity = on_activity
         controller.run(start_step=start)
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
         run_dir.write_summary(summary)

@@ -9,10 +9,8 @@ import os
 import socket
 from collections.abc import Iterator
 
-from bubblespec import plugins
 from bubblespec.config import RunConfig
-from bubblespec.controller import Components
-from bubblespec.draft_sources import HistoryDrafts
+from bubblespec.controller import Components, task_peek
 from bubblespec.errors import BubblespecError, ConfigError
 
 RAY_DEFAULTS = {
@@ -74,10 +72,10 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     from ray import serve
 
     from bubblespec.config import engine_config
-    from bubblespec.draft_store import TolerantDraftStore
     from bubblespec.launch import engine_settings, load_backend, make_tasks, model_path, sampling_params
     from bubblespec.ray_train import RayTrainer
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
+    from bubblespec.service import RolloutService
 
     task, eval_task = make_tasks(config)
     path = model_path(config, task)
@@ -104,21 +102,17 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
             handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, float(rollout.threads_per_rank))
             storage = config.run_dir / "ray_train"
             trainer = RayTrainer(config, path, storage, cpus_per_worker=1.0)
-            store_class = plugins.load("draft_stores", config.speculation.draft_store)
-            vocab_size = _vocab_size(path)
-            yield Components(
-                task=task,
-                ranks=ServeRankPool(handles),
-                trainer=trainer,
-                store=TolerantDraftStore(
-                    store_class(vocab_size=vocab_size, max_tokens=config.speculation.draft_store_max_tokens)
-                ),
-                bubble_policy=plugins.load("policies", config.speculation.bubble_policy)(),
-                sharding_policy=plugins.load("policies", config.speculation.sharding_policy)(),
-                sampling=sampling_params(config, task),
-                eval_task=eval_task,
-                history=HistoryDrafts() if "history" in config.speculation.draft_sources else None,
+            service = RolloutService.build(
+                ServeRankPool(handles),
+                _vocab_size(path),
+                config.speculation,
+                config.rollout,
+                sampling_params(config, task),
+                config.seed,
+                config.task.samples_per_prompt,
+                task_peek(task, config.num_steps),
             )
+            yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
         finally:
             if trainer is not None:
                 trainer.close()

@@ -421,10 +421,10 @@ def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch
 def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
     """Predictions come from drafts (an unfinished one is a lower bound) and from the responses to the same
     prompt the last time it was sampled, never from prompt lengths; keys with neither come last."""
-    from bubblespec.controller import Components, Controller
     from bubblespec.draft_store import InMemoryDraftStore
     from bubblespec.interfaces import Draft, GenerationResult, Prompt, RequestStats, RolloutKey, SamplingParams
     from bubblespec.policies.bubble import LongestFirst
+    from bubblespec.service import RolloutService
 
     prompt_lengths = {"long-answer": 2, "long-prompt": 30, "unknown": 20, "cut": 3, "short": 4}
 
@@ -437,14 +437,16 @@ def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
 
     config = _config(tmp_path, "plan", num_steps=4, task={"samples_per_prompt": 1}, speculation={"enabled": True})
     store = InMemoryDraftStore(vocab_size=40)
-    parts = Components(FixedPrompts(), TwoRanks(), None, store, LongestFirst(), None, SamplingParams(max_new_tokens=48))
-    controller = Controller(config, parts, RunDirectory(tmp_path / "unused"))
+    sampling = SamplingParams(max_new_tokens=48)
+    service = RolloutService(
+        TwoRanks(), store, LongestFirst(), None, sampling, config.speculation, config.seed, 64, FixedPrompts().peek
+    )
 
     def key(uid):
         return RolloutKey(config.seed, 1, uid, 0)
 
     def plan_order():
-        plan = controller._plan(0)
+        plan = service._next_plan(0)
         order = []
         while plan:
             order += [r.key.prompt_uid for r in plan.take()]
@@ -461,7 +463,7 @@ def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
             RolloutKey(config.seed, 0, uid, 0), [5] * length, [0.0] * length, "stop", RequestStats()
         )
 
-    controller.response_lengths.observe([result("unknown", 25), result("long-prompt", 6), result("cut", 40)])
+    service.response_lengths.observe([result("unknown", 25), result("long-prompt", 6), result("cut", 40)])
     # the cut draft (10 tokens) is a lower bound: its prompt's last responses (40) predict longer
     assert plan_order() == ["cut", "unknown", "long-prompt", "long-answer", "short"]
 

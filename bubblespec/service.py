@@ -1,0 +1,273 @@
+"""The rollout service (DESIGN.md §11): generation with bubble-time drafting for any synchronous trainer.
+
+    service.generate(step, prompts, samples_per_prompt)   the step's responses, sharded over the ranks; while the
+                                                           slow ranks finish, idle ranks draft the prompts of the
+                                                           next steps (``peek``) with the policy they hold
+    service.start_drafting() / stop_drafting(seconds)      drafting goes on while the trainer trains
+    service.update_weights(state_dict, version)            the new policy to every rank
+    service.evaluate(requests)                             held-out generation, no drafts
+    service.close()
+
+The service owns the ranks, the draft store, the drafting plan and what drafting learns across steps (response
+lengths, the history draft source); the caller owns prompts, rewards and training. bubblespec's own RL loop
+(:mod:`bubblespec.controller`) and the TRL integration (:mod:`bubblespec.integrations.trl`) both go through it.
+
+Every response is a pure function of its rollout key (run seed, step, prompt uid, sample index) and the policy
+version: where and whether a draft was used changes only the time it took (invariant 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from bubblespec.config import RolloutConfig, SpeculationConfig
+from bubblespec.draft_sources import HistoryDrafts
+from bubblespec.interfaces import (
+    BubblePolicy,
+    Draft,
+    DraftStore,
+    GenerationRequest,
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+)
+from bubblespec.predictions import ResponseLengths, predicted_lengths
+from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+
+logger = logging.getLogger(__name__)
+
+
+class RankPool(Protocol):
+    num_ranks: int
+
+    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome: ...
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
+        ...
+
+    def start_drafting(self, plan: DraftPlan) -> None:
+        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
+        ...
+
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
+        per-rank records and timelines (seconds from the start of training) and no results."""
+        ...
+
+    def evaluate(self, requests) -> list[GenerationResult]:
+        """Generates held-out requests with the current weights (no drafts, not timed)."""
+        ...
+
+
+Peek = Callable[[int], Sequence[Prompt] | None]
+"""The prompts of a later step (``peek(step)``), or None when they cannot be known in advance; [] past the end."""
+
+
+class RolloutService:
+    """Rollout ranks plus everything bubble drafting needs, behind generate / update_weights.
+
+    ``ranks`` is a rank pool (:class:`bubblespec.rollout.VirtualRankPool` on the virtual clock,
+    :class:`bubblespec.serve_ranks.ServeRankPool` on Ray Serve); ``peek`` says which prompts later steps will
+    ask for, with ``samples_per_prompt`` samples each (a step's own count is given to :meth:`generate`).
+    """
+
+    def __init__(
+        self,
+        ranks,
+        store: DraftStore,
+        bubble_policy: BubblePolicy,
+        sharding_policy,
+        sampling: SamplingParams,
+        speculation: SpeculationConfig,
+        seed: int,
+        max_batch_size: int,
+        peek: Peek | None = None,
+        samples_per_prompt: int = 1,
+        history: HistoryDrafts | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self.store = store
+        self.bubble_policy = bubble_policy
+        self.sharding_policy = sharding_policy
+        self.sampling = sampling
+        self.speculation = speculation
+        self.seed = seed
+        self.max_batch_size = max_batch_size
+        self.peek = peek or (lambda step: None)
+        self.samples_per_prompt = samples_per_prompt
+        self.history = history
+        self.response_lengths = ResponseLengths()
+        """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
+        self._plan = DraftPlan([])
+        self._warned_unpeekable = False
+
+    @classmethod
+    def build(
+        cls,
+        ranks,
+        vocab_size: int,
+        speculation: SpeculationConfig,
+        rollout: RolloutConfig,
+        sampling: SamplingParams,
+        seed: int,
+        samples_per_prompt: int,
+        peek: Peek | None,
+    ) -> RolloutService:
+        """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names."""
+        from bubblespec import plugins
+        from bubblespec.draft_store import TolerantDraftStore
+
+        store_class = plugins.load("draft_stores", speculation.draft_store)
+        return cls(
+            ranks,
+            TolerantDraftStore(store_class(vocab_size=vocab_size, max_tokens=speculation.draft_store_max_tokens)),
+            plugins.load("policies", speculation.bubble_policy)(),
+            plugins.load("policies", speculation.sharding_policy)(),
+            sampling,
+            speculation,
+            seed,
+            rollout.max_batch_size,
+            peek,
+            samples_per_prompt,
+            HistoryDrafts() if "history" in speculation.draft_sources else None,
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.ranks.num_ranks
+
+    def requests(self, step: int, prompts: Sequence[Prompt], samples_per_prompt: int) -> list[GenerationRequest]:
+        """The step's requests in order (prompt by prompt, sample by sample), keyed by this service's seed."""
+        return step_requests(prompts, self.seed, step, samples_per_prompt, self.sampling)
+
+    def generate(self, step: int, prompts: Sequence[Prompt], samples_per_prompt: int) -> RolloutOutcome:
+        """The responses of step ``step`` (``outcome.results`` in request order) and what each rank did. Drafts
+        of earlier bubbles are verified; idle ranks draft the next steps' keys."""
+        speculate = self.speculation.uses_bubble
+        requests = self.requests(step, prompts, samples_per_prompt)
+        drafts = self._static_drafts([r.key for r in requests])
+        requests = attach_drafts(requests, drafts)
+        predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
+        shards = self.sharding_policy.shard(requests, self.num_ranks, predicted)
+        plan = self._next_plan(step) if speculate else DraftPlan([])
+        outcome = self.ranks.rollout(shards, plan)
+        if speculate:
+            self._store(outcome.drafts)
+            self.store.drop_steps_before(step + 1)  # this step's drafts are used up
+            plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
+        self._plan = plan
+        by_key = {result.key: result for result in outcome.results}
+        outcome.results = [by_key[r.key] for r in requests]
+        if self.history is not None:
+            self.history.observe(outcome.results)
+        self.response_lengths.observe(outcome.results)
+        return outcome
+
+    def start_drafting(self) -> bool:
+        """Ranks go on drafting the rest of the last step's plan while the trainer trains (ranks and trainer on
+        separate hardware); returns whether there was anything to draft."""
+        if not (self.speculation.uses_bubble and self.speculation.draft_during_training and self._plan):
+            return False
+        self.ranks.start_drafting(self._plan)
+        return True
+
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops the drafting :meth:`start_drafting` began (the virtual clock budgets it by ``train_seconds``) and
+        stores its drafts; returns them with per-rank records and timelines."""
+        outcome = self.ranks.stop_drafting(train_seconds)
+        self._store(outcome.drafts)
+        return outcome
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """The new policy to every rank; returns the seconds it took."""
+        return self.ranks.update_weights(state_dict, version=version)
+
+    def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generates held-out requests with the current weights (no drafts, not timed)."""
+        return self.ranks.evaluate(requests)
+
+    def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list) -> None:
+        """Back to a checkpoint's drafting state: its pending drafts, history and response lengths."""
+        self.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
+        self.store.put(list(drafts))
+        if self.history is not None:
+            self.history.restore(history)
+        self.response_lengths.restore(response_lengths)
+
+    def pending_drafts(self, step: int) -> list[Draft]:
+        """The stored drafts of the keys the steps after ``step`` will ask for (what a checkpoint keeps)."""
+        if not self.speculation.uses_bubble:
+            return []
+        keys = [
+            r.key
+            for future_step in range(step + 1, step + 1 + self.speculation.lookahead_steps)
+            for r in self._future_requests(future_step)
+        ]
+        return list(self.store.get(keys).values())
+
+    def snapshot(self) -> dict:
+        """What drafting learned across steps, for a checkpoint: response lengths and the history source."""
+        return {
+            "response_lengths": self.response_lengths.snapshot(),
+            "history": None if self.history is None else self.history.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Stops drafting; the ranks themselves belong to whoever started them (a Ray session, this process)."""
+        self._plan = DraftPlan([])
+
+    def _static_drafts(self, keys: list) -> dict:
+        """Each key's draft from the first static source (``speculation.draft_sources`` order) that has one."""
+        drafts: dict = {}
+        if not self.speculation.enabled:
+            return drafts
+        for name in self.speculation.draft_sources:
+            if name == "bubble":
+                found = self.store.get(keys)
+            elif name == "history" and self.history is not None:
+                found = self.history.drafts(keys)
+            else:
+                continue
+            drafts = found | drafts  # earlier sources win
+        return drafts
+
+    def _next_plan(self, step: int) -> DraftPlan:
+        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps,
+        the nearest step first. Within a step, keys without a draft or with an unfinished one come first (in
+        bubble-policy order) and go on from their draft; then finished drafts of an older policy, to be
+        re-verified and refreshed by the current one."""
+        ordered = []
+        for future_step in range(step + 1, step + 1 + self.speculation.lookahead_steps):
+            requests = self._future_requests(future_step)
+            stored = self.store.get([r.key for r in requests])
+            predicted = predicted_lengths([r.key for r in requests], stored, self.response_lengths)
+            by_key = {r.key: r for r in attach_drafts(requests, stored)}
+            in_order = [by_key[k] for k in self.bubble_policy.order(list(by_key), predicted)]
+            ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
+            ordered += [r for r in in_order if r.draft is not None and r.draft.finished]
+        return DraftPlan(ordered, self.num_ranks, self.max_batch_size)
+
+    def _future_requests(self, future_step: int) -> list[GenerationRequest]:
+        """The requests of a later step, or none if the caller cannot say its prompts."""
+        prompts = self.peek(future_step)
+        if prompts is None:
+            if not self._warned_unpeekable:
+                logger.warning(
+                    "the prompt source cannot say the prompts of step %d in advance (peek returned None): the "
+                    "bubble stays idle and steps run without drafts",
+                    future_step,
+                )
+                self._warned_unpeekable = True
+            return []
+        return self.requests(future_step, prompts, self.samples_per_prompt)
+
+    def _store(self, drafts: list[Draft]) -> None:
+        """Stores new drafts, except an unfinished one shorter than the draft it would replace: stopped while
+        re-verifying an older draft, it would throw away that draft's tail."""
+        stored = self.store.get([d.key for d in drafts])
+        self.store.put(
+            [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
+        )
