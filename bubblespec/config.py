@@ -313,6 +313,24 @@ class MetricsConfig(Section):
     """Port of ``http://host:port/metrics``; 0 picks a free one (printed at the start)."""
 
 
+class ServiceConfig(Section):
+    """The sections a rollout service needs (:func:`bubblespec.launch.start_service`): a run config's, or those of
+    a trainer of another framework that calls the service (``bubblespec.integrations``)."""
+
+    seed: int = 0
+    """Part of every rollout key."""
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    clock: ClockConfig = ClockConfig()
+    ray: RayConfig = RayConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> ServiceConfig:
+        return cls(**{name: getattr(config, name) for name in cls.model_fields})
+
+
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of the run; its directory is ``output_dir/name``."""

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from bubblespec import plugins
 from bubblespec.clocks import PROFILES
-from bubblespec.config import RunConfig, format_validation_error
+from bubblespec.config import RunConfig, ServiceConfig, format_validation_error
 from bubblespec.controller import Components, Controller, task_peek
 from bubblespec.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.errors import ConfigError, ModelLoadError
@@ -24,7 +24,7 @@ from bubblespec.interfaces import SamplingParams, acceptance_length
 from bubblespec.metrics import RunMetrics
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
-from bubblespec.service import RolloutService
+from bubblespec.service import Peek, RolloutService
 from bubblespec.trainer import GRPOLearner, TrainSample
 
 
@@ -200,6 +200,43 @@ def build_virtual(config: RunConfig) -> Components:
         task_peek(task, config.num_steps),
     )
     return Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
+
+
+@contextlib.contextmanager
+def start_service(
+    config: ServiceConfig,
+    path: str,
+    sampling: SamplingParams,
+    samples_per_prompt: int,
+    peek: Peek | None = None,
+) -> Iterator[RolloutService]:
+    """A rollout service on the model folder ``path`` for a trainer of any framework: ``rollout.num_ranks`` ranks
+    in this process on the virtual clock (``clock.kind: virtual``), or Ray Serve ranks on ``ray.address`` or a
+    local Ray (``wall``); stopped on exit."""
+    backend = load_backend(config)
+    if config.clock.kind == "wall":
+        from bubblespec.ray_cluster import serve_ranks
+
+        with serve_ranks(config, path, backend) as ranks:
+            service = RolloutService.build(ranks, read_vocab_size(path), config.speculation, config.rollout,
+                                           sampling, config.seed, samples_per_prompt, peek)  # fmt: skip
+            yield service
+            service.close()
+        return
+    engine = backend.from_pretrained(**engine_settings(config, path))
+    ranks = VirtualRankPool(engine, config.rollout.num_ranks, PROFILES[config.clock.profile])
+    service = RolloutService.build(ranks, engine.vocab_size, config.speculation, config.rollout, sampling,
+                                   config.seed, samples_per_prompt, peek)  # fmt: skip
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+def read_vocab_size(path: str) -> int:
+    import json
+
+    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
 
 
 def run(

@@ -4,14 +4,19 @@ on Ray Train, and everything torn down again at the end."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, task_peek
 from bubblespec.errors import BubblespecError, ConfigError
+
+if TYPE_CHECKING:
+    from bubblespec.serve_ranks import ServeRankPool
 
 RAY_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -68,43 +73,58 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def build_on_ray(config: RunConfig) -> Iterator[Components]:
+def serve_ranks(config, path: str, backend, extra_cpus: int = 0, check=lambda: None) -> Iterator[ServeRankPool]:
+    """``rollout.num_ranks`` Ray Serve rank deployments of ``backend`` on the model folder ``path``, on
+    ``ray.address`` or a local Ray with room for ``extra_cpus`` more (trainer workers); removed on exit.
+    ``config``: a run's or a service's config (``rollout``, ``model``, ``speculation``, ``ray``). ``check`` runs
+    once Ray is up, on a local Ray this call started."""
     from ray import serve
 
     from bubblespec.config import engine_config
-    from bubblespec.launch import engine_settings, load_backend, make_tasks, model_path, sampling_params
-    from bubblespec.ray_train import RayTrainer
+    from bubblespec.launch import engine_settings
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
-    from bubblespec.service import RolloutService
 
-    task, eval_task = make_tasks(config)
-    path = model_path(config, task)
-    backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
-    rollout, trainer_cfg = config.rollout, config.trainer
+    rollout = config.rollout
     settings = engine_settings(config, path)
     if hasattr(backend, "config_class"):  # bad engine settings: an error before Ray starts, not a failed deployment
         engine_config(rollout.backend, backend.config_class, settings)
     if hasattr(backend, "check_model"):  # an architecture the engine cannot run: the same
         backend.check_model(path)
-    threads = rollout.num_ranks * rollout.threads_per_rank
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
-    needed = threads + trainer_cfg.num_workers
+    needed = rollout.num_ranks * rollout.threads_per_rank + extra_cpus
     with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)) as owns_ray:
         if owns_ray:
-            check_local_gpus(config)
+            check()
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(
             proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
             logging_config={"log_level": "WARNING"},
         )
-        trainer = None
         try:
             handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, float(rollout.threads_per_rank))
-            storage = config.run_dir / "ray_train"
-            trainer = RayTrainer(config, path, storage, cpus_per_worker=1.0)
+            yield ServeRankPool(handles)
+        finally:
+            if not owns_ray:  # on a shared cluster remove only our applications; a local Ray goes down whole
+                for rank in range(rollout.num_ranks):
+                    serve.delete(f"bubblespec-rank-{rank}")
+
+
+@contextlib.contextmanager
+def build_on_ray(config: RunConfig) -> Iterator[Components]:
+    from bubblespec.launch import load_backend, make_tasks, model_path, read_vocab_size, sampling_params
+    from bubblespec.ray_train import RayTrainer
+    from bubblespec.service import RolloutService
+
+    task, eval_task = make_tasks(config)
+    path = model_path(config, task)
+    backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
+    check = functools.partial(check_local_gpus, config)
+    with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
+        trainer = RayTrainer(config, path, config.run_dir / "ray_train", cpus_per_worker=1.0)
+        try:
             service = RolloutService.build(
-                ServeRankPool(handles),
-                _vocab_size(path),
+                ranks,
+                read_vocab_size(path),
                 config.speculation,
                 config.rollout,
                 sampling_params(config, task),
@@ -114,11 +134,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
             )
             yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
         finally:
-            if trainer is not None:
-                trainer.close()
-            if not owns_ray:  # on a shared cluster remove only our applications; a local Ray goes down whole
-                for rank in range(rollout.num_ranks):
-                    serve.delete(f"bubblespec-rank-{rank}")
+            trainer.close()
 
 
 def check_local_gpus(config: RunConfig) -> None:
@@ -134,10 +150,3 @@ def check_local_gpus(config: RunConfig) -> None:
             f"trainer.device 'cuda' with trainer.num_workers {config.trainer.num_workers} needs as many GPUs; this "
             f"machine's Ray has {gpus}. Use trainer.device: cpu, fewer workers, or ray.address of a cluster with GPUs"
         )
-
-
-def _vocab_size(path: str) -> int:
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])

@@ -1,0 +1,72 @@
+"""The rollout service on its own, as a trainer of another framework uses it: generate, train elsewhere,
+update_weights, generate again; drafts from the bubble make the next step faster and change no response."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.config import ServiceConfig, validate
+from bubblespec.launch import start_service
+from bubblespec.tasks import ArithmeticTask
+from bubblespec.trainer import GRPOLearner, TrainSample
+
+SAMPLES = 2
+
+
+def _service_config(enabled: bool) -> ServiceConfig:
+    return ServiceConfig(
+        seed=3,
+        model={"dtype": "float64"},
+        rollout={"num_ranks": 2},
+        speculation={"enabled": enabled},
+        clock={"kind": "virtual", "profile": "h100-7b"},
+    )
+
+
+def _three_steps(enabled: bool):
+    """Three steps of a trainer outside bubblespec: prompts from the task, rewards from it, a learner of its own."""
+    from bubblespec.interfaces import SamplingParams
+
+    task = ArithmeticTask(seed=0, prompts_per_step=6)
+    path = str(ArithmeticTask.model_path())
+    sampling = SamplingParams(max_new_tokens=48)  # the engine stops at the model's EOS
+    learner = GRPOLearner(path, "float64", validate({}).trainer.model_copy(update={"learning_rate": 1e-3}), 1.0)
+    outcomes = []
+    with start_service(_service_config(enabled), path, sampling, SAMPLES, peek=task.peek) as service:
+        for step in range(3):
+            prompts = task.batch(step)
+            outcome = service.generate(step, prompts, SAMPLES)
+            requests = service.requests(step, prompts, SAMPLES)
+            by_uid = {p.uid: p for p in prompts}
+            samples = [
+                TrainSample(
+                    tuple(q.prompt_token_ids),
+                    tuple(r.token_ids),
+                    i // SAMPLES,
+                    float(task(by_uid[r.key.prompt_uid], r.token_ids)),
+                )  # fmt: skip
+                for i, (q, r) in enumerate(zip(requests, outcome.results, strict=True))
+            ]
+            learner.step(samples)
+            service.update_weights(learner.state_dict(), version=step + 1)
+            outcomes.append(outcome)
+    return outcomes
+
+
+def test_a_trainer_outside_bubblespec_gets_the_same_responses_faster():
+    plain, drafted = _three_steps(False), _three_steps(True)
+    for off, on in zip(plain, drafted, strict=True):
+        assert [(r.key, r.token_ids) for r in off.results] == [(r.key, r.token_ids) for r in on.results]
+    decode = [sum(rank.decode_steps for rank in outcome.ranks) for outcome in drafted]
+    plain_decode = [sum(rank.decode_steps for rank in outcome.ranks) for outcome in plain]
+    assert decode[0] == plain_decode[0]  # nothing drafted before the first step
+    assert all(d < p for d, p in zip(decode[1:], plain_decode[1:], strict=True))
+    assert all(sum(rank.requests_with_draft for rank in outcome.ranks) > 0 for outcome in drafted[1:])
+
+
+def test_a_service_config_takes_its_sections_from_a_run_config():
+    run = validate({"seed": 7, "rollout": {"num_ranks": 3}, "speculation": {"lookahead_steps": 2}})
+    service = ServiceConfig.of_run(run)
+    assert service.seed == 7 and service.rollout.num_ranks == 3 and service.speculation.lookahead_steps == 2
+    with pytest.raises(ValueError, match="trainer"):
+        ServiceConfig(trainer={})
