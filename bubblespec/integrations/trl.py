@@ -1,0 +1,273 @@
+"""TRL's ``GRPOTrainer`` with bubblespec's rollout: ``GRPOTrainer(..., rollout_func=BubblespecRollout(...))``.
+
+TRL 1.16 calls ``rollout_func(prompts, trainer)`` once per generation batch with this process's prompts, each
+already repeated ``num_generations`` times in a row, and wants one completion per element. This adapter:
+
+    prompts            the distinct prompts, chat template at the boundary as TRL's own ``_tokenize_prompts`` does
+                       (text: ``processing_class(text=...)``; messages: ``apply_chat_template(...,
+                       add_generation_prompt=True, **chat_template_kwargs)``)
+    keys               (TRL's seed, generation index, prompt position and content, sample index): the same prompts at
+                       the same point of a run give the same completions, with or without speculation
+    weights            the trainer's model goes to the ranks whenever ``trainer.state.global_step`` changed
+    next prompts       read from a fresh copy of TRL's own ``RepeatSampler`` (the same seed and order), so that idle
+                       ranks draft the prompts of the next generation batch while the slow ones finish
+    output             ``prompt_ids``, ``completion_ids``, ``logprobs`` per completion, in TRL's order
+
+Per generation batch, :attr:`BubblespecRollout.steps` records what every rank did (decode steps, drafts, bubbles),
+as a bubblespec run's ``steps.jsonl`` does, and TRL logs the headline numbers under ``bubblespec/``.
+
+Supported: TRL 1.16 on one process, map-style datasets, text or chat prompts. Refused at the first call with a
+clear error: another TRL version, ``use_vllm=True`` (the ranks are the generation engine), multimodal prompts,
+several processes, iterable datasets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from bubblespec.config import ServiceConfig
+from bubblespec.errors import ConfigError
+from bubblespec.interfaces import Prompt, SamplingParams
+
+SUPPORTED_TRL = ("1.16.0", "1.17.0")
+"""TRL versions this adapter is tested with: >= the first, < the second."""
+
+
+def check_trl_version(version: str) -> None:
+    from packaging.version import Version
+
+    low, high = (Version(v) for v in SUPPORTED_TRL)
+    if not low <= Version(version) < high:
+        raise ConfigError(
+            f"bubblespec.integrations.trl supports TRL >= {SUPPORTED_TRL[0]}, < {SUPPORTED_TRL[1]} (its rollout_func "
+            f"contract is experimental and changes between releases); this environment has TRL {version}"
+        )
+
+
+def check_grpo_args(args) -> None:
+    """GRPOConfig settings this rollout cannot honour are errors."""
+    if getattr(args, "use_vllm", False):
+        raise ConfigError(
+            "GRPOConfig(use_vllm=True) with bubblespec's rollout: the bubblespec ranks are the generation engine "
+            "(rollout.backend: vllm runs vLLM inside them); set use_vllm=False"
+        )
+
+
+class BubblespecRollout:
+    """A ``rollout_func`` for TRL's ``GRPOTrainer`` on a bubblespec rollout service.
+
+    ``config``: the service's sections (``rollout``, ``speculation``, ``model.dtype``, ``clock``, ``ray``) as a
+    :class:`~bubblespec.config.ServiceConfig` or a dict; ``model_path``: the folder TRL's model was loaded from
+    (the ranks load it, then get the trainer's weights). Sampling settings (temperature, top-k, top-p, max
+    completion length) are TRL's. Call :meth:`close` (or use it as a context manager) to stop the ranks.
+    """
+
+    def __init__(self, config: ServiceConfig | dict, model_path: str | Path, args=None) -> None:
+        import trl
+
+        check_trl_version(trl.__version__)
+        if args is not None:  # the GRPOConfig: settings we cannot honour fail here, before TRL builds anything
+            check_grpo_args(args)
+        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
+        self.model_path = str(Path(model_path).expanduser().resolve())
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ConfigError(f"model_path {str(model_path)!r} is not a Hugging Face model folder (no config.json)")
+        self.steps: list[dict] = []
+        """One record per generation batch: ``generation``, ``global_step``, per-rank records, decode steps..."""
+        self._stack = contextlib.ExitStack()
+        self._service = None
+        self._trainer = None
+        self._synced_step: int | None = None
+        self._order: list[int] = []  # dataset indices in TRL's sampler order
+        self._peeked: dict[int, list[str]] = {}  # generation -> the uids peek said it would ask for
+        self._sampler = None
+
+    # -- the rollout_func -------------------------------------------------------------------------------------------
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        if self._service is None:
+            self._start(trainer)
+        generations = trainer.num_generations
+        distinct = self._distinct(prompts, generations)
+        generation = self._generation_index(trainer)
+        if self._synced_step != trainer.state.global_step:
+            self._sync_weights(trainer)
+        tokenized = self._prompts(distinct)
+        peeked = self._peeked.pop(generation, None)
+        outcome = self._service.generate(generation, tokenized, generations)
+        by_uid = {p.uid: p for p in tokenized}
+        self._record(generation, trainer.state.global_step, outcome)
+        # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
+        self.steps[-1]["peek_matched"] = None if peeked is None else peeked == [p.uid for p in tokenized]
+        return {
+            "prompt_ids": [list(by_uid[r.key.prompt_uid].token_ids) for r in outcome.results],
+            "completion_ids": [list(r.token_ids) for r in outcome.results],
+            "logprobs": [list(r.logprobs) for r in outcome.results],
+        }
+
+    def close(self) -> None:
+        self._stack.close()
+        self._service = None
+
+    def __enter__(self) -> BubblespecRollout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- setup ------------------------------------------------------------------------------------------------------
+
+    def _start(self, trainer) -> None:
+        from bubblespec.launch import start_service
+
+        args = trainer.args
+        check_grpo_args(args)
+        if trainer.accelerator.num_processes != 1:
+            raise ConfigError(
+                f"bubblespec's TRL rollout runs on one process for now; this run has "
+                f"{trainer.accelerator.num_processes} (the ranks already spread generation over rollout.num_ranks)"
+            )
+        from torch.utils.data import IterableDataset
+
+        if isinstance(trainer.train_dataset, IterableDataset):
+            raise ConfigError("bubblespec's TRL rollout needs a map-style dataset (its sampler order is peekable)")
+        self._trainer = trainer
+        self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
+        tokenizer = trainer.processing_class
+        stop = tuple(sorted({t for t in _eos_ids(tokenizer, trainer.model) if t is not None}))
+        sampling = SamplingParams(
+            temperature=float(args.temperature),
+            top_k=int(args.top_k or 0),
+            top_p=float(args.top_p),
+            max_new_tokens=int(args.max_completion_length),
+            stop_token_ids=stop,
+        )
+        config = self.config.model_copy(update={"seed": int(args.seed)})
+        self._service = self._stack.enter_context(
+            start_service(config, self.model_path, sampling, trainer.num_generations, peek=self._peek)
+        )
+
+    # -- prompts ----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _distinct(prompts: list, generations: int) -> list:
+        """TRL's prompts without their repetition (each prompt ``generations`` times in a row)."""
+        if len(prompts) % generations:
+            raise ValueError(f"{len(prompts)} prompts for num_generations {generations}: TRL's contract changed?")
+        distinct = prompts[::generations]
+        for i, prompt in enumerate(distinct):
+            if any(p != prompt for p in prompts[i * generations : (i + 1) * generations]):
+                raise ValueError("TRL's prompts are not each repeated num_generations times in a row")
+            if _is_multimodal(prompt):
+                raise ConfigError("bubblespec's TRL rollout takes text or chat prompts; this one carries images")
+        return distinct
+
+    def _generation_index(self, trainer) -> int:
+        """Which generation batch this is: TRL generates every steps_per_generation x num_iterations micro-steps."""
+        return trainer._step // (trainer.args.steps_per_generation * trainer.num_iterations)
+
+    def _prompts(self, raw: Sequence) -> list[Prompt]:
+        """bubblespec prompts: ids as TRL would tokenize them; uid = position + content, stable across runs."""
+        prompts = []
+        for position, prompt in enumerate(raw):
+            token_ids = tuple(self._tokenize(prompt))
+            digest = hashlib.sha1(repr(token_ids).encode()).hexdigest()[:16]
+            prompts.append(Prompt(f"{position}-{digest}", token_ids, str(prompt), ""))
+        return prompts
+
+    def _tokenize(self, prompt) -> list[int]:
+        trainer = self._trainer
+        tokenizer = trainer.processing_class
+        if isinstance(prompt, list):  # messages
+            return list(
+                tokenizer.apply_chat_template(
+                    conversation=prompt,
+                    tools=getattr(trainer, "tools", None) or None,
+                    chat_template=getattr(trainer, "chat_template", None),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    **(getattr(trainer, "chat_template_kwargs", None) or {}),
+                )["input_ids"]
+            )
+        return list(tokenizer(text=prompt)["input_ids"])
+
+    def _peek(self, generation: int) -> list[Prompt] | None:
+        """The prompts of generation batch ``generation``, from TRL's sampler order; [] past the run's end."""
+        trainer = self._trainer
+        args = trainer.args
+        per_call = args.steps_per_generation * trainer.num_iterations
+        total = math.ceil(trainer.state.max_steps * args.gradient_accumulation_steps / per_call)
+        if trainer.state.max_steps and generation >= total:
+            return []
+        size = args.generation_batch_size  # prompts per call, each repeated num_generations times
+        start = generation * size * per_call
+        while len(self._order) < start + size:
+            self._order += list(self._sampler)  # a later epoch: the same sampler again, as TRL iterates it
+        indices = self._order[start : start + size][:: trainer.num_generations]
+        prompts = self._prompts([trainer.train_dataset[i]["prompt"] for i in indices])
+        self._peeked[generation] = [p.uid for p in prompts]
+        return prompts
+
+    # -- weights and records ----------------------------------------------------------------------------------------
+
+    def _sync_weights(self, trainer) -> None:
+        import torch
+
+        from bubblespec.backends.torch_model import DTYPES
+
+        dtype = DTYPES[self.config.model.dtype]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with torch.no_grad():
+            weights = {name: tensor.detach().to("cpu", dtype) for name, tensor in model.state_dict().items()}
+        self._service.update_weights(weights, version=trainer.state.global_step)
+        self._synced_step = trainer.state.global_step
+
+    def _record(self, generation: int, global_step: int, outcome) -> None:
+        from bubblespec.controller import rollout_digest
+
+        ranks = [r.as_dict() for r in outcome.ranks]
+        tokens = sum(r["shard_tokens"] for r in ranks)
+        decode = sum(r["decode_steps"] for r in ranks)
+        record = {
+            "generation": generation,
+            "global_step": global_step,
+            "generated_tokens": tokens,
+            "decode_steps": decode,
+            "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
+            "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(outcome.results), 1),
+            "rollout_seconds": outcome.seconds,
+            "bubble_seconds": sum(r["bubble_seconds"] for r in ranks),
+            "completions_digest": rollout_digest(outcome.results),
+            "ranks": ranks,
+        }
+        self.steps.append(record)
+        metrics = getattr(self._trainer, "_metrics", None)
+        if metrics is not None:  # TRL logs these with its own metrics
+            train = metrics["train"]
+            train["bubblespec/decode_steps_saved"].append(1 - decode / tokens if tokens else 0.0)
+            train["bubblespec/draft_coverage"].append(record["draft_coverage"])
+            train["bubblespec/rollout_seconds"].append(outcome.seconds)
+
+
+def _eos_ids(tokenizer, model) -> list[int | None]:
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    ids += eos if isinstance(eos, list) else [eos]
+    return ids
+
+
+def _is_multimodal(prompt) -> bool:
+    if not isinstance(prompt, list):
+        return False
+    return any(
+        isinstance(message.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") not in (None, "text") for part in message["content"])
+        for message in prompt
+        if isinstance(message, dict)
+    )
