@@ -155,7 +155,13 @@ class RunMetrics:
 
     def observe_step(self, record: dict) -> None:
         """Adds one step record (as written to steps.jsonl) to the metrics."""
-        for rank_record in record["ranks"]:
+        self.observe_ranks(record["ranks"])
+        self._observe_run(record)
+
+    def observe_ranks(self, ranks: Iterable[dict]) -> None:
+        """Adds one rollout's per-rank records (a step record's ``ranks``): what a trainer of another framework
+        that calls the rollout service reports (``bubblespec.integrations``)."""
+        for rank_record in ranks:
             rank = str(rank_record["rank"])
             for field, counter in self._rank_counters.values():
                 counter.labels(rank).inc(rank_record[field])
@@ -167,6 +173,8 @@ class RunMetrics:
                     histogram.observe(int(length))
             if rank_record["preemption_latency_seconds"] > 0:
                 self.preemption_latency.labels(rank).observe(rank_record["preemption_latency_seconds"])
+
+    def _observe_run(self, record: dict) -> None:
         for field, gauge in self._step_gauges.values():
             gauge.set(record[field])
         for phase in PHASES:

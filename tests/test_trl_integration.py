@@ -65,3 +65,45 @@ def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
         BubblespecRollout._distinct([image, image], 2)
     text = [{"role": "user", "content": [{"type": "text", "text": "1+1?"}]}]
     assert BubblespecRollout._distinct([text, text], 2) == [text]
+
+
+@pytest.mark.slow
+def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
+    """A random Qwen2-shaped chat model with a 32,000-token ChatML tokenizer: our tokenization of text and of
+    message prompts equals TRL's own ``_tokenize_prompts``; two GRPO steps on message prompts run on the service,
+    the second's prompts were peeked right, and the ranks' Prometheus counters add up to the records."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
+
+    folder = tmp_path / "qwen2-chat"
+    write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=64, num_heads=2, num_kv_heads=1,
+                            head_dim=32, intermediate_size=128, max_position_embeddings=512, bos_token_id=None,
+                            eos_token_id=0)  # fmt: skip
+    write_chat_tokenizer(folder, 32_000)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}]} for a in range(8)]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_vllm=False, bf16=False, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=6, max_steps=2, report_to="none", save_strategy="no",
+                      disable_tqdm=True)  # fmt: skip
+    service = {"model": {"dtype": "float32"}, "rollout": {"num_ranks": 2}, "speculation": {"enabled": True},
+               "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"port": 0}}  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with BubblespecRollout(service, folder, args) as rollout:
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0, 1.0] * (len(completions) // 2),
+                              args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout)  # fmt: skip
+        rollout._trainer = trainer  # the tokenizer and settings the first call would take
+        messages = [row["prompt"] for row in rows[:3]]
+        assert [rollout._tokenize(m) for m in messages] == [list(ids) for ids in trainer._tokenize_prompts(messages)[0]]
+        texts = ["What is 2 + 2?", "hello"]
+        assert [rollout._tokenize(t) for t in texts] == [list(ids) for ids in trainer._tokenize_prompts(texts)[0]]
+        trainer.train()
+        steps = rollout.steps
+        registry = rollout.metrics.registry  # the per-rank counters of a bubblespec run, served on metrics.port
+        counted = sum(registry.get_sample_value("bubblespec_decode_steps_total", {"rank": str(r)}) for r in (0, 1))
+        assert counted == sum(s["decode_steps"] for s in steps) > 0
+    # (every response runs to max_completion_length here, so the ranks finish together: no bubble to draft in)
+    assert len(steps) == 2 and steps[1]["peek_matched"] is True and steps[1]["generated_tokens"] == 4 * 6

@@ -78,6 +78,8 @@ class BubblespecRollout:
             raise ConfigError(f"model_path {str(model_path)!r} is not a Hugging Face model folder (no config.json)")
         self.steps: list[dict] = []
         """One record per generation batch: ``generation``, ``global_step``, per-rank records, decode steps..."""
+        self.metrics = None
+        """The Prometheus metrics (``bubblespec.metrics.RunMetrics``) with ``metrics.enabled``."""
         self._stack = contextlib.ExitStack()
         self._service = None
         self._trainer = None
@@ -147,6 +149,12 @@ class BubblespecRollout:
             stop_token_ids=stop,
         )
         config = self.config.model_copy(update={"seed": int(args.seed)})
+        if config.metrics.enabled:  # the per-rank metrics of a bubblespec run, on metrics.host:port
+            from bubblespec.metrics import RunMetrics
+
+            self.metrics = RunMetrics()
+            self.metrics.serve(config.metrics)
+            self._stack.callback(self.metrics.close)
         self._service = self._stack.enter_context(
             start_service(config, self.model_path, sampling, trainer.num_generations, peek=self._peek)
         )
@@ -246,6 +254,8 @@ class BubblespecRollout:
             "ranks": ranks,
         }
         self.steps.append(record)
+        if self.metrics is not None:
+            self.metrics.observe_ranks(ranks)
         metrics = getattr(self._trainer, "_metrics", None)
         if metrics is not None:  # TRL logs these with its own metrics
             train = metrics["train"]
