@@ -25,7 +25,7 @@ from bubblespec.metrics import RunMetrics
 from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
 from bubblespec.service import Peek, RolloutService
-from bubblespec.trainer import GRPOLearner, TrainSample
+from bubblespec.trainer import LearnerSpec, TrainSample
 
 
 def model_path(config: RunConfig, task) -> str:
@@ -100,7 +100,7 @@ def sampling_params(config: RunConfig, task) -> SamplingParams:
     )
 
 
-def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
+def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0) -> dict:
     """What ``from_pretrained`` of every backend gets: the common settings, then ``rollout.engine_options``."""
     rollout = config.rollout
     speculation = config.speculation
@@ -124,7 +124,7 @@ def engine_settings(config: RunConfig, path: str, rank: int = 0) -> dict:
     )
 
 
-def load_backend(config: RunConfig):
+def load_backend(config: RunConfig | ServiceConfig):
     """The configured backend's engine class, after checking it can run the configured draft sources."""
     backend = plugins.load("backends", config.rollout.backend)
     speculation = config.speculation
@@ -147,17 +147,17 @@ def _runs_draft_chain(name: str) -> bool:
 
 
 class LocalTrainer:
-    """The GRPO learner in this process; time is the profile's (virtual clock)."""
+    """The learner in this process; time is the profile's (virtual clock)."""
 
-    def __init__(self, config: RunConfig, path: str, seconds: Callable[[int], float]) -> None:
-        self.config, self.path = config, path
-        self.learner = self._new_learner()
+    def __init__(self, spec: LearnerSpec, seconds: Callable[[int], float]) -> None:
+        self.spec = spec
+        self.learner = spec.build()
         self.seconds = seconds
 
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         metrics = self.learner.step(samples)
         # Each epoch passes over the batch's tokens once (the recomputation of old logprobs is not charged).
-        passes = self.config.trainer.ppo_epochs
+        passes = self.spec.trainer.ppo_epochs
         return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"] * passes)
 
     def checkpoint_state(self) -> dict:
@@ -169,13 +169,8 @@ class LocalTrainer:
         self.learner.load_checkpoint_state(state)
 
     def reset(self) -> dict:
-        self.learner = self._new_learner()
+        self.learner = self.spec.build()
         return self.learner.state_dict()
-
-    def _new_learner(self) -> GRPOLearner:
-        sampling = self.config.rollout.sampling
-        return GRPOLearner(self.path, self.config.model.dtype, self.config.trainer, sampling.temperature,
-                           top_k=sampling.top_k, top_p=sampling.top_p)  # fmt: skip
 
 
 def build_virtual(config: RunConfig) -> Components:
@@ -188,7 +183,8 @@ def build_virtual(config: RunConfig) -> Components:
     backend = load_backend(config)
     engine = backend.from_pretrained(**engine_settings(config, path))
     profile = PROFILES[config.clock.profile]
-    trainer = LocalTrainer(config, path, lambda tokens: profile.train_seconds(tokens, config.trainer.num_workers))
+    workers = config.trainer.num_workers
+    trainer = LocalTrainer(LearnerSpec.of_run(config, path), lambda tokens: profile.train_seconds(tokens, workers))
     service = RolloutService.build(
         VirtualRankPool(engine, config.rollout.num_ranks, profile),
         engine.vocab_size,

@@ -114,13 +114,14 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     from bubblespec.launch import load_backend, make_tasks, model_path, read_vocab_size, sampling_params
     from bubblespec.ray_train import RayTrainer
     from bubblespec.service import RolloutService
+    from bubblespec.trainer import LearnerSpec
 
     task, eval_task = make_tasks(config)
     path = model_path(config, task)
     backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     check = functools.partial(check_local_gpus, config)
     with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
-        trainer = RayTrainer(config, path, config.run_dir / "ray_train", cpus_per_worker=1.0)
+        trainer = RayTrainer(LearnerSpec.of_run(config, path), config.run_dir / "ray_train", cpus_per_worker=1.0)
         try:
             service = RolloutService.build(
                 ranks,

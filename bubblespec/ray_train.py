@@ -30,9 +30,8 @@ from pathlib import Path
 import ray
 import torch
 
-from bubblespec.config import RunConfig
 from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
-from bubblespec.trainer import GRPOLearner, PeerFailed, TrainSample
+from bubblespec.trainer import GRPOLearner, LearnerSpec, PeerFailed, TrainSample
 
 logger = logging.getLogger(__name__)
 
@@ -125,16 +124,7 @@ class _Worker:
             self.failure = error
 
     def _new_learner(self) -> GRPOLearner:
-        config = self.loop_config
-        return GRPOLearner(
-            config["model_path"],
-            config["dtype"],
-            config["trainer"],
-            config["temperature"],
-            all_reduce=self.all_reduce,
-            top_k=config["top_k"],
-            top_p=config["top_p"],
-        )
+        return self.loop_config["learner"].build(all_reduce=self.all_reduce)
 
     def run(self, kind: str, payload):
         """The answer to one command: "train" (metrics and new weights), "checkpoint" (the learner's
@@ -196,25 +186,18 @@ def _on_cpu(value):
 class RayTrainer:
     """The controller's side: sends each step's samples, waits for the new weights."""
 
-    def __init__(self, config: RunConfig, model_path: str, storage: Path, cpus_per_worker: float) -> None:
+    def __init__(self, spec: LearnerSpec, storage: Path, cpus_per_worker: float) -> None:
         from ray.train import FailureConfig, ScalingConfig
         from ray.train import RunConfig as RayRunConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        self.num_workers = config.trainer.num_workers
+        config = spec.trainer
+        self.num_workers = config.num_workers
         self.channel = TrainerChannel.remote(self.num_workers)
-        use_gpu = config.trainer.device == "cuda"
+        use_gpu = config.device == "cuda"
         trainer = TorchTrainer(
             train_loop,
-            train_loop_config={
-                "channel": self.channel,
-                "model_path": model_path,
-                "dtype": config.model.dtype,
-                "trainer": config.trainer,
-                "temperature": config.rollout.sampling.temperature,
-                "top_k": config.rollout.sampling.top_k,
-                "top_p": config.rollout.sampling.top_p,
-            },
+            train_loop_config={"channel": self.channel, "learner": spec},
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
             scaling_config=ScalingConfig(
                 num_workers=self.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
@@ -222,7 +205,7 @@ class RayTrainer:
             run_config=RayRunConfig(
                 name="trainer",
                 storage_path=str(storage.resolve()),
-                failure_config=FailureConfig(max_failures=config.trainer.max_restarts),
+                failure_config=FailureConfig(max_failures=config.max_restarts),
             ),
         )
         self._sent = 0  # sequence number of the last command

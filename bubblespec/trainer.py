@@ -114,6 +114,28 @@ def lr_factor(config: TrainerConfig, optimizer_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What a learner is built from, and nothing else of a run's config: the model folder, the run's dtype, the
+    ``trainer`` section and the rollout's sampling filters (the distribution the trainer scores)."""
+
+    model_path: str
+    dtype: str
+    trainer: TrainerConfig
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def of_run(cls, config, model_path: str) -> LearnerSpec:
+        sampling = config.rollout.sampling
+        return cls(model_path, config.model.dtype, config.trainer, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def build(self, all_reduce: Callable[..., None] | None = None) -> GRPOLearner:
+        return GRPOLearner(self.model_path, self.dtype, self.trainer, self.temperature, all_reduce=all_reduce,
+                           top_k=self.top_k, top_p=self.top_p)  # fmt: skip
+
+
 class PeerFailed(RuntimeError):
     """Another data-parallel worker failed in this step; this one exchanged no gradient and took no step."""
 

@@ -301,11 +301,12 @@ def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(t
     from bubblespec.ray_cluster import ray_session
     from bubblespec.ray_train import RayTrainer
     from bubblespec.tasks import ArithmeticTask
-    from bubblespec.trainer import TrainSample
+    from bubblespec.trainer import LearnerSpec, TrainSample
 
     config = validate({"model": {"dtype": "bfloat16"}, "trainer": {"num_workers": 2, "max_restarts": 1}})
     with ray_session(config, num_cpus=3):
-        trainer = RayTrainer(config, str(ArithmeticTask.model_path()), tmp_path, cpus_per_worker=1.0)
+        spec = LearnerSpec.of_run(config, str(ArithmeticTask.model_path()))
+        trainer = RayTrainer(spec, tmp_path, cpus_per_worker=1.0)
         try:
             good = [TrainSample((1, 5), (6, 2), 0, 1.0), TrainSample((1, 5), (7, 2), 0, 0.0)]
             bad = [good[0], TrainSample((1, 5), (10**6, 2), 0, 0.0)]  # samples[1::2] go to worker 1
