@@ -185,17 +185,16 @@ def build_virtual(config: RunConfig) -> Components:
     profile = PROFILES[config.clock.profile]
     workers = config.trainer.num_workers
     trainer = LocalTrainer(LearnerSpec.of_run(config, path), lambda tokens: profile.train_seconds(tokens, workers))
-    service = RolloutService.build(
-        VirtualRankPool(engine, config.rollout.num_ranks, profile),
-        engine.vocab_size,
-        config.speculation,
-        config.rollout,
-        sampling_params(config, task),
-        config.seed,
-        config.task.samples_per_prompt,
-        task_peek(task, config.num_steps),
-    )
+    service = run_service(config, task, VirtualRankPool(engine, config.rollout.num_ranks, profile), engine.vocab_size)
     return Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
+
+
+def run_service(config: RunConfig, task, ranks, vocab_size: int) -> RolloutService:
+    """The rollout service of a bubblespec run on ``ranks``: the task's prompts peeked, its sampling settings."""
+    sampling = sampling_params(config, task)
+    peek = task_peek(task, config.num_steps)
+    return RolloutService.build(ranks, vocab_size, config.speculation, config.rollout, sampling, config.seed,
+                                config.task.samples_per_prompt, peek)  # fmt: skip
 
 
 @contextlib.contextmanager

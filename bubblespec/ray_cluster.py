@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from bubblespec.config import RunConfig
-from bubblespec.controller import Components, task_peek
+from bubblespec.controller import Components
 from bubblespec.errors import BubblespecError, ConfigError
 
 if TYPE_CHECKING:
@@ -111,9 +111,8 @@ def serve_ranks(config, path: str, backend, extra_cpus: int = 0, check=lambda: N
 
 @contextlib.contextmanager
 def build_on_ray(config: RunConfig) -> Iterator[Components]:
-    from bubblespec.launch import load_backend, make_tasks, model_path, read_vocab_size, sampling_params
+    from bubblespec.launch import load_backend, make_tasks, model_path, read_vocab_size, run_service
     from bubblespec.ray_train import RayTrainer
-    from bubblespec.service import RolloutService
     from bubblespec.trainer import LearnerSpec
 
     task, eval_task = make_tasks(config)
@@ -123,16 +122,7 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
         trainer = RayTrainer(LearnerSpec.of_run(config, path), config.run_dir / "ray_train", cpus_per_worker=1.0)
         try:
-            service = RolloutService.build(
-                ranks,
-                read_vocab_size(path),
-                config.speculation,
-                config.rollout,
-                sampling_params(config, task),
-                config.seed,
-                config.task.samples_per_prompt,
-                task_peek(task, config.num_steps),
-            )
+            service = run_service(config, task, ranks, read_vocab_size(path))
             yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
         finally:
             trainer.close()

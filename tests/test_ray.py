@@ -27,6 +27,21 @@ def _small_run(tmp_path, **changes) -> dict:
     } | changes
 
 
+def _our_ray_processes(prefix: str) -> list:
+    """The live processes of this test session's Ray (descendants of this process: its raylet's workers) whose
+    command line starts with ``prefix``; never another Ray's on the same machine."""
+    import psutil
+
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if (process.cmdline() or [""])[0].startswith(prefix):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     """Real Ray Serve ranks drafting in real bubbles and a real Ray Train trainer give exactly the rollouts and
     weights of the in-process simulation: keyed sampling makes where and when a token is computed irrelevant."""
@@ -131,8 +146,6 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
     import threading
     import time
 
-    import psutil
-
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
     wall = validate(base | {"name": "trainer-faults", "clock": {"kind": "wall"}})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
@@ -146,10 +159,9 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
 
         def kill():
             time.sleep(0.02)
-            for process in psutil.process_iter(["cmdline"]):
-                if (process.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker"):
-                    os.kill(process.pid, signal.SIGKILL)
-                    killed.append((step, phase))
+            for process in _our_ray_processes("ray::RayTrainWorker"):
+                os.kill(process.pid, signal.SIGKILL)
+                killed.append((step, phase))
 
         threading.Thread(target=kill).start()
 
@@ -179,7 +191,6 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
     import threading
     import time
 
-    import psutil
     import ray
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=4, metrics={"enabled": False})
@@ -200,10 +211,9 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
 
     def kill_store():
         time.sleep(0.05)
-        for process in psutil.process_iter(["cmdline"]):
-            if (process.info["cmdline"] or [""])[0].startswith("ray::InMemoryDraftStore"):
-                os.kill(process.pid, signal.SIGKILL)
-                killed.append("store")
+        for process in _our_ray_processes("ray::InMemoryDraftStore"):
+            os.kill(process.pid, signal.SIGKILL)
+            killed.append("store")
 
     def on_phase(step, phase):
         if (step, phase) == (1, "train"):
