@@ -209,23 +209,19 @@ def start_service(
     in this process on the virtual clock (``clock.kind: virtual``), or Ray Serve ranks on ``ray.address`` or a
     local Ray (``wall``); stopped on exit."""
     backend = load_backend(config)
-    if config.clock.kind == "wall":
-        from bubblespec.ray_cluster import serve_ranks
+    with contextlib.ExitStack() as stack:
+        if config.clock.kind == "wall":
+            from bubblespec.ray_cluster import serve_ranks
 
-        with serve_ranks(config, path, backend) as ranks:
-            service = RolloutService.build(ranks, read_vocab_size(path), config.speculation, config.rollout,
-                                           sampling, config.seed, samples_per_prompt, peek)  # fmt: skip
-            yield service
-            service.close()
-        return
-    engine = backend.from_pretrained(**engine_settings(config, path))
-    ranks = VirtualRankPool(engine, config.rollout.num_ranks, PROFILES[config.clock.profile])
-    service = RolloutService.build(ranks, engine.vocab_size, config.speculation, config.rollout, sampling,
-                                   config.seed, samples_per_prompt, peek)  # fmt: skip
-    try:
+            ranks, vocab_size = stack.enter_context(serve_ranks(config, path, backend)), read_vocab_size(path)
+        else:
+            engine = backend.from_pretrained(**engine_settings(config, path))
+            ranks = VirtualRankPool(engine, config.rollout.num_ranks, PROFILES[config.clock.profile])
+            vocab_size = engine.vocab_size
+        service = RolloutService.build(ranks, vocab_size, config.speculation, config.rollout, sampling, config.seed,
+                                       samples_per_prompt, peek)  # fmt: skip
+        stack.callback(service.close)
         yield service
-    finally:
-        service.close()
 
 
 def read_vocab_size(path: str) -> int:

@@ -345,7 +345,7 @@ class GRPOLearner:
         for i, ref in before.ref.items():
             old = before.old.get(i)
             if old is None:  # old_logprobs "engine"
-                old = torch.tensor(samples[i].engine_logprobs, dtype=ref.dtype, device=ref.device)
+                old = self._engine_logprobs(samples[i]).to(ref.device)
             penalties[i] = float(kl_divergence(old, ref, self.config.kl_estimator).sum())
         if self.all_reduce is not None:
             self.all_reduce(penalties)
