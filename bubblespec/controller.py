@@ -45,7 +45,7 @@ def score_responses(task, prompts: Sequence[Prompt], responses: Sequence[Sequenc
 
 class Trainer(Protocol):
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
-        """One optimizer step: (metrics, new weights, seconds it took)."""
+        """One RL step's updates on the samples (ppo_epochs x mini-batches): (metrics, new weights, seconds)."""
         ...
 
     def checkpoint_state(self) -> dict:
