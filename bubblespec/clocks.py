@@ -30,8 +30,14 @@ class CostProfile:
     train_flops_per_token: float
     """Forward + backward flops per trained token (about 3x the forward)."""
     train_fixed_s: float
-    weight_sync_s: float
-    """Seconds to broadcast new weights to every rank."""
+    weight_sync_fixed_s: float
+    """Per weight sync: the calls to the ranks."""
+    weight_sync_put_bytes_per_s: float
+    """The one copy of the weights into the object store (on GPUs: after the copy off the trainer's GPU)."""
+    weight_sync_load_bytes_per_s: float
+    """Each rank's load of the weights into its engine (across nodes: the node's copy over the network)."""
+    weight_sync_parallel_ranks: int = 1
+    """Ranks that load at once (one node's GPUs); the rest wait their turn."""
     sampling_s_per_logit: float = 0.0
     """Seconds per sampled logit (``ForwardPass.sampled_logits``): keyed sampling after the pass."""
 
@@ -47,6 +53,18 @@ class CostProfile:
 
     def train_seconds(self, num_tokens: int, num_workers: int) -> float:
         return self.train_fixed_s + self.train_flops_per_token * num_tokens / (self.flops_per_s * num_workers)
+
+    def weight_sync_seconds(self, num_bytes: float, num_ranks: int) -> float:
+        """New weights to ``num_ranks`` ranks: one put of the bytes, then every rank's load, ``parallel_ranks``
+        at a time. The bytes are those of the profile's model where it models one (``weight_bytes``), else
+        ``num_bytes``, the weights actually sent."""
+        synced = self.weight_bytes or num_bytes
+        rounds = -(-num_ranks // self.weight_sync_parallel_ranks)
+        return (
+            self.weight_sync_fixed_s
+            + synced / self.weight_sync_put_bytes_per_s
+            + synced * rounds / self.weight_sync_load_bytes_per_s
+        )
 
 
 def _h100_7b() -> CostProfile:
@@ -68,7 +86,12 @@ def _h100_7b() -> CostProfile:
         flops_per_s=0.5 * 989e12,
         train_flops_per_token=6 * parameters,
         train_fixed_s=0.5,
-        weight_sync_s=2 * parameters / 50e9,  # over a 50 GB/s interconnect
+        # Assumed, not measured: 25 GB/s off the trainer's GPU (PCIe 5) into the object store, then one copy per
+        # node of 8 GPUs, whose ranks load it at once at 25 GB/s (the network at 50 GB/s is not the bottleneck).
+        weight_sync_fixed_s=0.05,
+        weight_sync_put_bytes_per_s=25e9,
+        weight_sync_load_bytes_per_s=25e9,
+        weight_sync_parallel_ranks=8,
         sampling_s_per_logit=242 / bandwidth,
     )
 
@@ -77,8 +100,9 @@ def _cpu_tiny() -> CostProfile:
     """The built-in torch engine on the shipped tiny model with one torch thread on a shared 2-core x86 machine,
     fitted to timed forward passes and training steps by ``python benchmarks/calibrate_cpu.py`` (median error of
     the forward fit 9% over 48 shapes). The CPU engine is overhead bound, so the profile is linear: a fixed cost
-    per pass plus a cost per token and per attended (query, context) pair. Weight sync is the time measured for
-    a Ray Serve broadcast of the 3 MB model to two ranks. Keyed sampling is fitted by
+    per pass plus a cost per token and per attended (query, context) pair. Weight sync is fitted to
+    ``python benchmarks/weight_sync.py`` (0.13 and 0.51 GB in bfloat16 to 1-8 Ray Serve ranks: one put into the
+    object store at 2.8 GB/s, each rank's load at 5.4 GB/s). Keyed sampling is fitted by
     ``python benchmarks/calibrate_cpu.py --sampling-only`` over 1-272 rows and vocabularies of 19-151,936 (median
     error 11%; its per-call overhead of 0.66 ms is not in ``fixed_s``, which times the model's forward only)."""
     return CostProfile(
@@ -93,7 +117,9 @@ def _cpu_tiny() -> CostProfile:
         flops_per_s=1.0,
         train_flops_per_token=5.8e-4,
         train_fixed_s=0.0,  # the fit's intercept was not distinguishable from zero
-        weight_sync_s=0.03,
+        weight_sync_fixed_s=0.02,
+        weight_sync_put_bytes_per_s=2.8e9,
+        weight_sync_load_bytes_per_s=5.4e9,
         sampling_s_per_logit=1.3e-8,
     )
 

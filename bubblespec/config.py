@@ -76,7 +76,11 @@ class RolloutConfig(Section):
     num_ranks: int = Field(2, ge=1)
     """Data-parallel rollout ranks (one engine each)."""
     threads_per_rank: int = Field(1, ge=1)
-    """torch threads per rank; more than cores / ranks oversubscribes the CPU and is much slower."""
+    """torch threads per rank; more than cores / ranks oversubscribes the CPU and is much slower. On Ray each rank
+    reserves this many CPUs."""
+    gpus_per_rank: float = Field(0.0, ge=0)
+    """GPUs each rank reserves on Ray (``num_gpus`` of its replica; a fraction shares a GPU, e.g. 0.5 with a
+    trainer worker of 0.5 when ``ray.colocated``); 0 on CPU engines."""
     max_batch_size: int = Field(64, ge=1)
     """Sequences one engine decodes together."""
     max_draft_tokens_per_step: int = Field(16, ge=1)
@@ -104,6 +108,9 @@ class SpeculationConfig(Section):
     """Draft the next step in the bubble and verify those drafts; off gives plain synchronous RL."""
     draft_store: str = "memory"
     """Draft store plugin (entry point group ``bubblespec.draft_stores``)."""
+    draft_store_options: dict[str, Any] = {}
+    """Settings only the chosen draft store knows, passed to its constructor (``ray``: ``label_selector``, the
+    Ray label selector of the nodes its actor may run on; empty: Ray's choice, usually the driver's node)."""
     draft_store_max_tokens: int = Field(50_000_000, ge=1)
     """Cap on the draft tokens the store holds; past it the oldest drafts are evicted first (each step's record
     counts them: ``drafts_evicted``)."""
@@ -268,6 +275,8 @@ class TrainerConfig(Section):
     """Gradient-norm clipping; empty disables it."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer runs."""
+    gpus_per_worker: float | None = Field(None, ge=0)
+    """GPUs each Ray Train worker reserves; empty: 1 with device cuda, 0 with cpu."""
     max_restarts: int = Field(3, ge=0)
     """Wall clock: how often Ray Train may restart a failed worker group; each restart rewinds the run to its
     last checkpoint (or its start) and replays the steps since, with identical results."""
@@ -283,10 +292,19 @@ class TrainerConfig(Section):
             raise ValueError("train_prompts caps the groups filter_groups keeps: set filter_groups: true")
         if self.policy_loss == "cispo" and self.importance_ratio == "sequence":
             raise ValueError("policy_loss cispo weights each token by its own ratio: use importance_ratio token")
+        if self.device == "cuda" and self.gpus_per_worker == 0:
+            raise ValueError("trainer.device cuda needs a GPU per worker: gpus_per_worker above 0 (or empty: 1)")
         needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]
         if needing and self.model != "transformers":
             raise ValueError(f"{' and '.join(needing)} need trainer.model: transformers")
         return self
+
+    @property
+    def worker_gpus(self) -> float:
+        """The GPUs a Ray Train worker reserves."""
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return 1.0 if self.device == "cuda" else 0.0
 
 
 class ClockConfig(Section):
@@ -302,6 +320,15 @@ class RayConfig(Section):
     """An existing Ray cluster ("auto" or "ray://host:port"); empty starts a local Ray and stops it at the end."""
     http_proxy: bool = False
     """Start Ray Serve's HTTP proxy (only needed to reach ranks over HTTP)."""
+    colocated: bool = False
+    """Rollout ranks and trainer workers share hardware (the same GPUs, e.g. 0.5 GPU each): engines ``release()``
+    their generation memory before each training phase and ``resume()`` after it, and nothing drafts while the
+    trainer runs. false: separate hardware (``rollout_nodes`` / ``trainer_nodes``)."""
+    rollout_nodes: dict[str, str] = {}
+    """Ray label selector of the nodes rollout ranks may run on, e.g. ``{bubblespec-role: rollout}`` for nodes
+    started with ``ray start --labels bubblespec-role=rollout``; empty: any node with the resources."""
+    trainer_nodes: dict[str, str] = {}
+    """Ray label selector of the nodes trainer workers may run on; empty: any node with the resources."""
 
 
 class MetricsConfig(Section):
@@ -326,9 +353,22 @@ class ServiceConfig(Section):
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @model_validator(mode="after")
+    def _training_hardware(self) -> ServiceConfig:
+        _check_hardware(self.speculation, self.ray)
+        return self
+
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:
         return cls(**{name: getattr(config, name) for name in cls.model_fields})
+
+
+def _check_hardware(speculation: SpeculationConfig, ray: RayConfig) -> None:
+    if ray.colocated and speculation.draft_during_training:
+        raise ValueError(
+            "speculation.draft_during_training needs ranks on hardware of their own; with ray.colocated the "
+            "engines release their memory to the trainer while it trains: turn one of the two off"
+        )
 
 
 class RunConfig(Section):
@@ -358,6 +398,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _groups_to_compare(self) -> RunConfig:
+        _check_hardware(self.speculation, self.ray)
         if self.trainer.filter_groups and self.task.samples_per_prompt < 2:
             raise ValueError(
                 "trainer.filter_groups keeps groups whose rewards differ: it needs task.samples_per_prompt >= 2 "

@@ -161,22 +161,21 @@ class Controller:
             )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
-        drafting_while_training = parts.service.start_drafting()
+        parts.service.training_starts()
         self.on_phase(step, "train")
         try:
             train_metrics, weights, train_seconds = parts.trainer.train(samples)
-        except TrainerRestarted:
-            if drafting_while_training:
-                parts.service.stop_drafting(0.0)  # the ranks stop before the run rewinds
+        except BaseException:
+            parts.service.training_ended(0.0)  # the ranks stop drafting (and resume) before the run rewinds or ends
             raise
-        if drafting_while_training:
-            training = parts.service.stop_drafting(train_seconds)
+        training = parts.service.training_ended(train_seconds)
+        if training is not None:
             outcome.drafts += training.drafts
         self.on_phase(step, "weight sync")
         sync_seconds = parts.service.update_weights(weights, version=step + 1)
         record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
         record |= self._reward_failures(step)
-        if drafting_while_training:
+        if training is not None:
             for rank_record, drafted in zip(record["ranks"], training.ranks, strict=True):
                 rank_record["drafting_seconds_while_training"] = drafted.drafting_seconds
                 rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced

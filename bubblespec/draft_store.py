@@ -76,11 +76,12 @@ class InMemoryDraftStore:
 class RayDraftStore:
     """The same store inside a Ray actor; this object is a thin, picklable client that any node can use."""
 
-    def __init__(self, vocab_size: int, max_tokens: int = 50_000_000) -> None:
+    def __init__(self, vocab_size: int, max_tokens: int = 50_000_000, label_selector: dict | None = None) -> None:
+        """``label_selector``: the nodes the actor may run on (a Ray label selector); empty: Ray's choice."""
         import ray
 
         actor_class = ray.remote(num_cpus=0)(InMemoryDraftStore)
-        self._actor = actor_class.remote(vocab_size, max_tokens)
+        self._actor = actor_class.options(label_selector=dict(label_selector or {})).remote(vocab_size, max_tokens)
         self.vocab_size = vocab_size
 
     def put(self, drafts: Sequence[Draft]) -> None:

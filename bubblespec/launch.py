@@ -194,7 +194,7 @@ def run_service(config: RunConfig, task, ranks, vocab_size: int) -> RolloutServi
     sampling = sampling_params(config, task)
     peek = task_peek(task, config.num_steps)
     return RolloutService.build(ranks, vocab_size, config.speculation, config.rollout, sampling, config.seed,
-                                config.task.samples_per_prompt, peek)  # fmt: skip
+                                config.task.samples_per_prompt, peek, config.ray.colocated)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -219,7 +219,7 @@ def start_service(
             ranks = VirtualRankPool(engine, config.rollout.num_ranks, PROFILES[config.clock.profile])
             vocab_size = engine.vocab_size
         service = RolloutService.build(ranks, vocab_size, config.speculation, config.rollout, sampling, config.seed,
-                                       samples_per_prompt, peek)  # fmt: skip
+                                       samples_per_prompt, peek, config.ray.colocated)  # fmt: skip
         stack.callback(service.close)
         yield service
 
@@ -274,9 +274,20 @@ def run(
         if on_activity is not None and hasattr(parts.service.ranks, "on_activity"):
             parts.service.ranks.on_activity = on_activity
         controller.run(start_step=start)
-        summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started)
+        summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started) | placement(parts)
         run_dir.write_summary(summary)
         return summary
+
+
+def placement(parts: Components) -> dict:
+    """Where a Ray run's ranks and trainer workers ran at its end (node, GPUs; ranks' releases), for the summary;
+    nothing on the virtual clock."""
+    found = {}
+    if hasattr(parts.service.ranks, "placement"):
+        found["ranks"] = parts.service.ranks.placement()
+    if hasattr(parts.trainer, "placement"):
+        found["trainer_workers"] = parts.trainer.placement()
+    return {"placement": found} if found else {}
 
 
 def bubble_utilization(steps: list[dict], num_steps: int) -> float:

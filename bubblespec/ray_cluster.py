@@ -100,13 +100,40 @@ def serve_ranks(config, path: str, backend, extra_cpus: int = 0, check=lambda: N
             proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
             logging_config={"log_level": "WARNING"},
         )
+        check_nodes(config.ray.rollout_nodes, "ray.rollout_nodes")
         try:
-            handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, float(rollout.threads_per_rank))
+            handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, rank_resources(config))
             yield ServeRankPool(handles)
         finally:
             if not owns_ray:  # on a shared cluster remove only our applications; a local Ray goes down whole
                 for rank in range(rollout.num_ranks):
                     serve.delete(f"bubblespec-rank-{rank}")
+
+
+def rank_resources(config) -> dict:
+    """The Ray resources of one rank's replica: its CPUs (torch threads), GPUs and the nodes it may run on."""
+    resources: dict = {"num_cpus": float(config.rollout.threads_per_rank)}
+    if config.rollout.gpus_per_rank:
+        resources["num_gpus"] = config.rollout.gpus_per_rank
+    if config.ray.rollout_nodes:
+        resources["label_selector"] = dict(config.ray.rollout_nodes)
+    return resources
+
+
+def check_nodes(selector: dict[str, str], key: str) -> None:
+    """Ray would wait forever for a node that matches ``selector``: fail at once when no live node does. (Values
+    with Ray's operators, such as ``in(a,b)`` or ``!a``, are left to Ray.)"""
+    import ray
+
+    if not selector or any(any(c in value for c in "()!,") for value in selector.values()):
+        return
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    if not any(all(node.get("Labels", {}).get(k) == v for k, v in selector.items()) for node in nodes):
+        seen = sorted({f"{k}={v}" for node in nodes for k, v in node.get("Labels", {}).items() if "/" not in k})
+        raise ConfigError(
+            f"{key} {selector} matches no node of the Ray cluster (its nodes' labels: {', '.join(seen) or 'none'}); "
+            "start nodes with `ray start --labels key=value` or leave it empty for any node"
+        )
 
 
 @contextlib.contextmanager
@@ -120,7 +147,14 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     check = functools.partial(check_local_gpus, config)
     with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
-        trainer = RayTrainer(LearnerSpec.of_run(config, path), config.run_dir / "ray_train", cpus_per_worker=1.0)
+        check_nodes(config.ray.trainer_nodes, "ray.trainer_nodes")
+        trainer = RayTrainer(
+            LearnerSpec.of_run(config, path),
+            config.run_dir / "ray_train",
+            cpus_per_worker=1.0,
+            gpus_per_worker=config.trainer.worker_gpus,
+            nodes=config.ray.trainer_nodes,
+        )
         try:
             service = run_service(config, task, ranks, read_vocab_size(path))
             yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
@@ -129,15 +163,47 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
 
 
 def check_local_gpus(config: RunConfig) -> None:
-    """A trainer on CUDA needs GPUs: on the local Ray this run started, none appear later, and Ray Train would wait
-    for them forever. (A cluster given by ray.address may add GPU nodes on demand: it is not checked.)"""
+    """The GPUs ranks and trainer workers reserve must exist: on the local Ray this run started none appear later,
+    and Ray would wait for them forever. (A cluster given by ray.address may add GPU nodes on demand: it is not
+    checked.)"""
     import ray
 
-    if config.trainer.device != "cuda":
-        return
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus < config.trainer.num_workers:
+    trainer = config.trainer
+    needed = config.rollout.num_ranks * config.rollout.gpus_per_rank + trainer.num_workers * trainer.worker_gpus
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if needed > gpus:
+        wanted = []
+        if config.rollout.gpus_per_rank:
+            wanted.append(f"rollout.num_ranks {config.rollout.num_ranks} x rollout.gpus_per_rank "
+                          f"{config.rollout.gpus_per_rank:g}")  # fmt: skip
+        if trainer.worker_gpus:
+            wanted.append(f"trainer.num_workers {trainer.num_workers} x {trainer.worker_gpus:g} GPUs per worker"
+                          + (" (trainer.device 'cuda')" if trainer.device == "cuda" else ""))  # fmt: skip
         raise ConfigError(
-            f"trainer.device 'cuda' with trainer.num_workers {config.trainer.num_workers} needs as many GPUs; this "
-            f"machine's Ray has {gpus}. Use trainer.device: cpu, fewer workers, or ray.address of a cluster with GPUs"
+            f"{' plus '.join(wanted)} need {needed:g} GPUs; this machine's Ray has {gpus:g}. Use fewer GPUs "
+            "(trainer.device: cpu), or ray.address of a cluster with GPUs"
         )
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: list[dict], head_cpus: float = 2) -> Iterator:
+    """A Ray cluster of several nodes on this machine (Ray's own ``ray.cluster_utils.Cluster``: a raylet and an
+    object store per node), connected to: for tests and benchmarks of what spans nodes. The head node (the
+    driver's, with Serve's controller) takes no ranks or trainer workers when the others carry labels; each entry
+    of ``nodes`` is ``Cluster.add_node``'s arguments (``num_cpus``, ``num_gpus`` — any count, no GPU needed —,
+    ``labels``, ``resources``). Yields the Cluster (``remove_node`` takes one of ``cluster.worker_nodes``)."""
+    for name, value in RAY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    try:
+        for node in nodes:
+            cluster.add_node(**node)
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -46,11 +46,18 @@ class TrainerChannel:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.joined: set[int] = set()
         self.starts = 0
+        self.placement: dict[int, dict] = {}
 
-    async def join(self, rank: int) -> None:
-        """A (new) worker starts: what was queued for its predecessor is dropped. Once the whole group has
-        joined, the controller hears ("started", number of starts so far), ahead of any stale answer."""
+    async def where(self) -> list[dict]:
+        """Each worker's node and GPUs, as it said when it last joined."""
+        return [self.placement[rank] for rank in sorted(self.placement)]
+
+    async def join(self, rank: int, where: dict) -> None:
+        """A (new) worker starts (``where``: its node and GPUs): what was queued for its predecessor is dropped.
+        Once the whole group has joined, the controller hears ("started", number of starts so far), ahead of any
+        stale answer."""
         self.inboxes[rank] = asyncio.Queue()
+        self.placement[rank] = where
         self.joined.add(rank)
         if len(self.joined) == len(self.inboxes):
             self.joined.clear()
@@ -95,7 +102,9 @@ def train_loop(loop_config: dict) -> None:
             raise PeerLost(f"trainer worker {rank}: an all-reduce failed: {error}") from error
 
     worker = _Worker(loop_config, rank, world, all_reduce if world > 1 else None)
-    ray.get(channel.join.remote(rank))
+    runtime = ray.get_runtime_context()
+    where = {"node": runtime.get_node_id(), "gpus": [str(g) for g in runtime.get_accelerator_ids().get("GPU", [])]}
+    ray.get(channel.join.remote(rank, where))
     while True:
         number, kind, payload = ray.get(channel.receive.remote(rank))
         if kind == "stop":
@@ -186,21 +195,36 @@ def _on_cpu(value):
 class RayTrainer:
     """The controller's side: sends each step's samples, waits for the new weights."""
 
-    def __init__(self, spec: LearnerSpec, storage: Path, cpus_per_worker: float) -> None:
+    def __init__(
+        self,
+        spec: LearnerSpec,
+        storage: Path,
+        cpus_per_worker: float,
+        gpus_per_worker: float = 0.0,
+        nodes: dict[str, str] | None = None,
+    ) -> None:
+        """Workers reserve ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs each, on nodes whose labels match
+        ``nodes`` (a Ray label selector; empty: any node)."""
         from ray.train import FailureConfig, ScalingConfig
         from ray.train import RunConfig as RayRunConfig
         from ray.train.torch import TorchConfig, TorchTrainer
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         config = spec.trainer
         self.num_workers = config.num_workers
-        self.channel = TrainerChannel.remote(self.num_workers)
-        use_gpu = config.device == "cuda"
+        # The channel lives on the driver's node: it goes down with the run only, never with a trainer node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.channel = TrainerChannel.options(scheduling_strategy=here).remote(self.num_workers)
+        resources = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"channel": self.channel, "learner": spec},
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            torch_config=TorchConfig(backend="nccl" if config.device == "cuda" else "gloo"),
             scaling_config=ScalingConfig(
-                num_workers=self.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
+                num_workers=self.num_workers,
+                use_gpu=bool(gpus_per_worker),
+                resources_per_worker=resources,
+                label_selector=dict(nodes) if nodes else None,
             ),
             run_config=RayRunConfig(
                 name="trainer",
@@ -234,6 +258,10 @@ class RayTrainer:
     def reset(self) -> dict:
         """Back to the initial model and a fresh optimizer on every worker; returns the initial weights."""
         return self._call("reset")
+
+    def placement(self) -> list[dict]:
+        """Each worker's Ray node and GPUs (after the first command: the workers have joined)."""
+        return ray.get(self.channel.where.remote())
 
     def close(self) -> None:
         if self._thread.is_alive():

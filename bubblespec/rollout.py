@@ -173,7 +173,14 @@ class VirtualRankPool:
 
     def update_weights(self, state_dict, version: int) -> float:
         self.engine.update_weights(state_dict, version)
-        return self.profile.weight_sync_s
+        state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
+        return self.profile.weight_sync_seconds(state_bytes, self.num_ranks)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def resume(self) -> None:
+        self.engine.resume()
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         return self.engine.generate(requests)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
+from bubblespec.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class RankReplica:
         self.dtype = engine_settings.get("dtype")
         self.stopped_step = -1
         self.version = 0
+        self.releases = 0
 
     def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int]:
         self._check_version(version)
@@ -82,14 +84,32 @@ class RankReplica:
     def stop(self, step: int) -> None:
         self.stopped_step = max(self.stopped_step, step)
 
-    def update_weights(self, state: dict, version: int) -> int:
-        """``state``: tensors by Hugging Face name, in any dtype; the engine gets them in its own."""
+    def update_weights(self, weights: PackedWeights, version: int) -> int:
+        """``weights``: tensors by Hugging Face name, in any dtype (views of the node's object store); the engine
+        gets them in its own."""
         from bubblespec.backends.torch_model import DTYPES
 
         dtype = DTYPES.get(self.dtype)  # an engine-specific dtype name ("auto") takes the tensors as they are
+        state = weights.tensors()
         self.engine.update_weights({name: t if dtype is None else t.to(dtype) for name, t in state.items()}, version)
         self.version = version
         return version
+
+    def release(self) -> None:
+        """The trainer shares this rank's hardware: free the engine's generation memory until :meth:`resume`."""
+        self.engine.release()
+        self.releases += 1
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def placement(self) -> dict:
+        """Where this replica runs: its Ray node, the GPUs Ray gave it, and how often it released its memory."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node": context.get_node_id(), "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
+                "releases": self.releases}  # fmt: skip
 
 
 class _StepStop:
@@ -100,14 +120,14 @@ class _StepStop:
         return self.replica.stopped_step >= self.step
 
 
-def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, cpus_per_rank: float) -> list:
-    """Deploys one application ``bubblespec-rank-<r>`` per rank; returns their handles in rank order."""
+def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, resources: dict) -> list:
+    """Deploys one application ``bubblespec-rank-<r>`` per rank, each replica with Ray ``resources``
+    (``ray_actor_options``: num_cpus, num_gpus, label_selector); returns their handles in rank order. Serve
+    spreads the replicas over the nodes that have room."""
     from ray import serve
     from ray.serve.api import RunTarget
 
-    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options={"num_cpus": cpus_per_rank})(
-        RankReplica
-    )
+    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options=resources)(RankReplica)
     targets = [
         RunTarget(deployment.bind(rank, backend, engine_settings), name=f"bubblespec-rank-{rank}", route_prefix=None)
         for rank in range(num_ranks)
@@ -153,20 +173,28 @@ class ServeRankPool:
         import ray
 
         start = time.perf_counter()
-        # One object for every rank; tensors keep their dtype (numpy has no bfloat16).
-        reference = ray.put({name: tensor.detach().cpu() for name, tensor in state_dict.items()})
+        # One object for every rank: each node's ranks map the same bytes of its object store.
+        reference = ray.put(PackedWeights.pack(state_dict))
         self.version, self._weights = version, reference  # a replica restored meanwhile gets these
-
-        async def send_all():
-            await asyncio.gather(
-                *[
-                    self._resilient(rank, lambda handle: handle.update_weights.remote(reference, version))
-                    for rank in range(self.num_ranks)
-                ]
-            )
-
-        asyncio.run(send_all())
+        self._on_every_rank(lambda handle: handle.update_weights.remote(reference, version))
         return time.perf_counter() - start
+
+    def release(self) -> None:
+        """Every rank frees its generation memory for the trainer (colocated hardware)."""
+        self._on_every_rank(lambda handle: handle.release.remote())
+
+    def resume(self) -> None:
+        self._on_every_rank(lambda handle: handle.resume.remote())
+
+    def placement(self) -> list[dict]:
+        """Each rank's node, GPUs and releases (:meth:`RankReplica.placement`)."""
+        return self._on_every_rank(lambda handle: handle.placement.remote())
+
+    def _on_every_rank(self, call) -> list:
+        async def on_all():
+            return await asyncio.gather(*[self._resilient(rank, call) for rank in range(self.num_ranks)])
+
+        return asyncio.run(on_all())
 
     async def _resilient(self, rank: int, call):
         """``call(handle)`` on a rank; if the rank's replica died, wait for Serve's replacement, give it the current

@@ -3,7 +3,9 @@
     service.generate(step, prompts, samples_per_prompt)   the step's responses, sharded over the ranks; while the
                                                            slow ranks finish, idle ranks draft the prompts of the
                                                            next steps (``peek``) with the policy they hold
-    service.start_drafting() / stop_drafting(seconds)      drafting goes on while the trainer trains
+    service.training_starts() / training_ended(seconds)    around the trainer's step: ranks on hardware of their
+                                                           own draft on (draft_during_training); colocated ranks
+                                                           release their memory to the trainer and resume after
     service.update_weights(state_dict, version)            the new policy to every rank
     service.evaluate(requests)                             held-out generation, no drafts
     service.close()
@@ -24,6 +26,7 @@ from typing import Protocol
 
 from bubblespec.config import RolloutConfig, SpeculationConfig
 from bubblespec.draft_sources import HistoryDrafts
+from bubblespec.errors import ConfigError
 from bubblespec.interfaces import (
     BubblePolicy,
     Draft,
@@ -50,6 +53,15 @@ class RankPool(Protocol):
 
     def start_drafting(self, plan: DraftPlan) -> None:
         """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
+        ...
+
+    def release(self) -> None:
+        """Every rank's engine frees its generation memory (``GenerationEngine.release``): the trainer shares the
+        hardware."""
+        ...
+
+    def resume(self) -> None:
+        """Undo :meth:`release`."""
         ...
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
@@ -87,6 +99,7 @@ class RolloutService:
         peek: Peek | None = None,
         samples_per_prompt: int = 1,
         history: HistoryDrafts | None = None,
+        colocated: bool = False,
     ) -> None:
         self.ranks = ranks
         self.store = store
@@ -99,10 +112,13 @@ class RolloutService:
         self.peek = peek or (lambda step: None)
         self.samples_per_prompt = samples_per_prompt
         self.history = history
+        self.colocated = colocated
+        """Ranks share the trainer's hardware: they release their memory while it trains."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
         self._plan = DraftPlan([])
         self._warned_unpeekable = False
+        self._drafting = self._released = False
 
     @classmethod
     def build(
@@ -115,15 +131,25 @@ class RolloutService:
         seed: int,
         samples_per_prompt: int,
         peek: Peek | None,
+        colocated: bool = False,
     ) -> RolloutService:
-        """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names."""
+        """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names;
+        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``)."""
         from bubblespec import plugins
         from bubblespec.draft_store import TolerantDraftStore
 
         store_class = plugins.load("draft_stores", speculation.draft_store)
+        try:
+            store = store_class(vocab_size=vocab_size, max_tokens=speculation.draft_store_max_tokens,
+                                **speculation.draft_store_options)  # fmt: skip
+        except TypeError as error:
+            raise ConfigError(
+                f"speculation.draft_store_options {speculation.draft_store_options} do not suit the "
+                f"{speculation.draft_store!r} draft store: {error}"
+            ) from None
         return cls(
             ranks,
-            TolerantDraftStore(store_class(vocab_size=vocab_size, max_tokens=speculation.draft_store_max_tokens)),
+            TolerantDraftStore(store),
             plugins.load("policies", speculation.bubble_policy)(),
             plugins.load("policies", speculation.sharding_policy)(),
             sampling,
@@ -133,6 +159,7 @@ class RolloutService:
             peek,
             samples_per_prompt,
             HistoryDrafts() if "history" in speculation.draft_sources else None,
+            colocated,
         )
 
     @property
@@ -166,17 +193,27 @@ class RolloutService:
         self.response_lengths.observe(outcome.results)
         return outcome
 
-    def start_drafting(self) -> bool:
-        """Ranks go on drafting the rest of the last step's plan while the trainer trains (ranks and trainer on
-        separate hardware); returns whether there was anything to draft."""
-        if not (self.speculation.uses_bubble and self.speculation.draft_during_training and self._plan):
-            return False
-        self.ranks.start_drafting(self._plan)
-        return True
+    def training_starts(self) -> None:
+        """The trainer is about to train. Colocated ranks release their generation memory to it; ranks on
+        hardware of their own go on drafting the rest of the last step's plan (``draft_during_training``)."""
+        self._drafting = False
+        if self.colocated:
+            self.ranks.release()
+            self._released = True
+        elif self.speculation.uses_bubble and self.speculation.draft_during_training and self._plan:
+            self.ranks.start_drafting(self._plan)
+            self._drafting = True
 
-    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Stops the drafting :meth:`start_drafting` began (the virtual clock budgets it by ``train_seconds``) and
-        stores its drafts; returns them with per-rank records and timelines."""
+    def training_ended(self, train_seconds: float) -> RolloutOutcome | None:
+        """The trainer is done (or failed: ``train_seconds`` 0). Colocated ranks resume; drafting stops (the
+        virtual clock budgets it by ``train_seconds``) and its drafts are stored and returned with per-rank
+        records and timelines; None when the ranks did not draft."""
+        if self._released:
+            self.ranks.resume()
+            self._released = False
+        if not self._drafting:
+            return None
+        self._drafting = False
         outcome = self.ranks.stop_drafting(train_seconds)
         self._store(outcome.drafts)
         return outcome

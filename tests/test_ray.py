@@ -298,7 +298,11 @@ def test_a_cuda_trainer_on_a_local_ray_without_gpus_fails_at_once(tmp_path):
         _small_run(tmp_path, name="no-gpu", metrics={"enabled": False})
         | {"clock": {"kind": "wall"}, "trainer": {"device": "cuda"}}
     )
-    with pytest.raises(ConfigError, match=r"trainer.device 'cuda' with trainer.num_workers 1 needs as many GPUs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.num_workers 1 x 1 GPUs per worker \(trainer.device 'cuda'\) need 1 GPUs; this machine's Ray "
+        r"has 0",
+    ):
         run(config)
     assert not config.run_dir.exists()
 
