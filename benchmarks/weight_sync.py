@@ -3,13 +3,15 @@
     python benchmarks/weight_sync.py --ranks 1 2 4 8 --sizes-mb 128 512 --json weight-sync.json
     python benchmarks/weight_sync.py --ranks 2 4 8 --sizes-mb 512 --nodes 4   # ranks spread over 4 Ray nodes
 
-Each configuration deploys the ranks as a run does (Ray Serve, the torch engine, bfloat16) on a random
-Qwen2-shaped checkpoint (vocabulary 32,000, hidden 1,024, as many layers as the size asks), then times
-``ServeRankPool.update_weights`` — the one path a run's weights take: one ``ray.put`` of the state dict (torch
-tensors in their own dtype) that every rank reads from its node's object store, each rank loading it into its
-engine — ``--repeats`` times after one untimed sync. With ``--nodes`` the ranks run on that many extra nodes of a
-local ``ray.cluster_utils.Cluster`` (the driver's node holds none), so every sync crosses nodes through Ray's
-object manager. Prints a table; ``--json`` writes every measurement.
+Each configuration deploys the ranks as a run does (Ray Serve, the torch engine, bfloat16) on a random Qwen2-shaped
+checkpoint (vocabulary 32,000, hidden 1,024, as many layers as the size asks), then times
+``ServeRankPool.update_weights`` — the one path a run's weights take: one ``ray.put`` of the weights as byte
+buffers (:class:`bubblespec.weights.PackedWeights`, in their own dtype) that every rank maps from its node's object
+store, each rank loading them into its engine — ``--repeats`` times after one untimed sync, alternating with the
+same sync of the plain state dict (Ray pickles its tensors one by one: what bubblespec sent before). With
+``--nodes`` the ranks run on that many extra nodes of a local ``ray.cluster_utils.Cluster`` (the driver's node
+holds none), so every sync crosses nodes through Ray's object manager. Prints a table; ``--json`` writes every
+measurement.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file
 
+import bubblespec.serve_ranks as serve_ranks_module
 from bubblespec.config import ServiceConfig
 from bubblespec.launch import load_backend
 from bubblespec.random_checkpoints import write_random_checkpoint
 from bubblespec.ray_cluster import local_cluster, ray_session, serve_ranks
+from bubblespec.weights import PackedWeights
 
 EMBEDDING_MB = 32_000 * 1024 * 2 / 1e6
 LAYER_MB = (2 * 1024 * 1024 + 2 * 1024 * 128 + 3 * 1024 * 2816) * 2 / 1e6
@@ -42,6 +47,17 @@ def checkpoint(folder: Path, megabytes: float) -> Path:
     )  # fmt: skip
 
 
+class PickledWeights(dict):
+    """The plain state dict, with the one method a rank calls on what it is sent."""
+
+    def tensors(self) -> dict:
+        return self
+
+    @classmethod
+    def pack(cls, state_dict) -> PickledWeights:
+        return cls(state_dict)
+
+
 def measure(path: Path, ranks: int, repeats: int) -> dict:
     config = ServiceConfig.model_validate(
         {"model": {"path": str(path), "dtype": "bfloat16"}, "rollout": {"num_ranks": ranks},
@@ -49,16 +65,20 @@ def measure(path: Path, ranks: int, repeats: int) -> dict:
     )  # fmt: skip
     state = load_file(str(path / "model.safetensors"))
     gigabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+    seconds: dict[str, list[float]] = {"packed": [], "pickled": []}
     with serve_ranks(config, str(path), load_backend(config)) as pool:
         nodes = len({where["node"] for where in pool.placement()})
         pool.update_weights(state, version=1)  # untimed: first calls warm Serve's handles
-        seconds = []
-        for version in range(2, 2 + repeats):
-            state = {name: tensor.clone() for name, tensor in state.items()}  # a new policy's tensors
-            seconds.append(pool.update_weights(state, version=version))
-    median = statistics.median(seconds)
+        for repeat in range(repeats):
+            for form, packing in (("packed", PackedWeights), ("pickled", PickledWeights)):
+                state = {name: tensor.clone() for name, tensor in state.items()}  # a new policy's tensors
+                with mock.patch.object(serve_ranks_module, "PackedWeights", packing):
+                    seconds[form].append(pool.update_weights(state, version=2 + 2 * repeat + (form == "pickled")))
+    median = statistics.median(seconds["packed"])
+    pickled = statistics.median(seconds["pickled"])
     return {"ranks": ranks, "nodes": nodes, "gigabytes": gigabytes, "seconds": seconds, "median_s": median,
-            "s_per_gb": median / gigabytes, "delivered_gb_per_s": gigabytes * ranks / median}  # fmt: skip
+            "s_per_gb": median / gigabytes, "delivered_gb_per_s": gigabytes * ranks / median,
+            "pickled_median_s": pickled, "speedup_over_pickled": pickled / median}  # fmt: skip
 
 
 def main() -> None:
@@ -84,11 +104,14 @@ def main() -> None:
                     start = time.perf_counter()
                     results.append(measure(path, ranks, args.repeats) | {"size_mb": mb})
                     print(f"  {ranks} ranks, {mb:g} MB: measured in {time.perf_counter() - start:.0f} s", flush=True)
-    print("| model | ranks | nodes | seconds per sync | s per GB | GB delivered per s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| model | ranks | nodes | s per sync | s per GB | GB delivered per s | state dict pickled: s | speedup |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['gigabytes']:.2f} GB | {r['ranks']} | {r['nodes']} | {r['median_s']:.3f} | {r['s_per_gb']:.2f} | "
-              f"{r['delivered_gb_per_s']:.2f} |")  # fmt: skip
+        cells = [
+            f"{r['gigabytes']:.2f} GB", r["ranks"], r["nodes"], f"{r['median_s']:.3f}", f"{r['s_per_gb']:.2f}",
+            f"{r['delivered_gb_per_s']:.2f}", f"{r['pickled_median_s']:.3f}", f"{r['speedup_over_pickled']:.1f}x",
+        ]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

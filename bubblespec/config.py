@@ -397,7 +397,7 @@ class RunConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
-    def _groups_to_compare(self) -> RunConfig:
+    def _across_sections(self) -> RunConfig:
         _check_hardware(self.speculation, self.ray)
         if self.trainer.filter_groups and self.task.samples_per_prompt < 2:
             raise ValueError(

@@ -172,13 +172,12 @@ def check_local_gpus(config: RunConfig) -> None:
     needed = config.rollout.num_ranks * config.rollout.gpus_per_rank + trainer.num_workers * trainer.worker_gpus
     gpus = ray.cluster_resources().get("GPU", 0)
     if needed > gpus:
-        wanted = []
-        if config.rollout.gpus_per_rank:
-            wanted.append(f"rollout.num_ranks {config.rollout.num_ranks} x rollout.gpus_per_rank "
-                          f"{config.rollout.gpus_per_rank:g}")  # fmt: skip
+        rollout, wanted = config.rollout, []
+        if rollout.gpus_per_rank:
+            wanted.append(f"rollout.num_ranks {rollout.num_ranks} x rollout.gpus_per_rank {rollout.gpus_per_rank:g}")
         if trainer.worker_gpus:
-            wanted.append(f"trainer.num_workers {trainer.num_workers} x {trainer.worker_gpus:g} GPUs per worker"
-                          + (" (trainer.device 'cuda')" if trainer.device == "cuda" else ""))  # fmt: skip
+            cuda = " (trainer.device 'cuda')" if trainer.device == "cuda" else ""
+            wanted.append(f"trainer.num_workers {trainer.num_workers} x {trainer.worker_gpus:g} GPUs per worker{cuda}")
         raise ConfigError(
             f"{' plus '.join(wanted)} need {needed:g} GPUs; this machine's Ray has {gpus:g}. Use fewer GPUs "
             "(trainer.device: cpu), or ray.address of a cluster with GPUs"
@@ -188,10 +187,10 @@ def check_local_gpus(config: RunConfig) -> None:
 @contextlib.contextmanager
 def local_cluster(nodes: list[dict], head_cpus: float = 2) -> Iterator:
     """A Ray cluster of several nodes on this machine (Ray's own ``ray.cluster_utils.Cluster``: a raylet and an
-    object store per node), connected to: for tests and benchmarks of what spans nodes. The head node (the
-    driver's, with Serve's controller) takes no ranks or trainer workers when the others carry labels; each entry
-    of ``nodes`` is ``Cluster.add_node``'s arguments (``num_cpus``, ``num_gpus`` — any count, no GPU needed —,
-    ``labels``, ``resources``). Yields the Cluster (``remove_node`` takes one of ``cluster.worker_nodes``)."""
+    object store per node), connected to, for tests and benchmarks of what spans nodes. The head node, with
+    ``head_cpus`` CPUs, holds the driver and Serve's controller; each entry of ``nodes`` is one more node, as
+    ``Cluster.add_node``'s arguments (``num_cpus``, ``num_gpus`` — any count, no GPU needed —, ``labels``,
+    ``resources``). Yields the Cluster (``remove_node`` takes one of ``cluster.worker_nodes``)."""
     for name, value in RAY_DEFAULTS.items():
         os.environ.setdefault(name, value)
     import ray

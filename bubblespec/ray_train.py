@@ -3,7 +3,8 @@
 ``fit()`` costs seconds to start, so it runs once, in a background thread, for the whole run. The controller
 talks to the workers through a small channel actor: every worker receives each command and answers it, worker 0
 with the result. Gradients are averaged across workers with ``torch.distributed`` (gloo on CPU, nccl on GPU)
-inside the learner. Weights travel as torch tensors in the run's dtype (bfloat16 included).
+inside the learner. Weights travel as byte buffers in the run's dtype (bfloat16 included;
+:class:`bubblespec.weights.PackedWeights`): the controller gets read-only views of its copy.
 
 Errors: an exception of a worker's command (a bad input, a bug, out of memory) is that command's answer, and the
 controller raises it as one :class:`TrainerError` naming the worker, the exception and where it was raised. The
@@ -32,6 +33,7 @@ import torch
 
 from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
 from bubblespec.trainer import GRPOLearner, LearnerSpec, PeerFailed, TrainSample
+from bubblespec.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +148,12 @@ class _Worker:
             except Exception as error:
                 self.failure = error
                 raise
-            return self._from_worker_0(self.learner.state_dict)
+            return self._weights_from_worker_0()
         if self.learner is None:
             raise self.failure
         if kind == "train":
             metrics = self.learner.step(payload, rank=self.rank, world=self.world)
-            return metrics, self._from_worker_0(self.learner.state_dict)
+            return metrics, self._weights_from_worker_0()
         if kind == "checkpoint":
             return self._from_worker_0(self.learner.checkpoint_state)
         if kind == "load":
@@ -161,6 +163,11 @@ class _Worker:
     def _from_worker_0(self, make):
         """``make()`` with its tensors on the CPU (a CUDA trainer's answer must load anywhere), on worker 0."""
         return _on_cpu(make()) if self.rank == 0 else None
+
+    def _weights_from_worker_0(self) -> PackedWeights | None:
+        """The learner's weights as byte buffers (copied, not pickled tensor by tensor, on their way to the
+        controller), on worker 0."""
+        return PackedWeights.pack(self.learner.state_dict()) if self.rank == 0 else None
 
 
 def describe_failure(who: str, error: BaseException) -> tuple[str, str]:
@@ -247,7 +254,7 @@ class RayTrainer:
     def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
         start = time.perf_counter()
         metrics, weights = self._call("train", samples)
-        return metrics, weights, time.perf_counter() - start
+        return metrics, weights.tensors(), time.perf_counter() - start
 
     def checkpoint_state(self) -> dict:
         return self._call("checkpoint")
@@ -257,7 +264,7 @@ class RayTrainer:
 
     def reset(self) -> dict:
         """Back to the initial model and a fresh optimizer on every worker; returns the initial weights."""
-        return self._call("reset")
+        return self._call("reset").tensors()
 
     def placement(self) -> list[dict]:
         """Each worker's Ray node and GPUs (after the first command: the workers have joined)."""

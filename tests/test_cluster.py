@@ -4,6 +4,7 @@ lost mid-run, each run compared with the in-process simulation of the same confi
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -121,6 +122,32 @@ def test_ranks_spread_over_labelled_nodes_with_their_gpus_and_the_trainer_on_its
     assert [worker["node"] in _nodes({"role": "trainer"}) for worker in workers] == [True]
     assert len(workers[0]["gpus"]) == 1
     _assert_equals_the_simulation(tmp_path, config)
+
+
+def test_bubblespec_run_on_an_existing_cluster_leaves_it_running_without_its_ranks(cluster, tmp_path):
+    """`bubblespec run` in another process with ray.address naming the cluster: the run uses the cluster's nodes
+    and, at its end, removes its Serve applications only; the cluster stays up for the next user."""
+    import subprocess
+    import sys
+
+    import ray
+    import yaml
+    from ray import serve
+
+    config = _small_run(tmp_path, "on-a-cluster", num_steps=2, clock={"kind": "wall"})
+    config["ray"] = PLACED | {"address": cluster.address}
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "bubblespec.cli.main", "run", "--quiet", str(config_file)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "on-a-cluster" / "summary.json").read_text())
+    assert {rank["node"] for rank in summary["placement"]["ranks"]} <= _nodes({"role": "rollout"})
+    assert len(_nodes({})) == 7  # every node still up
+    assert not [name for name in serve.status().applications if name.startswith("bubblespec-rank-")]
+    assert ray.is_initialized()
 
 
 def test_colocated_ranks_share_gpus_with_the_trainer_and_release_them_while_it_trains(cluster, tmp_path):

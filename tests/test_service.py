@@ -70,3 +70,67 @@ def test_a_service_config_takes_its_sections_from_a_run_config():
     assert service.seed == 7 and service.rollout.num_ranks == 3 and service.speculation.lookahead_steps == 2
     with pytest.raises(ValueError, match="trainer"):
         ServiceConfig(trainer={})
+
+
+def test_colocated_ranks_release_their_memory_while_the_trainer_trains_and_nothing_changes(tmp_path):
+    """ray.colocated: every training phase is framed by release() and resume() of the engines, nothing drafts
+    then, and the run's rollouts equal those of ranks on hardware of their own."""
+    from unittest import mock
+
+    from bubblespec.launch import run
+    from bubblespec.run_dir import RunDirectory
+
+    base = {"output_dir": str(tmp_path), "num_steps": 3, "model": {"dtype": "float64"}, "metrics": {"enabled": False},
+            "task": {"prompts_per_step": 4, "samples_per_prompt": 2}, "clock": {"kind": "virtual"},
+            "rollout": {"sampling": {"max_new_tokens": 48}}}  # fmt: skip
+    calls: list[str] = []
+
+    def recorded(name):
+        def call(engine):
+            calls.append(name)
+
+        return call
+
+    with mock.patch("bubblespec.backends.torch_engine.TorchEngine.release", recorded("release")), \
+         mock.patch("bubblespec.backends.torch_engine.TorchEngine.resume", recorded("resume")):  # fmt: skip
+        run(validate(base | {"name": "colocated", "ray": {"colocated": True}}))
+    assert calls == ["release", "resume"] * 3
+    run(validate(base | {"name": "separate"}))
+    digests = [
+        [s["rollout_digest"] for s in RunDirectory(tmp_path / n).read_steps()] for n in ("colocated", "separate")
+    ]
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"ray": {"colocated": True}, "speculation": {"draft_during_training": True}},
+         "draft_during_training needs ranks on hardware of their own; with ray.colocated"),
+        ({"trainer": {"device": "cuda", "gpus_per_worker": 0}}, "trainer.device cuda needs a GPU per worker"),
+        ({"rollout": {"gpus_per_rank": -1}}, "rollout.gpus_per_rank: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_placement_settings_that_cannot_work_are_config_errors(changes, message):
+    from bubblespec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(changes)
+
+
+def test_gpus_per_worker_defaults_to_one_on_cuda_and_bad_draft_store_options_are_named():
+    from bubblespec.errors import ConfigError
+
+    assert validate({"trainer": {"device": "cuda"}}).trainer.worker_gpus == 1
+    assert validate({}).trainer.worker_gpus == 0
+    assert validate({"trainer": {"gpus_per_worker": 0.5}}).trainer.worker_gpus == 0.5
+    config = ServiceConfig(speculation={"draft_store_options": {"label_selector": {"role": "store"}}},
+                           clock={"kind": "virtual"})  # fmt: skip
+    from bubblespec.interfaces import SamplingParams
+
+    path = str(ArithmeticTask.model_path())
+    with pytest.raises(
+        ConfigError, match=r"draft_store_options .* do not suit the 'memory' draft store: .*label_selector"
+    ):
+        with start_service(config, path, SamplingParams(max_new_tokens=8), 1):
+            pass
