@@ -72,6 +72,8 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
     """A random Qwen2-shaped chat model with a 32,000-token ChatML tokenizer: our tokenization of text and of
     message prompts equals TRL's own ``_tokenize_prompts``; two GRPO steps on message prompts run on the service,
     the second's prompts were peeked right, and the ranks' Prometheus counters add up to the records."""
+    from unittest import mock
+
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,9 +91,14 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
                       num_generations=2, max_completion_length=6, max_steps=2, report_to="none", save_strategy="no",
                       disable_tqdm=True)  # fmt: skip
     service = {"model": {"dtype": "float32"}, "rollout": {"num_ranks": 2}, "speculation": {"enabled": True},
-               "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"port": 0}}  # fmt: skip
+               "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"port": 0},
+               "ray": {"colocated": True}}  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with BubblespecRollout(service, folder, args) as rollout:
+    calls: list[str] = []
+    engine = "bubblespec.backends.torch_engine.TorchEngine"
+    with mock.patch(f"{engine}.release", lambda _: calls.append("release")), \
+         mock.patch(f"{engine}.resume", lambda _: calls.append("resume")), \
+         BubblespecRollout(service, folder, args) as rollout:  # fmt: skip
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0, 1.0] * (len(completions) // 2),
                               args=args, train_dataset=Dataset.from_list(rows),
                               processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout)  # fmt: skip
@@ -105,5 +112,6 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
         registry = rollout.metrics.registry  # the per-rank counters of a bubblespec run, served on metrics.port
         counted = sum(registry.get_sample_value("bubblespec_decode_steps_total", {"rank": str(r)}) for r in (0, 1))
         assert counted == sum(s["decode_steps"] for s in steps) > 0
+    assert calls == ["release", "resume", "release", "resume"]  # the last resume: when the rollout closes
     # (every response runs to max_completion_length here, so the ranks finish together: no bubble to draft in)
     assert len(steps) == 2 and steps[1]["peek_matched"] is True and steps[1]["generated_tokens"] == 4 * 6

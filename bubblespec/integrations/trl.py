@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,6 +65,11 @@ class BubblespecRollout:
     :class:`~bubblespec.config.ServiceConfig` or a dict; ``model_path``: the folder TRL's model was loaded from
     (the ranks load it, then get the trainer's weights). Sampling settings (temperature, top-k, top-p, max
     completion length) are TRL's. Call :meth:`close` (or use it as a context manager) to stop the ranks.
+
+    Between two calls TRL trains: the service is told so (``training_starts`` as a call returns,
+    ``training_ended`` as the next begins), so that ``ray.colocated`` ranks release their memory meanwhile and,
+    with ``speculation.draft_during_training``, ranks on hardware of their own go on drafting (on the virtual
+    clock for as many seconds as TRL really took).
     """
 
     def __init__(self, config: ServiceConfig | dict, model_path: str | Path, args=None) -> None:
@@ -84,6 +90,7 @@ class BubblespecRollout:
         self._service = None
         self._trainer = None
         self._synced_step: int | None = None
+        self._training_since: float | None = None  # when the last call returned: TRL has been training since
         self._order: list[int] = []  # dataset indices in TRL's sampler order
         self._peeked: dict[int, list[str]] = {}  # generation -> the uids peek said it would ask for
         self._sampler = None
@@ -96,6 +103,7 @@ class BubblespecRollout:
         generations = trainer.num_generations
         distinct = self._distinct(prompts, generations)
         generation = self._generation_index(trainer)
+        self._training_ended()
         if self._synced_step != trainer.state.global_step:
             self._sync_weights(trainer)
         tokenized = self._prompts(distinct)
@@ -105,6 +113,8 @@ class BubblespecRollout:
         self._record(generation, trainer.state.global_step, outcome)
         # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
         self.steps[-1]["peek_matched"] = None if peeked is None else peeked == [p.uid for p in tokenized]
+        self._service.training_starts()
+        self._training_since = time.perf_counter()
         return {
             "prompt_ids": [list(by_uid[r.key.prompt_uid].token_ids) for r in outcome.results],
             "completion_ids": [list(r.token_ids) for r in outcome.results],
@@ -112,8 +122,14 @@ class BubblespecRollout:
         }
 
     def close(self) -> None:
+        self._training_ended()
         self._stack.close()
         self._service = None
+
+    def _training_ended(self) -> None:
+        if self._training_since is not None:
+            self._service.training_ended(time.perf_counter() - self._training_since)
+            self._training_since = None
 
     def __enter__(self) -> BubblespecRollout:
         return self
