@@ -95,12 +95,13 @@ def serve_ranks(config, path: str, backend, extra_cpus: int = 0, check=lambda: N
     with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)) as owns_ray:
         if owns_ray:
             check()
+        for key in ("rollout_nodes", "trainer_nodes"):  # before anything is deployed
+            check_nodes(getattr(config.ray, key), f"ray.{key}")
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(
             proxy_location="EveryNode" if config.ray.http_proxy else "Disabled",
             logging_config={"log_level": "WARNING"},
         )
-        check_nodes(config.ray.rollout_nodes, "ray.rollout_nodes")
         try:
             handles = deploy_ranks(rollout.num_ranks, rollout.backend, settings, rank_resources(config))
             yield ServeRankPool(handles)
@@ -147,7 +148,6 @@ def build_on_ray(config: RunConfig) -> Iterator[Components]:
     backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
     check = functools.partial(check_local_gpus, config)
     with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
-        check_nodes(config.ray.trainer_nodes, "ray.trainer_nodes")
         trainer = RayTrainer(
             LearnerSpec.of_run(config, path),
             config.run_dir / "ray_train",

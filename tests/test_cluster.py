@@ -150,6 +150,20 @@ def test_bubblespec_run_on_an_existing_cluster_leaves_it_running_without_its_ran
     assert ray.is_initialized()
 
 
+def test_labels_no_node_carries_are_a_clear_error_before_anything_is_deployed(cluster, tmp_path):
+    """Ray would keep a rank or a trainer worker pending forever on a label selector no node matches."""
+    from bubblespec.errors import ConfigError
+
+    for key in ("rollout_nodes", "trainer_nodes"):
+        config = validate(
+            _small_run(tmp_path, f"no-{key}", clock={"kind": "wall"}, ray=PLACED | {key: {"role": "gpu"}})
+        )
+        with pytest.raises(ConfigError, match=rf"ray.{key} {{'role': 'gpu'}} matches no node of the Ray cluster "
+                           r"\(its nodes' labels: role=rollout, role=store, role=trainer\)"):  # fmt: skip
+            run(config)
+        assert not config.run_dir.exists()
+
+
 def test_colocated_ranks_share_gpus_with_the_trainer_and_release_them_while_it_trains(cluster, tmp_path):
     """Shared hardware: ranks and trainer worker take half a GPU each on the rollout nodes; every rank releases
     its engine's memory before each training phase (and resumes after). The run equals its simulation."""

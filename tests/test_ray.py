@@ -290,19 +290,25 @@ def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_a_cuda_trainer_on_a_local_ray_without_gpus_fails_at_once(tmp_path):
-    """Ray Train would wait for a GPU forever: the local Ray this run started will never have one."""
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"trainer": {"device": "cuda"}},
+         r"trainer.num_workers 1 x 1 GPUs per worker \(trainer.device 'cuda'\) need 1 GPUs; this machine's Ray has 0"),
+        ({"rollout": {"num_ranks": 2, "gpus_per_rank": 0.5}, "trainer": {"gpus_per_worker": 1}},
+         r"rollout.num_ranks 2 x rollout.gpus_per_rank 0.5 plus trainer.num_workers 1 x 1 GPUs per worker need 2 "
+         r"GPUs; this machine's Ray has 0"),
+    ],
+)  # fmt: skip
+def test_gpus_a_local_ray_lacks_fail_at_once(tmp_path, changes, message):
+    """Ray would keep ranks or trainer workers waiting for GPUs forever: the local Ray this run started will never
+    have them."""
     from bubblespec.errors import ConfigError
 
     config = validate(
-        _small_run(tmp_path, name="no-gpu", metrics={"enabled": False})
-        | {"clock": {"kind": "wall"}, "trainer": {"device": "cuda"}}
+        _small_run(tmp_path, name="no-gpu", metrics={"enabled": False}) | {"clock": {"kind": "wall"}} | changes
     )
-    with pytest.raises(
-        ConfigError,
-        match=r"trainer.num_workers 1 x 1 GPUs per worker \(trainer.device 'cuda'\) need 1 GPUs; this machine's Ray "
-        r"has 0",
-    ):
+    with pytest.raises(ConfigError, match=message):
         run(config)
     assert not config.run_dir.exists()
 
