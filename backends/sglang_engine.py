@@ -1,5 +1,5 @@
 """An engine backend over SGLang 0.5.23's HTTP API: keyed sampling in a custom logit processor, drafts verified
-exactly on the client from prefill-scored top-K logprobs (DESIGN.md §4).
+exactly on the client from prefill-scored top-K logprobs (docs/design.md §4).
 
 Each step is one batched ``/generate`` round trip over the active sequences (up to ``max_batch_size``):
 

@@ -10,7 +10,7 @@ How each rule of the contract maps onto vLLM 0.32:
   ``logprobs_mode="processed_logprobs"`` and two logprobs per token the difference of the two carries
   ``lp(y)``, the log-probability under the request's temperature / top-k / top-p, back to us (no side channel).
   The response position is the request's offset (tokens already in the prompt) plus its output length.
-- **Drafts** are verified by prefill scoring (DESIGN.md §4 and §9): one request of prompt + response so far + a
+- **Drafts** are verified by prefill scoring (docs/design.md §4 and §9): one request of prompt + response so far + a
   draft chunk with ``max_tokens=1`` and prompt logprobs (the top ``top_logprobs`` of the raw distribution, or the
   whole vocabulary when it is at most ``full_vocab_scoring_limit``; prompt rows skip logits processors, so they are
   raw). :func:`bubblespec.verification.decide_keyed_samples` turns the rows into keyed samples, undecided where the

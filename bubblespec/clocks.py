@@ -1,4 +1,4 @@
-"""Clocks (DESIGN.md §6). ``wall`` is real time. ``virtual`` charges every engine forward pass by a cost model so
+"""Clocks (docs/design.md §6). ``wall`` is real time. ``virtual`` charges every engine forward pass by a cost model so
 that a cluster can be simulated deterministically on a small machine: the tokens, acceptance and decode steps
 are real, only time is modelled.
 

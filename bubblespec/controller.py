@@ -1,4 +1,4 @@
-"""The synchronous RL loop with bubble-time drafting (DESIGN.md §5).
+"""The synchronous RL loop with bubble-time drafting (docs/design.md §5).
 
     for step t:
         requests of B_t (+ drafts from the store) --shard--> ranks generate with pi_t, verifying drafts

@@ -1,4 +1,4 @@
-"""One step's rollout across ranks, with bubble-time drafting of the next step (DESIGN.md §5).
+"""One step's rollout across ranks, with bubble-time drafting of the next step (docs/design.md §5).
 
 The pieces every rank pool shares live here: the requests of a step, the drafting plan, and the per-rank
 record of what happened. :class:`VirtualRankPool` runs every rank in this process on the virtual clock; the

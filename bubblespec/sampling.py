@@ -1,4 +1,4 @@
-"""Keyed sampling and exact speculative verification, as pure tensor functions (DESIGN.md §4).
+"""Keyed sampling and exact speculative verification, as pure tensor functions (docs/design.md §4).
 
 Keyed sampling. For response position ``i`` of rollout key ``k`` with logits ``z`` and temperature ``T > 0``:
 
@@ -239,7 +239,7 @@ def keyed_gumbel_max_outside(
     Equal to ``keyed_gumbel(...).scatter(-1, excluded, -inf).max(-1)`` but computes one 32-bit word per token and
     one logarithm pair per row: G is increasing in U, U is ordered by the signed word h (the refining bits only
     break ties within a word), and for a fixed stream no two tokens share a word. The bound of top-K
-    verification (DESIGN.md §4) uses it. excluded_BTK: [B, T, K] int64 token ids (repeats allowed).
+    verification (docs/design.md §4) uses it. excluded_BTK: [B, T, K] int64 token ids (repeats allowed).
     """
     batch, num_positions = positions_BT.shape
     words_RV, refine_R1 = _words_of_rows(seeds_B2, positions_BT, vocab_size)

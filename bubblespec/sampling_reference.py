@@ -1,6 +1,6 @@
 """Loop-based reference implementations of :mod:`bubblespec.sampling`, written for reading, not speed.
 
-Plain Python integers and floats, one scalar at a time, following DESIGN.md §4 literally. The tests check the
+Plain Python integers and floats, one scalar at a time, following docs/design.md §4 literally. The tests check the
 vectorised functions against these on random inputs.
 """
 

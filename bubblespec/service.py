@@ -1,4 +1,4 @@
-"""The rollout service (DESIGN.md §11): generation with bubble-time drafting for any synchronous trainer.
+"""The rollout service (docs/design.md §11): generation with bubble-time drafting for any synchronous trainer.
 
     service.generate(step, prompts, samples_per_prompt)   the step's responses, sharded over the ranks; while the
                                                            slow ranks finish, idle ranks draft the prompts of the

@@ -1,5 +1,5 @@
 """Verification of draft tokens from what an engine returns: full logits, or only the top-K log-probabilities
-(DESIGN.md §4 and §9). Pure tensor functions, called by every backend.
+(docs/design.md §4 and §9). Pure tensor functions, called by every backend.
 
 From full logits (the torch engine), the keyed sample of every scored position is computed exactly
 (:func:`bubblespec.sampling.keyed_sample`) and a draft token is accepted while it equals that sample

@@ -5,7 +5,7 @@ Exactness. For each engine dtype: pi_t drafts every request (its keyed samples f
 generates them without and with those drafts, and the table reports the share of responses that differ. Keyed
 verification emits exactly the tokens of plain keyed decoding, so any difference is a rounding near-tie
 between the logits of a position computed in a verify pass (many positions at once) and in a decode pass
-(one). float64 must show none (DESIGN.md §3.2); float32 and bfloat16 are measured, not bounded. The benchmarked
+(one). float64 must show none (docs/design.md §3.2); float32 and bfloat16 are measured, not bounded. The benchmarked
 backend and dtype reuse the largest timing row's responses instead of generating them again.
 
 Keyed sampling's share. One decode forward pass of the torch engine's model (``batch_size`` sequences, one
