@@ -10,6 +10,9 @@ of one prompt). Shapes are Python lists; a step has a few thousand samples at mo
                                                                                         Hu 2025, REINFORCE++-baseline
 
 Standard deviations are the unbiased ones (n - 1), as ``torch.std``; a group or batch of one sample has none (0).
+A group whose rewards are all equal has ``r_i - mean_g = 0`` exactly (in floating point the mean of three 0.1s is
+not 0.1, and the difference divided by a std of the same size would be an advantage of 1e-11): it carries no
+signal, and the learner skips a step in which no group does.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ def compute_advantages(
     for reward, group in zip(rewards, groups, strict=True):
         members.setdefault(group, []).append(reward)
     means = {g: statistics.fmean(r) for g, r in members.items()}
-    centred = [r - means[g] for r, g in zip(rewards, groups, strict=True)]
+    equal = {g for g, r in members.items() if len(set(r)) == 1}
+    centred = [0.0 if g in equal else r - means[g] for r, g in zip(rewards, groups, strict=True)]
     if estimator == "dr_grpo":
         return centred
     if estimator == "rloo":
-        return [_leave_one_out(r, members[g]) for r, g in zip(rewards, groups, strict=True)]
+        return [0.0 if g in equal else _leave_one_out(r, members[g]) for r, g in zip(rewards, groups, strict=True)]
     if estimator == "reinforce_pp":
         mean = statistics.fmean(centred) if centred else 0.0
         spread = _std(centred)

@@ -202,9 +202,11 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After the warm-up: a constant learning rate, or a cosine decay to 0 at ``decay_steps``."""
     warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warm-up from learning_rate / warmup_steps to learning_rate."""
+    """RL steps of linear warm-up from learning_rate / warmup_steps to learning_rate. The schedule counts RL steps
+    (as verl's does), not optimizer steps: every optimizer step of an RL step (ppo_epochs x mini-batches) has that
+    step's learning rate, and a step that trains nothing (no reward signal) counts too."""
     decay_steps: int | None = Field(None, ge=1)
-    """Optimizer step at which the cosine schedule reaches 0 (required by it; typically num_steps)."""
+    """RL step at which the cosine schedule reaches 0 (required by it; typically num_steps)."""
     model: Literal["builtin", "transformers"] = "builtin"
     """What the trainer trains: bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), or the
     folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to run
@@ -247,8 +249,10 @@ class TrainerConfig(Section):
     mismatch between the engine's and the trainer's numerics; empty: off."""
     sampling_filters: bool = False
     """Score responses under the distribution the rollout sampled from: its temperature and also its top_k / top_p
-    (tokens outside them get probability 0), so that the trainer's logprobs are the engine's. Off: temperature
-    only, as TRL and verl do."""
+    (tokens outside them get probability 0), so that the trainer's logprobs are the engine's. The sampled token
+    itself always stays in (the engine's filter kept it): once the policy has moved (a second epoch, a later
+    mini-batch) it may fall outside the current top-k, and it keeps a finite log-probability instead of -inf. Off:
+    temperature only, as TRL and verl do."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of KL(pi || pi_ref) to the initial policy (a frozen copy); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -44,8 +44,8 @@ def score_responses(task, prompts: Sequence[Prompt], responses: Sequence[Sequenc
 
 
 class Trainer(Protocol):
-    def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
-        """One RL step's updates on the samples (ppo_epochs x mini-batches): (metrics, new weights, seconds)."""
+    def train(self, samples: list[TrainSample], step: int) -> tuple[dict, dict, float]:
+        """Step ``step``'s updates on its samples (ppo_epochs x mini-batches): (metrics, new weights, seconds)."""
         ...
 
     def checkpoint_state(self) -> dict:
@@ -164,7 +164,7 @@ class Controller:
         parts.service.training_starts()
         self.on_phase(step, "train")
         try:
-            train_metrics, weights, train_seconds = parts.trainer.train(samples)
+            train_metrics, weights, train_seconds = parts.trainer.train(samples, step)
         except BaseException:
             parts.service.training_ended(0.0)  # the ranks stop drafting (and resume) before the run rewinds or ends
             raise

@@ -47,3 +47,8 @@ class TrainerError(BubblespecError, RuntimeError):
     def __init__(self, message: str, worker_traceback: str = "") -> None:
         super().__init__(message)
         self.worker_traceback = worker_traceback
+
+
+class NonFiniteError(BubblespecError, ArithmeticError):
+    """Numbers that must be finite are not (NaN or infinite): an engine's logits, a trainer's loss or gradient. The
+    message says where; nothing is sampled from them and no optimizer step is taken with them."""

@@ -154,8 +154,8 @@ class LocalTrainer:
         self.learner = spec.build()
         self.seconds = seconds
 
-    def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
-        metrics = self.learner.step(samples)
+    def train(self, samples: list[TrainSample], step: int | None = None) -> tuple[dict, dict, float]:
+        metrics = self.learner.step(samples, at_step=step)
         # Each epoch passes over the batch's tokens once (the recomputation of old logprobs is not charged).
         passes = self.spec.trainer.ppo_epochs
         return metrics, self.learner.state_dict(), self.seconds(metrics["trained_tokens"] * passes)

@@ -97,12 +97,7 @@ def train_loop(loop_config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     channel = loop_config["channel"]
 
-    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> None:
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        except Exception as error:
-            raise PeerLost(f"trainer worker {rank}: an all-reduce failed: {error}") from error
-
+    all_reduce = group_all_reduce(dist.all_reduce, rank, loop_config["learner"].trainer.device)
     worker = _Worker(loop_config, rank, world, all_reduce if world > 1 else None)
     runtime = ray.get_runtime_context()
     where = {"node": runtime.get_node_id(), "gpus": [str(g) for g in runtime.get_accelerator_ids().get("GPU", [])]}
@@ -120,6 +115,26 @@ def train_loop(loop_config: dict) -> None:
         except Exception as error:
             answer = ("error", describe_failure(f"trainer worker {rank}", error))
         ray.get(channel.reply.remote((number, rank, *answer)))
+
+
+def group_all_reduce(reduce, rank: int, device_type: str):
+    """The learner's ``all_reduce(tensor, op)`` over ``reduce`` (``torch.distributed.all_reduce`` of the worker
+    group), whose tensors must be on ``device_type``: NCCL takes CUDA tensors only. A tensor elsewhere is a bug
+    of this worker, answered as its error (every worker makes it alike); a collective that fails is a lost peer."""
+    import torch.distributed as dist
+
+    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> None:
+        if tensor.device.type != device_type:
+            raise TypeError(
+                f"trainer worker {rank}: a {tensor.device.type} tensor was given to an all-reduce of the worker "
+                f"group, which exchanges {device_type} tensors only (trainer.device {device_type!r})"
+            )
+        try:
+            reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        except Exception as error:
+            raise PeerLost(f"trainer worker {rank}: an all-reduce failed: {error}") from error
+
+    return all_reduce
 
 
 class _Worker:
@@ -152,7 +167,8 @@ class _Worker:
         if self.learner is None:
             raise self.failure
         if kind == "train":
-            metrics = self.learner.step(payload, rank=self.rank, world=self.world)
+            step, samples = payload
+            metrics = self.learner.step(samples, rank=self.rank, world=self.world, at_step=step)
             return metrics, self._weights_from_worker_0()
         if kind == "checkpoint":
             return self._from_worker_0(self.learner.checkpoint_state)
@@ -251,9 +267,9 @@ class RayTrainer:
         except BaseException as error:  # reported to the controller by _call
             self._fit_error = error
 
-    def train(self, samples: list[TrainSample]) -> tuple[dict, dict, float]:
+    def train(self, samples: list[TrainSample], step: int | None = None) -> tuple[dict, dict, float]:
         start = time.perf_counter()
-        metrics, weights = self._call("train", samples)
+        metrics, weights = self._call("train", (step, samples))
         return metrics, weights.tensors(), time.perf_counter() - start
 
     def checkpoint_state(self) -> dict:

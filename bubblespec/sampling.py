@@ -59,6 +59,8 @@ import math
 
 import torch
 
+from bubblespec.errors import NonFiniteError
+
 _MASK32 = 0xFFFFFFFF
 _BIT31 = 1 << 31
 
@@ -382,8 +384,10 @@ def keyed_sample(
     """Keyed samples ``argmax_v(mask(z / T)[v] + G(k, i, v))`` and their log-probabilities at every position.
 
     Returns tokens [B, T] int64 and logprobs [B, T] float64 (under ``softmax(mask(z / T))``; under the raw
-    distribution for greedy rows). Rows (b, t) are independent; on CPU they are processed a few at a time so
-    that the float64 temporaries stay small (fresh large allocations cost more than the arithmetic there).
+    distribution for greedy rows); a row whose logits are not all finite numbers (one NaN, +inf, or no finite logit
+    at all) is a :class:`~bubblespec.errors.NonFiniteError`. Rows (b, t) are independent; on CPU they are processed
+    a few at a time so that the float64 temporaries stay small (fresh large allocations cost more than the
+    arithmetic there).
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
@@ -413,6 +417,12 @@ def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_
     scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R)
     scores_RV = scores_R1V[:, 0]
     best_R, tokens_R = scores_RV.max(-1)  # the first argmax: greedy rows' token
+    if not bool(torch.isfinite(best_R).all()):  # a NaN anywhere in a row makes its maximum NaN
+        raise NonFiniteError(
+            f"keyed sampling got logits that are not finite numbers in {int((~torch.isfinite(best_R)).sum())} of "
+            f"{len(best_R)} rows (NaN, infinite, or no finite logit): the model's weights or activations are not "
+            "finite, e.g. after a training update that diverged"
+        )
     log_normaliser_R = torch.sub(scores_RV, best_R[:, None]).exp_().sum(-1).log_().add_(best_R)
     sampled_R = temperature_R != 0
     if bool((sampled_R & (top_k_R > 0) & (top_k_R <= _FEW_KEPT_TOKENS)).all()):

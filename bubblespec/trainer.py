@@ -1,93 +1,64 @@
 """The learner: PPO-style updates (:mod:`bubblespec.policy_loss`) on GRPO-family advantages
 (:mod:`bubblespec.advantages`), training the built-in decoder or a transformers model
-(:mod:`bubblespec.trainer_models`).
+(:mod:`bubblespec.trainer_models`), on a batch prepared by :mod:`bubblespec.train_batch`, scoring responses with
+:mod:`bubblespec.logprobs`.
 
 One RL step (:meth:`GRPOLearner.step`)::
 
+    check       the batch's inputs (finite rewards, one engine logprob per response token): every worker gets the
+                whole batch, so all of them refuse a bad one alike, before any work or exchange
     rewards     task rewards, plus DAPO's overlong shaping and, with kl_penalty "reward", - kl_coef * KL(old || ref)
-    filter      with filter_groups (DAPO's dynamic sampling): only groups whose rewards differ, train_prompts at most
-    advantages  from the whole batch's rewards; a batch without signal takes no step
+    filter      with filter_groups (DAPO's dynamic sampling): only groups whose task rewards differ, train_prompts at
+                most (on accuracy, not on the length-shaped rewards)
+    advantages  from the whole batch's rewards; a batch whose loss has no gradient (no reward signal, no KL or
+                entropy term) takes no step
     before      with more than one update per step, truncated importance sampling or a KL penalty: the old policy's
-                log-probabilities (and the frozen reference model's), once, without gradient
+                log-probabilities (and the frozen reference model's), once, without gradient; the engine-trainer
+                logprob agreement is measured here too, before any update
     updates     ppo_epochs x mini-batches of mini_batch_size samples, one optimizer step each, gradients accumulated
-                over micro-batches of micro_batch_size
+                over micro-batches of micro_batch_size; a loss or gradient that is not finite is an error
+                (:class:`~bubblespec.errors.NonFiniteError`) and no optimizer step is taken with it
+    schedule    the learning rate moves once per RL step (warmup_steps and decay_steps count RL steps)
 
 The learner is plain torch and knows nothing of Ray: the controller runs it in-process (virtual clock, tests) or
 inside Ray Train workers (:mod:`bubblespec.ray_train`). Every worker gets the whole batch and computes its share of
 each mini-batch (every world-th sample); ``all_reduce`` sums gradients and statistics, so that the workers' updates
-are the updates of one learner on the whole batch. Training sees only the samples of the current step
-(invariant 1): a batch is built from rollout results, never from drafts.
+are the updates of one learner on the whole batch. Every tensor the learner exchanges lives on its device (an NCCL
+group takes CUDA tensors only), and everything that can fail on one worker alone runs inside the failure agreement
+(:meth:`GRPOLearner._agreed`), so that no worker waits in a collective for a peer that raised. Training sees only
+the samples of the current step (invariant 1): a batch is built from rollout results, never from drafts.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from bubblespec.advantages import Estimator, Scale, compute_advantages
+from bubblespec.advantages import compute_advantages
 from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import TrainerConfig
+from bubblespec.errors import NonFiniteError
+from bubblespec.logprobs import padded_tokens, placed, response_logprobs, response_mask
 from bubblespec.policy_loss import LossSettings, aggregation_normaliser, kl_divergence, policy_loss
+from bubblespec.train_batch import (  # the batch's types and steps, importable from here too
+    TrainSample,
+    check_samples,
+    filter_groups,
+    group_advantages,
+    sample_advantages,
+    shaped_rewards,
+)
 from bubblespec.trainer_models import load_trainer_model
 
-
-@dataclass(frozen=True)
-class TrainSample:
-    """One response of the current policy, with its prompt, group and reward."""
-
-    prompt_token_ids: tuple[int, ...]
-    response_token_ids: tuple[int, ...]
-    group: int
-    reward: float
-    engine_logprobs: tuple[float, ...] | None = None
-    """The rollout engine's log-probability of each response token (the old policy's, for ``old_logprobs:
-    engine`` and truncated importance sampling; and to measure how far the trainer's are)."""
-    truncated: bool = False
-    """The response reached its token limit instead of stopping."""
-    max_response_tokens: int | None = None
-    """The token limit it was sampled with (DAPO's overlong shaping, Dr. GRPO's constant)."""
-
-
-def group_advantages(samples: Sequence[TrainSample], epsilon: float = 1e-6) -> list[float]:
-    """GRPO advantages: each reward minus its group's mean, divided by the group's standard deviation."""
-    return sample_advantages(samples, "grpo", "group", epsilon)
-
-
-def sample_advantages(
-    samples: Sequence[TrainSample], estimator: Estimator = "grpo", scale: Scale = "group", epsilon: float = 1e-6
-) -> list[float]:
-    """The advantage of each sample by ``estimator`` (:mod:`bubblespec.advantages`)."""
-    return compute_advantages([s.reward for s in samples], [s.group for s in samples], estimator, scale, epsilon)
-
-
-def shaped_rewards(samples: Sequence[TrainSample], config: TrainerConfig) -> list[float]:
-    """The task's rewards plus DAPO's soft overlong punishment (Yu et al. 2025): a response longer than
-    ``max_response_tokens - overlong_buffer`` loses ``overlong_penalty`` times the share of the buffer it used."""
-    if not config.overlong_buffer:
-        return [s.reward for s in samples]
-    rewards = []
-    for sample in samples:
-        if sample.max_response_tokens is None:
-            raise ValueError("overlong_buffer needs each sample's max_response_tokens (the limit it was sampled with)")
-        excess = len(sample.response_token_ids) - (sample.max_response_tokens - config.overlong_buffer)
-        rewards.append(sample.reward - config.overlong_penalty * max(excess, 0) / config.overlong_buffer)
-    return rewards
-
-
-def filter_groups(samples: Sequence[TrainSample], rewards: Sequence[float], max_groups: int | None):
-    """DAPO's dynamic-sampling filter: the samples (and rewards) of groups whose rewards are not all equal, the first
-    ``max_groups`` such groups in order of first appearance; and the number of groups kept and dropped."""
-    members: dict[int, list[int]] = {}
-    for index, sample in enumerate(samples):
-        members.setdefault(sample.group, []).append(index)
-    informative = [g for g, rows in members.items() if len({rewards[i] for i in rows}) > 1]
-    kept = set(informative[:max_groups] if max_groups is not None else informative)
-    rows = [i for i, sample in enumerate(samples) if sample.group in kept]
-    return [samples[i] for i in rows], [rewards[i] for i in rows], len(kept), len(members) - len(kept)
+__all__ = [
+    "GRPOLearner", "LearnerSpec", "PeerFailed", "TrainSample", "check_samples", "filter_groups", "group_advantages",
+    "lr_factor", "sample_advantages", "shaped_rewards",
+]  # fmt: skip
 
 
 def loss_settings(config: TrainerConfig) -> LossSettings:
@@ -103,14 +74,16 @@ def loss_settings(config: TrainerConfig) -> LossSettings:
     )
 
 
-def lr_factor(config: TrainerConfig, optimizer_steps: int) -> float:
-    """The learning rate of optimizer step ``optimizer_steps`` (0-based) as a share of ``learning_rate``: a linear
-    warm-up over ``warmup_steps``, then constant, or a cosine decay to 0 at ``decay_steps``."""
-    if optimizer_steps < config.warmup_steps:
-        return (optimizer_steps + 1) / config.warmup_steps
+def lr_factor(config: TrainerConfig, rl_steps: int) -> float:
+    """The learning rate of RL step ``rl_steps`` (0-based; every optimizer step of an RL step has it) as a share of
+    ``learning_rate``: a linear warm-up over ``warmup_steps``, then constant, or a cosine decay to 0 at
+    ``decay_steps``. Steps without an update (no reward signal) count too, so that ``decay_steps: num_steps`` ends
+    the decay with the run."""
+    if rl_steps < config.warmup_steps:
+        return (rl_steps + 1) / config.warmup_steps
     if config.lr_schedule == "constant":
         return 1.0
-    progress = min(1.0, (optimizer_steps - config.warmup_steps) / max(config.decay_steps - config.warmup_steps, 1))
+    progress = min(1.0, (rl_steps - config.warmup_steps) / max(config.decay_steps - config.warmup_steps, 1))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -136,6 +109,16 @@ class LearnerSpec:
                            top_k=self.top_k, top_p=self.top_p)  # fmt: skip
 
 
+def _place_name(at_step: int | None, epoch: int, num_epochs: int, number: int, num_batches: int) -> str:
+    """Where an update is, for error messages: "step 3, epoch 1 of 2, mini-batch 2 of 4"."""
+    parts = [f"step {at_step}"] if at_step is not None else []
+    if num_epochs > 1:
+        parts.append(f"epoch {epoch + 1} of {num_epochs}")
+    if num_batches > 1:
+        parts.append(f"mini-batch {number + 1} of {num_batches}")
+    return ", ".join(parts) or "this step"
+
+
 class PeerFailed(RuntimeError):
     """Another data-parallel worker failed in this step; this one exchanged no gradient and took no step."""
 
@@ -143,8 +126,9 @@ class PeerFailed(RuntimeError):
 SKIPPED_STEP = {
     "loss": 0.0, "grad_norm": 0.0, "mean_advantage_abs": 0.0, "trained_tokens": 0, "optimizer_steps": 0, "skipped": 1
 }  # fmt: skip
-"""The metrics of a step without reward signal (every group's rewards equal): no optimizer step is taken, and no
-log-probabilities are computed, so the engine-trainer logprob agreement is not measured either."""
+"""The metrics of a step whose loss has no gradient (every group's rewards equal, no KL or entropy term): no
+optimizer step is taken, and no log-probabilities are computed, so the engine-trainer logprob agreement is not
+measured either."""
 
 _SUMS = ("tokens", "ratio_sum", "clip_low", "clip_high", "kl_sum", "entropy_sum", "loss", "diff_sum", "diff_count")
 _MAXIMA = ("ratio_max", "ratio_min", "diff_max")  # ratio_min is kept negated, so that every entry is a maximum
@@ -152,10 +136,14 @@ _MAXIMA = ("ratio_max", "ratio_min", "diff_max")  # ratio_min is kept negated, s
 
 @dataclass
 class _Before:
-    """Log-probabilities of the policy before this step's updates, per sample index, response-aligned."""
+    """What the learner computes before this step's updates, for the samples this worker owns: log-probabilities
+    of the old policy and of the reference (per sample index, response-aligned), the KL reward penalties [N] (0 for
+    samples of other workers), and the engine-trainer logprob difference (sum, count, max)."""
 
     old: dict[int, torch.Tensor]
     ref: dict[int, torch.Tensor]
+    penalties: torch.Tensor | None = None
+    difference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class GRPOLearner:
@@ -186,6 +174,7 @@ class GRPOLearner:
         # LoRA: the base stays in the run's dtype and frozen, the adapters train in float32 (no copy needed).
         single = self.master_dtype == self.dtype or config.lora is not None
         self.master = load_trainer_model(model_path, self.dtype if config.lora else self.master_dtype, config)
+        self.device = torch.device(self.master.device)
         self.parameters = self.master.trainable_parameters()
         if single:
             self.model, self._model_parameters = self.master, self.parameters
@@ -212,51 +201,66 @@ class GRPOLearner:
         """Whether the master weights are a more precise copy of the model's (a bfloat16 run)."""
         return self.model is not self.master
 
-    def step(self, samples: Sequence[TrainSample], rank: int = 0, world: int = 1) -> dict[str, float]:
+    def step(
+        self, samples: Sequence[TrainSample], rank: int = 0, world: int = 1, at_step: int | None = None
+    ) -> dict[str, float]:
         """One RL step's updates on the whole batch ``samples``; with data parallelism each worker passes the same
-        batch and its ``rank`` of ``world``, and computes every world-th sample of each mini-batch."""
+        batch and its ``rank`` of ``world``, and computes every world-th sample of each mini-batch. ``at_step``: the
+        run's step, for error messages."""
         samples, config = list(samples), self.config
+        check_samples(samples, config)
         rewards = shaped_rewards(samples, config)
         kept = {}
         if config.filter_groups:
             samples, rewards, groups_kept, groups_dropped = filter_groups(samples, rewards, config.train_prompts)
             kept = {"groups_kept": groups_kept, "groups_dropped": groups_dropped}
-            if not samples:
-                return dict(SKIPPED_STEP) | kept
         size = config.mini_batch_size or max(len(samples), 1)
         batches = [list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size)]
         shares = [batch[rank::world] for batch in batches]
         owned = sorted(i for share in shares for i in share)
         penalised = bool(config.kl_coef) and config.kl_penalty == "reward"
         advantages = self._advantages(samples, rewards)
-        if not penalised and not any(advantages):
-            # Every group's rewards were equal: the gradient is zero, and an Adam step would still move the
-            # weights by its momentum. Skip it (all workers decide alike: they all see the whole batch).
-            return dict(SKIPPED_STEP) | kept
+        if not samples or not (penalised or self._has_gradient(advantages)):
+            # The loss is 0 with a zero gradient, and an Adam step would still move the weights by its momentum.
+            return self._skipped() | kept  # all workers decide alike: they all see the whole batch
         self._copy_master_to_model()
-        before = self._agreed(lambda: self._before_updates(samples, owned, len(batches)))
+        before = self._agreed(lambda: self._before_updates(samples, owned, config.ppo_epochs * len(batches)))
         if penalised:
-            rewards = [
-                r - config.kl_coef * p for r, p in zip(rewards, self._kl_penalties(samples, before), strict=True)
-            ]
+            if self.all_reduce is not None:  # every worker has agreed that none failed: this cannot hang
+                self.all_reduce(before.penalties)
+            rewards = [r - config.kl_coef * p for r, p in zip(rewards, before.penalties.tolist(), strict=True)]
             advantages = self._advantages(samples, rewards)
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
-        maxima = torch.full((len(_MAXIMA),), float("-inf"), dtype=torch.float64)
-        if before.old:
-            difference = self._logprob_difference(samples, owned, before.old)
-            sums[_SUMS.index("diff_sum")], sums[_SUMS.index("diff_count")], maxima[_MAXIMA.index("diff_max")] = (
-                difference
-            )
+            if not self._has_gradient(advantages):
+                return self._skipped() | kept
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
+        maxima = torch.full((len(_MAXIMA),), float("-inf"), dtype=torch.float64, device=self.device)
+        if before.difference is not None:
+            diff_sum, diff_count, diff_max = before.difference
+            sums[_SUMS.index("diff_sum")], sums[_SUMS.index("diff_count")] = diff_sum, diff_count
+            maxima[_MAXIMA.index("diff_max")] = diff_max
         grad_norms, learning_rate = [], self.scheduler.get_last_lr()[0]
         for epoch in range(config.ppo_epochs):
-            for batch, share in zip(batches, shares, strict=True):
-                first = epoch == 0 and not before.old  # the logprobs of this pass are the old policy's
-                stats = self._agreed(lambda b=batch, s=share, f=first: self.compute_gradients(
-                    samples, advantages, b, s, before, measure_engine_agreement=f))  # fmt: skip
-                sums += torch.stack([stats[name] for name in _SUMS]).to(torch.float64).cpu()
-                maxima = maxima.maximum(torch.stack([stats[name] for name in _MAXIMA]).to(torch.float64).cpu())
-                grad_norms.append(self.apply_gradients())
+            for number, (batch, share) in enumerate(zip(batches, shares, strict=True)):
+                where = _place_name(at_step, epoch, config.ppo_epochs, number, len(batches))
+                measure = before.difference is None  # one update only: this pass is before it
+                stats = self._agreed(lambda b=batch, s=share, m=measure, w=where: self.compute_gradients(
+                    samples, advantages, b, s, before, measure_engine_agreement=m, where=w))  # fmt: skip
+                sums += torch.stack([stats[name] for name in _SUMS])
+                maxima = maxima.maximum(torch.stack([stats[name] for name in _MAXIMA]))
+                grad_norms.append(self.apply_gradients(where))
+        self.scheduler.step()
         return self._metrics(samples, advantages, sums, maxima, grad_norms, learning_rate) | kept
+
+    def _has_gradient(self, advantages: Sequence[float]) -> bool:
+        """Whether the loss can have a gradient: some advantage is not 0 (advantages of groups whose rewards are all
+        equal are exactly 0), or a KL term in the loss or an entropy bonus pulls the policy regardless."""
+        return any(advantages) or bool(self.settings.kl_coef) or bool(self.config.entropy_coef)
+
+    def _skipped(self) -> dict[str, float]:
+        with warnings.catch_warnings():  # torch warns when a schedule moves before any optimizer step: here it must
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
+            self.scheduler.step()  # the schedule counts RL steps, with or without an update
+        return dict(SKIPPED_STEP)
 
     def _advantages(self, samples: Sequence[TrainSample], rewards: Sequence[float]) -> list[float]:
         groups = [s.group for s in samples]
@@ -311,45 +315,52 @@ class GRPOLearner:
         return result
 
     def _any_worker_failed(self, failed: bool) -> bool:
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.master.device)
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
         self.all_reduce(flag)
         return bool(flag.item() > 0)
 
-    def _before_updates(self, samples: Sequence[TrainSample], owned: Sequence[int], num_batches: int) -> _Before:
-        """The old policy's log-probabilities of the owned samples when the updates need them (more than one
-        optimizer step, truncated importance sampling, a KL reward penalty) and the trainer computes them, and the
-        reference model's when there is a KL term."""
+    def _before_updates(self, samples: Sequence[TrainSample], owned: Sequence[int], num_updates: int) -> _Before:
+        """For the owned samples, before any update: the old policy's log-probabilities when the updates need them
+        and the trainer computes them (more than one optimizer step, truncated importance sampling, a KL reward
+        penalty), the reference model's when there is a KL term, the KL reward penalties, and the engine-trainer
+        logprob difference when there is more than one update (with one, its own pass measures it)."""
         config = self.config
         needs_old = config.old_logprobs == "trainer" and (
-            config.ppo_epochs * num_batches > 1 or config.tis_cap is not None or config.kl_penalty == "reward"
+            num_updates > 1 or config.tis_cap is not None or config.kl_penalty == "reward"
         )
+        measure = num_updates > 1 and any(samples[i].engine_logprobs for i in owned)
         before = _Before({}, {})
-        if not needs_old and self.reference is None:
-            return before
-        size = config.micro_batch_size or max(len(owned), 1)
-        with torch.no_grad():
-            for start in range(0, len(owned), size):
-                rows = list(owned[start : start + size])
-                part = [samples[i] for i in rows]
-                if needs_old:
-                    old = self._response_logprobs(self.model, part)[0]
-                    before.old |= {i: old[row, : len(samples[i].response_token_ids)] for row, i in enumerate(rows)}
-                if self.reference is not None:
-                    ref = self._response_logprobs(self.reference, part)[0]
-                    before.ref |= {i: ref[row, : len(samples[i].response_token_ids)] for row, i in enumerate(rows)}
+        if needs_old or measure or self.reference is not None:
+            current: dict[int, torch.Tensor] = {}
+            size = config.micro_batch_size or max(len(owned), 1)
+            with torch.no_grad():
+                for start in range(0, len(owned), size):
+                    rows = list(owned[start : start + size])
+                    if needs_old or measure:
+                        current |= self._logprobs_of(self.model, samples, rows)
+                    if self.reference is not None:
+                        before.ref |= self._logprobs_of(self.reference, samples, rows)
+            before.old = current if needs_old else {}
+            if num_updates > 1:
+                before.difference = self._logprob_difference(samples, owned, current)
+        if config.kl_coef and config.kl_penalty == "reward":
+            before.penalties = self._kl_penalties(samples, before)
         return before
 
-    def _kl_penalties(self, samples: Sequence[TrainSample], before: _Before) -> list[float]:
-        """Per response: the sum over its tokens of KL(old || ref), summed across workers (each has its own)."""
-        penalties = torch.zeros(len(samples), dtype=torch.float64)
+    def _logprobs_of(self, model, samples: Sequence[TrainSample], rows: Sequence[int]) -> dict[int, torch.Tensor]:
+        logprobs_BR = self._response_logprobs(model, [samples[i] for i in rows])[0]
+        return {i: logprobs_BR[row, : len(samples[i].response_token_ids)] for row, i in enumerate(rows)}
+
+    def _kl_penalties(self, samples: Sequence[TrainSample], before: _Before) -> torch.Tensor:
+        """Per response [N]: the sum over its tokens of KL(old || ref) for the samples this worker owns, 0 for the
+        others (the workers' penalties are summed)."""
+        penalties = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
         for i, ref in before.ref.items():
             old = before.old.get(i)
             if old is None:  # old_logprobs "engine"
-                old = self._engine_logprobs(samples[i]).to(ref.device)
-            penalties[i] = float(kl_divergence(old, ref, self.config.kl_estimator).sum())
-        if self.all_reduce is not None:
-            self.all_reduce(penalties)
-        return penalties.tolist()
+                old = self._engine_logprobs(samples[i])
+            penalties[i] = kl_divergence(old, ref, self.config.kl_estimator).sum()
+        return penalties
 
     def _lengths(self, samples: Sequence[TrainSample], indices) -> list[int]:
         """Trained response tokens per sample: 0 for a truncated one under ``mask_truncated``."""
@@ -364,12 +375,16 @@ class GRPOLearner:
         share: Sequence[int] | None = None,
         before: _Before | None = None,
         measure_engine_agreement: bool = True,
+        where: str = "this update",
     ) -> dict[str, torch.Tensor]:
         """Sets the master weights' gradients to those of this worker's ``share`` of the mini-batch ``batch``'s
         loss (indices into ``samples``; both default to all of them), not yet reduced across workers. Returns the
-        share's statistics (:func:`bubblespec.policy_loss.policy_loss`) and ``loss``, and, with
-        ``measure_engine_agreement``, the sum/count/max of |engine logprob - trainer logprob|."""
+        share's statistics (:func:`bubblespec.policy_loss.policy_loss`) and ``loss`` as float64 tensors on the
+        learner's device, and, with ``measure_engine_agreement``, the sum/count/max of |engine logprob - trainer
+        logprob|. Raises :class:`~bubblespec.errors.NonFiniteError` (naming ``where``) for a loss that is not a
+        finite number."""
         config, before = self.config, before or _Before({}, {})
+        check_samples(samples, config)
         batch = list(range(len(samples))) if batch is None else list(batch)
         share = batch if share is None else list(share)
         lengths = self._lengths(samples, batch)
@@ -383,50 +398,51 @@ class GRPOLearner:
         self._copy_master_to_model()
         self.optimizer.zero_grad(set_to_none=False)
         size = config.micro_batch_size or max(len(share), 1)
-        totals: dict[str, torch.Tensor] = {}
+        totals = self._no_statistics()
         for start in range(0, len(share), size):  # gradients accumulate over micro-batches
             rows = share[start : start + size]
             stats = self._backward(samples, rows, advantages, before, normaliser, token_normaliser, norm_tokens,
-                                   measure_engine_agreement)  # fmt: skip
+                                   measure_engine_agreement, where)  # fmt: skip
             for name, value in stats.items():
-                if name in totals:
-                    totals[name] = totals[name].maximum(value) if name in _MAXIMA else totals[name] + value
-                else:
-                    totals[name] = value
-        if not share:
-            zero = torch.zeros((), dtype=torch.float64)
-            totals = {name: zero for name in _SUMS} | {name: zero - math.inf for name in _MAXIMA}
+                totals[name] = totals[name].maximum(value) if name in _MAXIMA else totals[name] + value
         self._gradients_to_master()
         return totals
 
-    def _backward(self, samples, rows, advantages, before, normaliser, token_normaliser, norm_tokens, measure):
+    def _no_statistics(self) -> dict[str, torch.Tensor]:
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return {name: zero for name in _SUMS} | {name: zero - math.inf for name in _MAXIMA}
+
+    def _backward(self, samples, rows, advantages, before, normaliser, token_normaliser, norm_tokens, measure, where):
         """Back-propagates one micro-batch's share of the loss; returns its statistics."""
         part = [samples[i] for i in rows]
         wants_entropy_gradient = bool(self.config.entropy_coef)
         logprobs_BR, entropy_BR = self._response_logprobs(self.model, part, wants_entropy_gradient)
-        mask_BR = self._mask(part, logprobs_BR.shape[1], self._lengths(samples, rows))
-        advantages_B = torch.tensor([advantages[i] for i in rows], dtype=self.master_dtype, device=logprobs_BR.device)
+        mask_BR = response_mask(self._lengths(samples, rows), logprobs_BR.shape[1], self.master_dtype, self.device)
+        advantages_B = torch.tensor([advantages[i] for i in rows], dtype=self.master_dtype, device=self.device)
         engine_BR = None
         if self.config.old_logprobs == "engine" or self.config.tis_cap is not None:
-            engine_BR = self._place(part, [self._engine_logprobs(s) for s in part], logprobs_BR)
+            engine_BR = placed([self._engine_logprobs(s) for s in part], logprobs_BR)
         if self.config.old_logprobs == "engine":
             old_BR = engine_BR
         elif before.old:
-            old_BR = self._place(part, [before.old[i] for i in rows], logprobs_BR)
+            old_BR = placed([before.old[i] for i in rows], logprobs_BR)
         else:
             old_BR = logprobs_BR.detach()  # one update per step: the old policy is the current one
-        ref_BR = self._place(part, [before.ref[i] for i in rows], logprobs_BR) if before.ref else None
+        ref_BR = placed([before.ref[i] for i in rows], logprobs_BR) if before.ref else None
         is_weights_BR = None
         if self.config.tis_cap is not None:
             is_weights_BR = torch.exp(old_BR - engine_BR).clamp(max=self.config.tis_cap) * mask_BR
         loss, stats = policy_loss(logprobs_BR, old_BR, advantages_B, mask_BR, self.settings, normaliser,
                                   token_normaliser, norm_tokens, ref_BR, is_weights_BR, entropy_BR)  # fmt: skip
+        if not torch.isfinite(loss):
+            raise NonFiniteError(
+                f"{where}: the loss of samples {list(rows)} is {loss.item()} (not a finite number); no optimizer step "
+                "was taken with it"
+            )
         loss.backward()
-        stats = {name: value.detach().to(torch.float64).cpu() for name, value in stats.items()}
+        stats = {name: value.detach().to(torch.float64) for name, value in stats.items()}
         stats["ratio_min"] = -stats["ratio_min"]
-        stats["loss"] = loss.detach().to(torch.float64).cpu()
-        zero = torch.zeros((), dtype=torch.float64)
-        stats |= {"diff_sum": zero, "diff_count": zero, "diff_max": zero - math.inf}
+        stats["loss"] = loss.detach().to(torch.float64)
         if measure:
             responses = {
                 i: logprobs_BR[row, : len(samples[i].response_token_ids)].detach() for row, i in enumerate(rows)
@@ -437,24 +453,20 @@ class GRPOLearner:
         return stats
 
     def _engine_logprobs(self, sample: TrainSample) -> torch.Tensor:
-        if not sample.engine_logprobs or len(sample.engine_logprobs) != len(sample.response_token_ids):
-            raise ValueError(
-                "old_logprobs: engine and tis_cap need the rollout engine's logprob of every response token"
-            )
-        return torch.tensor(sample.engine_logprobs, dtype=self.master_dtype)
+        """The engine's logprobs of a sample's response tokens (:func:`check_samples` has checked them)."""
+        return torch.tensor(sample.engine_logprobs or (), dtype=self.master_dtype, device=self.device)
 
     def _logprob_difference(self, samples, rows, logprobs: dict[int, torch.Tensor]):
-        """Sum, count and max of |engine - trainer| over the response tokens of the ``rows`` with engine logprobs."""
-        differences = [
-            (logprobs[i].to(torch.float64).cpu() - torch.tensor(samples[i].engine_logprobs, dtype=torch.float64)).abs()
-            for i in rows
-            if samples[i].engine_logprobs
-        ]
-        if not differences:
-            zero = torch.zeros((), dtype=torch.float64)
+        """Sum, count and max of |engine - trainer| over the response tokens of the ``rows`` with engine logprobs,
+        as float64 tensors on the learner's device."""
+        with_engine = [i for i in rows if samples[i].engine_logprobs]
+        if not with_engine:
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
             return zero, zero, zero - math.inf
-        flat = torch.cat(differences)
-        return flat.sum(), torch.tensor(float(len(flat)), dtype=torch.float64), flat.max()
+        engine = torch.cat([self._engine_logprobs(samples[i]).to(torch.float64) for i in with_engine])
+        trainer = torch.cat([logprobs[i].to(torch.float64) for i in with_engine])
+        difference = (trainer - engine).abs()
+        return difference.sum(), difference.new_tensor(float(len(difference))), difference.max()
 
     @torch.no_grad()
     def response_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
@@ -463,77 +475,43 @@ class GRPOLearner:
         logprobs_BR = self._response_logprobs(self.model, samples)[0]
         return [logprobs_BR[row, : len(s.response_token_ids)] for row, s in enumerate(samples)]
 
-    def _tokens(self, samples: Sequence[TrainSample]) -> torch.Tensor:
-        """Right-padded prompt + response tokens [B, W] (W >= 2)."""
-        width = max([len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples] + [2])
-        tokens = torch.zeros(len(samples), width, dtype=torch.int64)
-        for row, sample in enumerate(samples):
-            sequence = sample.prompt_token_ids + sample.response_token_ids
-            tokens[row, : len(sequence)] = torch.tensor(sequence)
-        return tokens
-
     def _response_logprobs(
         self, model, samples: Sequence[TrainSample], entropy_gradient: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities [B, R] of each response token under the sampling temperature and the entropy [B, R]
-        of the distribution it was drawn from, in the master dtype (the forward pass runs in the run's dtype); R is
-        the longest response, positions past a response's end hold padding. The entropy has a gradient only with
-        ``entropy_gradient``."""
-        tokens_BW = self._tokens(samples)
-        positions_BW = torch.arange(tokens_BW.shape[1]).expand_as(tokens_BW)
-        logits_BWV = model.forward(tokens_BW.to(model.device), positions_BW.to(model.device))
-        width = max([len(s.response_token_ids) for s in samples] + [1])
-        starts_B = torch.tensor([len(s.prompt_token_ids) - 1 for s in samples])  # logits at i predict token i + 1
-        index_BR = (starts_B[:, None] + torch.arange(width)[None]).clamp(max=tokens_BW.shape[1] - 2)
-        index_BR = index_BR.to(logits_BWV.device)
-        logits_BRV = logits_BWV.gather(1, index_BR[..., None].expand(-1, -1, logits_BWV.shape[-1]))
-        scores_BRV = logits_BRV.to(self.master_dtype) / self.temperature
-        if self.filters is not None:  # the tokens the rollout's top-k / top-p kept, exactly as sampling decides them
-            scores_BRV = scores_BRV.masked_fill(~self._kept(logits_BRV.detach()), float("-inf"))
-        logprobs_BRV = torch.log_softmax(scores_BRV, dim=-1)
-        targets_BR = tokens_BW.to(logits_BWV.device).gather(1, index_BR + 1)
-        logprobs_BR = logprobs_BRV.gather(-1, targets_BR[..., None]).squeeze(-1)
-        source_BRV = logprobs_BRV if entropy_gradient else logprobs_BRV.detach()
-        plogp_BRV = source_BRV.exp() * source_BRV
-        if self.filters is not None:
-            plogp_BRV = plogp_BRV.masked_fill(torch.isinf(source_BRV), 0.0)  # 0 * log 0 = 0, not NaN
-        return logprobs_BR, -plogp_BRV.sum(-1)
+        """Log-probabilities [B, R] of each response token and entropies [B, R] (:func:`bubblespec.logprobs.
+        response_logprobs`) under the sampling temperature (and filters), in the master dtype; the forward pass
+        runs in the model's dtype. Padding positions hold 0."""
+        tokens_BW = padded_tokens([s.prompt_token_ids + s.response_token_ids for s in samples], self.device)
+        positions_BW = torch.arange(tokens_BW.shape[1], device=self.device).expand_as(tokens_BW)
+        logits_BWV = model.forward(tokens_BW, positions_BW)
+        return response_logprobs(
+            logits_BWV,
+            tokens_BW,
+            [len(s.prompt_token_ids) for s in samples],
+            [len(s.response_token_ids) for s in samples],
+            self.temperature,
+            self.master_dtype,
+            self.filters,
+            entropy_gradient,
+        )
 
-    def _kept(self, logits_BRV: torch.Tensor) -> torch.Tensor:
-        """[B, R, V] True where the rollout's top-k / top-p keep a token (:func:`bubblespec.sampling.mask_logits`)."""
-        from bubblespec.sampling import mask_logits
-
-        top_k, top_p = self.filters
-        rows = logits_BRV.shape[0]
-        temperature_B = torch.full((rows,), self.temperature, dtype=torch.float64)
-        top_k_B, top_p_B = torch.full((rows,), top_k), torch.full((rows,), top_p, dtype=torch.float64)
-        return torch.isfinite(mask_logits(logits_BRV, temperature_B, top_k_B, top_p_B))
-
-    def _mask(self, samples: Sequence[TrainSample], width: int, lengths: Sequence[int]) -> torch.Tensor:
-        """[B, R] ones on the trained response tokens, in the master dtype (a bfloat16 mask of 1,001 ones would
-        sum to 1,000)."""
-        mask = torch.zeros(len(samples), width, dtype=self.master_dtype)
-        for row, length in enumerate(lengths):
-            mask[row, :length] = 1
-        return mask.to(self.master.device)
-
-    def _place(self, samples, values: Sequence[torch.Tensor], like_BR: torch.Tensor) -> torch.Tensor:
-        """Per-response values as a [B, R] tensor like ``like_BR`` (zeros past each response's end)."""
-        placed = torch.zeros_like(like_BR, requires_grad=False)
-        for row, value in enumerate(values):
-            placed[row, : len(value)] = value.to(placed.dtype)
-        return placed
-
-    def apply_gradients(self) -> float:
+    def apply_gradients(self, where: str = "this update") -> float:
         """Sums the gradients across workers (``all_reduce``), clips their norm to ``max_grad_norm`` and takes
-        one Adam step on the master weights. Returns the gradient norm before clipping."""
+        one Adam step on the master weights. Returns the gradient norm before clipping. A norm that is not
+        finite is a :class:`~bubblespec.errors.NonFiniteError` naming ``where``, raised before the step."""
         if self.all_reduce is not None:
             for parameter in self.parameters:
                 self.all_reduce(parameter.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm or float("inf"))
+        return self._agreed(lambda: self._optimizer_step(where))
+
+    def _optimizer_step(self, where: str) -> float:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm or float("inf")))
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"{where}: the gradient norm is {grad_norm} (not a finite number); no optimizer step was taken with it"
+            )
         self.optimizer.step()
-        self.scheduler.step()
-        return float(grad_norm)
+        return grad_norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights engines receive, by Hugging Face name: the master weights rounded to the run's dtype."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import threading
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from bubblespec.policy_loss import LossSettings, aggregation_normaliser, kl_dive
 from bubblespec.trainer import GRPOLearner, TrainSample, shaped_rewards
 
 from .conftest import write_checkpoint
+from .workers import run_workers
 
 
 @pytest.fixture(scope="module")
@@ -150,31 +150,6 @@ def test_one_update_per_step_has_ratio_one_and_several_updates_move_it(model_pat
     assert several["entropy"] > 0 and several["learning_rate"] == 1e-2
 
 
-def _threaded(world: int, run):
-    """Runs ``run(rank, all_reduce)`` in ``world`` threads with an in-memory all-reduce; returns the results."""
-    barrier = threading.Barrier(world, timeout=60)
-    shared: list = [None] * world
-
-    def all_reduce_for(rank):
-        def all_reduce(tensor, op="sum"):
-            shared[rank] = tensor.clone()
-            barrier.wait()
-            stacked = torch.stack(shared)
-            tensor.copy_(stacked.amax(0) if op == "max" else stacked.sum(0))
-            barrier.wait()
-
-        return all_reduce
-
-    results: dict = {}
-    threads = [threading.Thread(target=lambda r=r: results.setdefault(r, run(r, all_reduce_for(r))))
-               for r in range(world)]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    return [results[r] for r in range(world)]
-
-
 @pytest.mark.parametrize(
     "settings",
     [
@@ -193,12 +168,12 @@ def test_two_data_parallel_workers_take_the_updates_of_one_learner(model_path, s
     alone.step(warm)
     expected = alone.step(samples)
 
-    def run(rank, all_reduce):
-        learner = GRPOLearner(model_path, "float64", config, 1.0, all_reduce=all_reduce)
+    def work(rank, learner):
         learner.step(warm, rank=rank, world=2)
         return learner.step(samples, rank=rank, world=2), learner.master.state_dict()
 
-    for metrics, weights in _threaded(2, run):
+    build = lambda rank, all_reduce: GRPOLearner(model_path, "float64", config, 1.0, all_reduce=all_reduce)  # noqa: E731
+    for metrics, weights in run_workers(2, build, work):
         assert metrics.keys() == expected.keys()
         for name, value in expected.items():
             assert metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name

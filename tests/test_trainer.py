@@ -13,6 +13,7 @@ from bubblespec.config import TrainerConfig
 from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
 
 from .conftest import write_checkpoint
+from .workers import run_workers
 
 
 @pytest.fixture(scope="module")
@@ -125,47 +126,22 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
     """Two data-parallel learners; worker 1's share holds a token outside the vocabulary. Worker 1 raises its
     own error, worker 0 learns of it in the all-reduce that precedes the gradient exchange and raises
     PeerFailed instead of waiting for gradients that never come; neither takes a step."""
-    import threading
-
     from bubblespec.trainer import PeerFailed
 
-    barrier = threading.Barrier(2, timeout=30)
-    shared: list[torch.Tensor | None] = [None, None]
-
-    def all_reduce_for(rank):
-        def all_reduce(tensor, op="sum"):
-            shared[rank] = tensor.clone()
-            barrier.wait()
-            total = shared[0] + shared[1]
-            barrier.wait()
-            tensor.copy_(total)
-
-        return all_reduce
-
-    learners = [
-        GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-3), 1.0, all_reduce=all_reduce_for(rank))
-        for rank in range(2)
-    ]
-    before = [learner.checkpoint_state()["master_weights"] for learner in learners]
     # Worker 0 computes sample 0, worker 1 sample 1 (every world-th sample of the batch).
     batch = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
-    raised: dict[int, BaseException] = {}
 
-    def step(rank):
-        try:
-            learners[rank].step(batch, rank=rank, world=2)
-        except Exception as error:  # collected for the assertions below
-            raised[rank] = error
+    def build(rank, all_reduce):
+        return GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-3), 1.0, all_reduce=all_reduce)
 
-    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert isinstance(raised[1], IndexError) and isinstance(raised[0], PeerFailed)
-    for learner, weights in zip(learners, before, strict=True):
+    def work(rank, learner):
+        before = learner.checkpoint_state()["master_weights"]
+        with pytest.raises(IndexError if rank == 1 else PeerFailed):
+            learner.step(batch, rank=rank, world=2)
         after = learner.checkpoint_state()["master_weights"]
-        assert all(torch.equal(after[k], weights[k]) for k in weights)
+        return all(torch.equal(after[k], before[k]) for k in before)
+
+    assert run_workers(2, build, work) == [True, True]
 
 
 def _engine_samples(model_path: str, dtype: str, count: int = 8) -> list[TrainSample]:
@@ -197,34 +173,13 @@ def test_the_logprob_agreement_of_engine_and_trainer_is_measured(model_path):
 
 
 def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
-    import threading
-
     samples = _engine_samples(model_path, "bfloat16")
     alone = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(samples)
-    barrier = threading.Barrier(2, timeout=30)
-    shared: list[torch.Tensor | None] = [None, None]
-
-    def all_reduce_for(rank):
-        def all_reduce(tensor, op="sum"):
-            shared[rank] = tensor.clone()
-            barrier.wait()
-            reduced = torch.maximum(shared[0], shared[1]) if op == "max" else shared[0] + shared[1]
-            barrier.wait()
-            tensor.copy_(reduced)
-
-        return all_reduce
-
-    metrics: dict[int, dict] = {}
-
-    def step(rank):
-        learner = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8, all_reduce_for(rank))
-        metrics[rank] = learner.step(samples, rank=rank, world=2)
-
-    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    metrics = run_workers(
+        2,
+        lambda rank, all_reduce: GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8, all_reduce),
+        lambda rank, learner: learner.step(samples, rank=rank, world=2),
+    )
     for rank in range(2):
         assert metrics[rank]["logprob_diff_mean"] == pytest.approx(alone["logprob_diff_mean"], rel=1e-9)
         assert metrics[rank]["logprob_diff_max"] == pytest.approx(alone["logprob_diff_max"], rel=1e-9)
