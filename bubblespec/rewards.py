@@ -183,30 +183,44 @@ class RewardFailures:
     first_error: str | None = None
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """A reward call's time limit. Not an ``Exception``: rewards (math-verify among them) catch ``Exception`` around
+    their own work, and would swallow it and run on without a limit."""
+
+
+_REPEAT_S = 0.05
+"""After the limit, the alarm fires again this often until the call ends: code that catches even a BaseException
+once cannot run on for long."""
 
 
 def _call_reward(name: str, options: Mapping[str, Any], items: Sequence[RewardItem], limit_s: float | None):
     """Scores ``items`` with reward ``name`` (batched when the function says so); in a worker, under a time limit.
-    Returns ("ok", scores) or ("timeout" | "error", message)."""
+    Returns ("ok", scores) or ("timeout" | "error", message). A call past its limit is a timeout whatever it
+    returns or raises afterwards."""
     function = load_reward(name)
-    if limit_s is not None:
+    alarm = {"armed": limit_s is not None, "fired": False}
+    if alarm["armed"]:
 
         def expire(signum, frame):
-            raise _Timeout
+            alarm["fired"] = True
+            if alarm["armed"]:
+                raise _Timeout
 
         signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, limit_s)
+        signal.setitimer(signal.ITIMER_REAL, limit_s, _REPEAT_S)
     try:
-        return "ok", _apply(function, items, options)
+        outcome = "ok", _apply(function, items, options)
     except _Timeout:
-        return "timeout", f"reward {name!r} did not return within {limit_s:g} s"
+        outcome = "timeout", ""
     except Exception as error:  # the user's function failing is data for the step record, not a crash
-        return "error", f"reward {name!r} raised {error!r}"
+        outcome = "error", f"reward {name!r} raised {error!r}"
     finally:
-        if limit_s is not None:
+        if alarm["armed"]:
+            alarm["armed"] = False  # from here on the alarm only notes that it fired
             signal.setitimer(signal.ITIMER_REAL, 0)
+    if alarm["fired"]:
+        return "timeout", f"reward {name!r} did not return within {limit_s:g} s"
+    return outcome
 
 
 def _apply(function: Callable[..., Any], items: Sequence[RewardItem], options: Mapping[str, Any]) -> list:

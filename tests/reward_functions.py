@@ -26,6 +26,24 @@ def sleeps_on_slow(prompt, response, **columns):
     return 1.0
 
 
+def swallows_exceptions(prompt, response, **columns):
+    """As math-verify does: a broad ``except Exception`` around slow work."""
+    try:
+        time.sleep(60)
+    except Exception:
+        pass
+    return 1.0
+
+
+def swallows_everything(prompt, response, **columns):
+    """Catches even a BaseException once, then goes on working."""
+    try:
+        time.sleep(60)
+    except BaseException:
+        time.sleep(60)
+    return 1.0
+
+
 def raises_on_bad(prompt, response, **columns):
     if "bad" in response:
         raise RuntimeError("cannot score this one")

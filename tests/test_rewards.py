@@ -123,3 +123,22 @@ def test_the_pool_scores_a_timed_out_or_raising_call_0_and_counts_it():
             text(_items("x"))
     finally:
         text.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["swallows_exceptions", "swallows_everything"])
+def test_the_time_limit_holds_against_rewards_that_catch_it_and_is_always_counted(name):
+    """Rewards (math-verify among them) catch ``Exception`` around their work; before, the limit was an
+    Exception: it was swallowed, not counted, and the call ran on without a limit."""
+    import time
+
+    scorer = RewardScorer([RewardSpec(f"tests.reward_functions:{name}")], workers=1, timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        assert scorer(_items("x")) == [0.0]
+        assert time.monotonic() - start < 20  # the call sleeps 60 s (twice) unless the limit ends it
+        failures = scorer.take_failures()
+        assert (failures.timeouts, failures.errors) == (1, 0)
+        assert "did not return within 0.5 s" in failures.first_error
+    finally:
+        scorer.close()
