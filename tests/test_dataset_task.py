@@ -193,6 +193,16 @@ def test_rewards_see_the_prompt_the_decoded_response_and_every_column(chat_model
     assert task(prompt, right) == 3.0
 
 
+def test_the_answer_column_is_the_answer_even_beside_a_column_named_answer(chat_model, tmp_path):
+    """GSM8K rows keep their worked solution in ``answer``; with ``answer_column: final`` rewards must get the final
+    answer as ``answer`` (before, the row's own ``answer`` column won and "42" scored 0 with ``exact``)."""
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "6 * 7?", "answer": "6 * 7 = 42\n#### 42", "final": "42"}) + "\n")
+    task = _task(chat_model, data, prompts_per_step=1, prompt_column="question", answer_column="final", reward="exact")
+    (prompt,) = task.prompts
+    assert task.score([prompt], [task.tokenizer("42")["input_ids"]]) == [1.0]
+
+
 def test_the_arithmetic_dataset_prompts_equal_the_shipped_task_s(tmp_path):
     rows = [{"prompt": p.text, "answer": p.answer} for p in ArithmeticTask(seed=3, prompts_per_step=32).batch(0)]
     path = tmp_path / "arithmetic.jsonl"

@@ -171,8 +171,8 @@ class RowsTask:
     def _reward_item(self, prompt: Prompt, response_token_ids: Sequence[int]) -> RewardItem:
         row = dict(prompt.columns)
         original = row.pop(self.prompt_column)
-        if self.answer_column is not None:
-            row.setdefault("answer", row[self.answer_column])
+        if self.answer_column is not None:  # the gold answer, even where the row has another column named "answer"
+            row["answer"] = row[self.answer_column]
         return RewardItem(prompt.uid, original, self.decode(response_token_ids), row)
 
     # -- loading ------------------------------------------------------------------------------------------------
