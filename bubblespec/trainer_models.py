@@ -13,6 +13,7 @@ travel by Hugging Face name, so the engine must run the architecture (checked be
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -71,11 +72,7 @@ class TransformersModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight by Hugging Face name, detached copies; LoRA adapters merged: W + scale * B @ A."""
-        weights = {name: tensor.detach().clone() for name, tensor in self._base_state().items()}
-        if self.lora is not None:
-            for name, delta in self._lora_deltas().items():
-                weights[name] = (weights[name].float() + delta.float()).to(weights[name].dtype)
-        return weights
+        return {name: tensor.clone() for name, tensor in merged_weights(self.module).items()}
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = False) -> None:
@@ -99,21 +96,91 @@ class TransformersModel:
 
     def _base_state(self) -> dict[str, torch.Tensor]:
         """The base model's weights by Hugging Face name (live tensors, tied ones once under each name)."""
-        model = self.module.get_base_model() if self.lora is not None else self.module
-        state = {}
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if "lora_" in name:
-                continue
+        return base_weights(self.module)
+
+
+# -- weights of a transformers model, peft's LoRA merged (also what bubblespec.integrations.trl sends TRL's model as) --
+
+
+def base_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's weights by Hugging Face name: live tensors, tied ones once under each name. On a peft
+    model, its base model's: adapters left out, peft's ``base_model.model.`` and ``.base_layer.`` out of the names."""
+    state = {}
+    for name, tensor in _peft_base(module).state_dict(keep_vars=True).items():
+        if "lora_" not in name:
             state[name.replace(".base_layer.", ".")] = tensor.data
-        return state
+    return state
 
-    def _lora_deltas(self) -> dict[str, torch.Tensor]:
-        """scale * B @ A for every adapted layer, by the Hugging Face name of the layer's weight."""
-        from peft.tuners.lora import LoraLayer
 
-        deltas = {}
-        for name, module in self.module.get_base_model().named_modules():
-            if isinstance(module, LoraLayer):
-                adapter = module.active_adapters[0]
-                deltas[f"{name}.weight"] = module.get_delta_weight(adapter).detach()
-        return deltas
+@torch.no_grad()
+def lora_deltas(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """scale * B @ A of the active LoRA adapter (peft's ``get_delta_weight``) for every adapted layer, by the Hugging
+    Face name of the layer's weight; an adapter already merged into its layer is left out; empty without peft."""
+    if not _is_peft_model(module):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, layer in module.get_base_model().named_modules():
+        if isinstance(layer, LoraLayer):
+            held = set(layer.lora_A) | set(layer.lora_embedding_A)  # the adapters on this layer
+            for adapter in layer.active_adapters:
+                if adapter in held and adapter not in layer.merged_adapters:
+                    deltas[f"{name}.weight"] = layer.get_delta_weight(adapter).detach()
+    return deltas
+
+
+def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight by Hugging Face name with the LoRA adapter merged as peft's ``merge_and_unload`` merges it:
+    W + scale * B @ A, added in W's and the delta's dtype (at least float32) and rounded to W's dtype. The merged
+    weights are new tensors, the others the live ones (detached); the module is not changed. What this cannot
+    merge is listed by :func:`lora_merge_problems`."""
+    weights = base_weights(module)
+    for name, delta in lora_deltas(module).items():
+        weight = weights[name]
+        dtype = torch.promote_types(torch.promote_types(weight.dtype, delta.dtype), torch.float32)
+        weights[name] = (weight.to(dtype) + delta.to(dtype)).to(weight.dtype)
+    return weights
+
+
+def lora_merge_problems(module: torch.nn.Module) -> list[str]:
+    """Why :func:`merged_weights` would not be the weights this peft model computes with; [] when it would (a model
+    without peft, or one active plain LoRA adapter: no variant such as DoRA, no ``lora_bias``, no
+    ``modules_to_save``, ``trainable_token_indices`` or ``target_parameters``)."""
+    if not _is_peft_model(module):
+        return []
+    from peft import PeftType
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    active = list(module.active_adapters)
+    problems = [] if len(active) == 1 else [f"{len(active)} active adapters {active}, not one"]
+    problems += [
+        f"adapter {name!r} is {module.peft_config[name].peft_type.value}, not LORA"
+        for name in active
+        if module.peft_config[name].peft_type != PeftType.LORA
+    ]
+    found: dict[str, str] = {}  # problem -> the first layer with it
+    for name, layer in module.get_base_model().named_modules():
+        if isinstance(layer, AuxiliaryTrainingWrapper):
+            found.setdefault(f"{type(layer).__name__} (modules_to_save / trainable_token_indices)", name)
+        elif isinstance(layer, ParamWrapper):
+            found.setdefault("LoRA on parameters (target_parameters)", name)
+        elif isinstance(layer, LoraLayer):
+            for adapter in active:
+                if adapter in layer.lora_variant:
+                    variant = type(layer.lora_variant[adapter]).__name__
+                    found.setdefault(f"the LoRA variant {variant} (use_dora, ...)", name)
+                if layer.lora_bias.get(adapter, False):
+                    found.setdefault("lora_bias=True", name)
+    return problems + [f"{problem}, first on {name!r}" for problem, name in found.items()]
+
+
+def _is_peft_model(module: torch.nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a PeftModel exists only where peft has been imported
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def _peft_base(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft model (the module itself otherwise)."""
+    return module.get_base_model() if _is_peft_model(module) else module

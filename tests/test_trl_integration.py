@@ -58,8 +58,10 @@ def test_settings_the_rollout_cannot_honour_fail_at_construction(tmp_path):
 def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
     distinct = BubblespecRollout._distinct(["a", "a", "b", "b"], 2)
     assert distinct == ["a", "b"]
-    with pytest.raises(ValueError, match="repeated num_generations times in a row"):
+    with pytest.raises(ValueError, match=r"repeated 2 times in a row \(its num_generations, or num_generations_eval"):
         BubblespecRollout._distinct(["a", "b", "a", "b"], 2)
+    with pytest.raises(ValueError, match="3 prompts for 2 generations per prompt"):
+        BubblespecRollout._distinct(["a", "a", "b"], 2)
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
     with pytest.raises(ConfigError, match="carries images"):
         BubblespecRollout._distinct([image, image], 2)
@@ -115,3 +117,206 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
     assert calls == ["release", "resume", "release", "resume"]  # the last resume: when the rollout closes
     # (every response runs to max_completion_length here, so the ranks finish together: no bubble to draft in)
     assert len(steps) == 2 and steps[1]["peek_matched"] is True and steps[1]["generated_tokens"] == 4 * 6
+
+
+# -- evaluation and LoRA ---------------------------------------------------------------------------------------------
+
+
+def _arithmetic_grpo(output_dir, *, speculation, evaluation=None, peft_config=None, colocated=False, on_reward=None,
+                     score=None):  # fmt: skip
+    """Two TRL GRPO steps on the shipped arithmetic task and model (float64, 4 ranks, virtual clock); with
+    ``evaluation`` (num_generations_eval), an evaluation of 4 held-out prompts in 2 batches after every step.
+    ``on_reward(rollout, trainer)`` runs in the reward function: after a generation batch, before TRL trains on it;
+    ``score(completion_ids, answer)``: the reward (the task's by default). Returns the (closed) rollout and the
+    trainer."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bubblespec.interfaces import Prompt
+
+    torch.manual_seed(0)
+    task = ArithmeticTask(seed=0, prompts_per_step=64)
+    path = str(ArithmeticTask.model_path())
+    rows = [{"prompt": p.text, "answer": p.answer} for p in task.batch(0)]
+    held_out = [{"prompt": p.text, "answer": p.answer} for p in ArithmeticTask(seed=1, prompts_per_step=4).batch(0)]
+    live: dict = {}
+    score = score or (lambda ids, answer: task(Prompt("", (), "", answer), ids))
+
+    def reward(completion_ids, answer, **_):
+        if on_reward is not None and live["trainer"].model.training:
+            on_reward(live["rollout"], live["trainer"])
+        return [score(ids, a) for ids, a in zip(completion_ids, answer, strict=True)]
+
+    evaluating = {} if evaluation is None else {"eval_strategy": "steps", "eval_steps": 1,
+                  "num_generations_eval": evaluation, "per_device_eval_batch_size": 2 * evaluation}  # fmt: skip
+    args = GRPOConfig(output_dir=str(output_dir), use_vllm=False, bf16=False, per_device_train_batch_size=16,
+                      num_generations=4, max_completion_length=task.max_new_tokens, learning_rate=1e-2, max_steps=2,
+                      logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+                      **evaluating)  # fmt: skip
+    service = {"model": {"dtype": "float64"}, "rollout": {"num_ranks": 4}, "speculation": {"enabled": speculation},
+               "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"enabled": False},
+               "ray": {"colocated": colocated}}  # fmt: skip
+    with BubblespecRollout(service, path, args) as rollout:
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64),
+                              reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                              eval_dataset=None if evaluation is None else Dataset.from_list(held_out),
+                              processing_class=AutoTokenizer.from_pretrained(path), rollout_func=rollout,
+                              peft_config=peft_config)  # fmt: skip
+        live.update(rollout=rollout, trainer=trainer)
+        trainer.train()
+    return rollout, trainer
+
+
+def _training_records(rollout) -> list[tuple]:
+    keys = ("generation", "global_step", "completions_digest", "decode_steps", "draft_coverage", "peek_matched")
+    return [tuple(step[k] for k in keys) for step in rollout.steps]
+
+
+@pytest.fixture(scope="module")
+def grpo_without_evaluation(tmp_path_factory):
+    return _arithmetic_grpo(tmp_path_factory.mktemp("no-eval"), speculation=True)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_generations_eval", [2, 4], ids=["fewer-eval-generations", "as-many"])
+def test_evaluation_has_keys_of_its_own_and_leaves_the_training_generations_and_drafts_alone(
+    tmp_path, grpo_without_evaluation, num_generations_eval
+):
+    """TRL evaluates after each of two steps (num_generations_eval samples per prompt; training: 4). Evaluation
+    batches are told apart by TRL's own eval mode: they neither take the next generation's index nor use its drafts,
+    so the training generations (digests, decode steps, draft coverage) are exactly those of a run without
+    evaluation; they are not training records, in ``steps`` or TRL's ``bubblespec/`` log; their completions are
+    the same with speculation off; colocated ranks generate from the first evaluation batch to TRL's on_evaluate."""
+    from unittest import mock
+
+    calls: list[str] = []
+    engine = "bubblespec.backends.torch_engine.TorchEngine"
+    with mock.patch(f"{engine}.release", lambda _: calls.append("release")), \
+         mock.patch(f"{engine}.resume", lambda _: calls.append("resume")):  # fmt: skip
+        on, trainer = _arithmetic_grpo(tmp_path / "on", speculation=True, evaluation=num_generations_eval,
+                                       colocated=True)  # fmt: skip
+    off, _ = _arithmetic_grpo(tmp_path / "off", speculation=False, evaluation=num_generations_eval)
+    assert _training_records(on) == _training_records(grpo_without_evaluation)
+    assert [s["generation"] for s in on.steps] == [0, 1] and on.steps[1]["peek_matched"] is True
+    assert on.steps[1]["draft_coverage"] > 0 and on.steps[1]["decode_steps"] < off.steps[1]["decode_steps"]
+    # two batches per evaluation, after steps 1 and 2: 2 prompts x num_generations_eval each
+    evaluations = [(e["evaluation"], e["global_step"], e["num_completions"]) for e in on.evaluations]
+    assert evaluations == [(0, 1, 2 * num_generations_eval), (1, 1, 2 * num_generations_eval),
+                           (2, 2, 2 * num_generations_eval), (3, 2, 2 * num_generations_eval)]  # fmt: skip
+    assert [e["completions_digest"] for e in on.evaluations] == [e["completions_digest"] for e in off.evaluations]
+    history = trainer.state.log_history
+    logged = [h["bubblespec/draft_coverage"] for h in history if "bubblespec/draft_coverage" in h]
+    assert logged == [s["draft_coverage"] for s in on.steps]
+    assert not [k for h in history for k in h if k.startswith("eval_") and "bubblespec" in k]
+    # generation 0 | TRL trains | evaluation (2 batches) | on_evaluate | generation 1 | ... | close
+    assert calls == ["release", "resume"] * 4
+
+
+def _lora(**options):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], **options)
+
+
+@pytest.mark.slow
+def test_lora_ranks_get_the_merged_weights_and_speculation_changes_neither_completions_nor_weights(tmp_path):
+    """GRPOTrainer(peft_config=LoraConfig(...)): after every sync the ranks hold exactly what peft's own
+    ``merge_and_unload`` makes of the trainer's model (base names, adapter merged); with speculation on and off
+    the completions and the trained adapters are identical, and drafts still save decode steps."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def ranks_and_merged(rollout, trainer, into):
+        ranks = rollout._service.ranks.engine.model.state_dict()  # the virtual ranks share one engine
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        into.append((ranks, copy.deepcopy(peft_model).merge_and_unload().state_dict()))
+
+    def shorter(ids, answer):  # differs within every group from the first step on: the adapter trains at once
+        return -len(ids) / 100
+
+    seen: list = []
+    on, trainer_on = _arithmetic_grpo(tmp_path / "on", speculation=True, peft_config=_lora(), score=shorter,
+                                      on_reward=lambda r, t: ranks_and_merged(r, t, seen))  # fmt: skip
+    off, trainer_off = _arithmetic_grpo(tmp_path / "off", speculation=False, peft_config=_lora(), score=shorter)
+    assert len(seen) == 2
+    for ranks, merged in seen:
+        assert ranks.keys() == merged.keys() and all(torch.equal(ranks[n], merged[n]) for n in merged)
+    base = AutoModelForCausalLM.from_pretrained(ArithmeticTask.model_path(), dtype=torch.float64).state_dict()
+    trained = {n for n, t in seen[1][0].items() if not torch.equal(t, base[n])}
+    assert trained and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in trained)  # the adapter merged
+    assert [s["completions_digest"] for s in on.steps] == [s["completions_digest"] for s in off.steps]
+    assert on.steps[1]["draft_coverage"] > 0 and on.steps[1]["decode_steps"] < off.steps[1]["decode_steps"]
+    adapters_on, adapters_off = (dict(t.model.named_parameters()) for t in (trainer_on, trainer_off))
+    assert all(torch.equal(p, adapters_off[n]) for n, p in adapters_on.items())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_merged_weights_are_peft_merge_and_unload_and_leave_the_model_alone(dtype):
+    """The weights the ranks get from a peft model: those of peft's own merge (LoRA on linear layers and, but for
+    bfloat16, where peft rounds an embedding's delta to bfloat16 before adding it, on the embedding)."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bubblespec.trainer_models import merged_weights
+
+    targets = ["q_proj", "down_proj"] + ([] if dtype == "bfloat16" else ["embed_tokens"])
+    model = AutoModelForCausalLM.from_pretrained(ArithmeticTask.model_path(), dtype=getattr(torch, dtype))
+    original = {n: t.clone() for n, t in model.state_dict().items()}
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():  # B (embedding: A) starts at zero; a trained adapter does not
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                parameter.normal_()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    merged = merged_weights(model)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys() and all(torch.equal(merged[n], reference[n]) for n in reference)
+    changed = {n.removeprefix("model.") for n in merged if not torch.equal(merged[n], original[n])}
+    layers = {f"layers.{i}.{layer}.weight" for i in range(4) for layer in ("self_attn.q_proj", "mlp.down_proj")}
+    assert changed == layers | ({"embed_tokens.weight"} if "embed_tokens" in targets else set())
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())  # the trained model is untouched
+
+
+def test_peft_models_that_do_not_merge_as_w_plus_ba_are_refused(tmp_path):
+    import torch
+    from datasets import Dataset
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bubblespec.integrations.trl import check_mergeable
+
+    path = ArithmeticTask.model_path()
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    check_mergeable(model())
+    check_mergeable(get_peft_model(model(), _lora()))
+    for config, problem in [
+        (_lora(lora_bias=True), "lora_bias=True, first on 'model.layers.0.self_attn.q_proj'"),
+        (_lora(modules_to_save=["lm_head"]), r"ModulesToSaveWrapper \(modules_to_save"),
+        (IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), "is IA3, not LORA"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{problem}.*Supported: one plain LoraConfig"):
+            check_mergeable(get_peft_model(model(), config))
+    # through TRL: refused at the first call, before a rank starts
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=False, bf16=False, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to="none", save_strategy="no",
+                      disable_tqdm=True)  # fmt: skip
+    with BubblespecRollout({"clock": {"kind": "virtual"}, "metrics": {"enabled": False}}, path, args) as rollout:
+        trainer = GRPOTrainer(model=model(), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 4),
+                              processing_class=AutoTokenizer.from_pretrained(path), rollout_func=rollout,
+                              peft_config=_lora(use_dora=True))  # fmt: skip
+        with pytest.raises(ConfigError, match="the LoRA variant DoraLinearVariant"):
+            trainer.train()
+        assert rollout._service is None

@@ -1,14 +1,18 @@
 """TRL's ``GRPOTrainer`` with bubblespec's rollout: ``GRPOTrainer(..., rollout_func=BubblespecRollout(...))``.
 
 TRL 1.16 calls ``rollout_func(prompts, trainer)`` once per generation batch with this process's prompts, each
-already repeated ``num_generations`` times in a row, and wants one completion per element. This adapter:
+already repeated ``num_generations`` times in a row, and wants one completion per element; it calls it too for every
+batch of an evaluation (``trainer.model.training`` False: TRL's own "eval" mode), each prompt repeated
+``num_generations_eval`` times. For a generation batch, this adapter:
 
     prompts            the distinct prompts, chat template at the boundary as TRL's own ``_tokenize_prompts`` does
                        (text: ``processing_class(text=...)``; messages: ``apply_chat_template(...,
                        add_generation_prompt=True, **chat_template_kwargs)``)
     keys               (TRL's seed, generation index, prompt position and content, sample index): the same prompts at
                        the same point of a run give the same completions, with or without speculation
-    weights            the trainer's model goes to the ranks whenever ``trainer.state.global_step`` changed
+    weights            the trainer's model goes to the ranks whenever ``trainer.state.global_step`` changed, by
+                       Hugging Face name; a peft (LoRA) model's adapter merged into the base weights (W + scale *
+                       B @ A, as peft's ``merge_and_unload`` merges it, the trained model untouched)
     next prompts       read from a fresh copy of TRL's own ``RepeatSampler`` (the same seed and order), so that idle
                        ranks draft the prompts of the next generation batch while the slow ones finish
     output             ``prompt_ids``, ``completion_ids``, ``logprobs`` per completion, in TRL's order
@@ -16,9 +20,19 @@ already repeated ``num_generations`` times in a row, and wants one completion pe
 Per generation batch, :attr:`BubblespecRollout.steps` records what every rank did (decode steps, drafts, bubbles),
 as a bubblespec run's ``steps.jsonl`` does, and TRL logs the headline numbers under ``bubblespec/``.
 
-Supported: TRL 1.16 on one process, map-style datasets, text or chat prompts. Refused at the first call with a
-clear error: another TRL version, ``use_vllm=True`` (the ranks are the generation engine), multimodal prompts,
-several processes, iterable datasets.
+An evaluation batch is generated with the weights of the moment and no drafts (``service.evaluate``), under keys of
+its own (step ``-1 - n`` for the n-th evaluation batch of the run): the training generations keep their indices and
+their drafts, and an evaluation's completions are the same with speculation on or off. It is recorded in
+:attr:`BubblespecRollout.evaluations`, not in ``steps`` nor in TRL's ``bubblespec/`` log. The ranks count as
+generating from the first evaluation batch until TRL's ``on_evaluate``, then as training again.
+
+Supported: TRL 1.16 on one process, map-style datasets, text or chat prompts, evaluation (``eval_strategy``,
+``num_generations_eval``), full fine-tuning or one plain LoRA adapter (``peft_config=LoraConfig(...)`` or a
+``PeftModel``; ``model_path`` is then the base model's folder). Refused at the first call with a clear error:
+another TRL version, ``use_vllm=True`` (the ranks are the generation engine), multimodal prompts, several
+processes, iterable datasets, peft models whose merge is not W + scale * B @ A (DoRA and other LoRA variants,
+``lora_bias``, ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, several active adapters,
+non-LoRA peft methods).
 """
 
 from __future__ import annotations
@@ -58,18 +72,46 @@ def check_grpo_args(args) -> None:
         )
 
 
+def check_mergeable(model) -> None:
+    """The ranks run the base architecture: a peft model must merge into it as W + scale * B @ A."""
+    from bubblespec.trainer_models import lora_merge_problems
+
+    problems = lora_merge_problems(model)
+    if problems:
+        raise ConfigError(
+            "bubblespec's TRL rollout sends the ranks the trainer's weights with the LoRA adapter merged (W + scale "
+            f"* B @ A), which this peft model's weights are not: {'; '.join(problems)}. Supported: one plain "
+            "LoraConfig adapter (no use_dora or other variant, lora_bias, modules_to_save, trainable_token_indices "
+            "or target_parameters)"
+        )
+
+
+def is_evaluation(trainer) -> bool:
+    """Whether TRL is calling for an evaluation batch: its own signal, as ``GRPOTrainer._generate`` reads it
+    (``mode = "train" if self.model.training else "eval"``)."""
+    return not trainer.model.training
+
+
+def evaluation_step(index: int) -> int:
+    """The rollout-key step of the run's ``index``-th evaluation batch: negative, where no generation batch (0, 1,
+    ...) has keys or drafts."""
+    return -1 - index
+
+
 class BubblespecRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` on a bubblespec rollout service.
 
     ``config``: the service's sections (``rollout``, ``speculation``, ``model.dtype``, ``clock``, ``ray``) as a
     :class:`~bubblespec.config.ServiceConfig` or a dict; ``model_path``: the folder TRL's model was loaded from
-    (the ranks load it, then get the trainer's weights). Sampling settings (temperature, top-k, top-p, max
-    completion length) are TRL's. Call :meth:`close` (or use it as a context manager) to stop the ranks.
+    (the ranks load it, then get the trainer's weights; with LoRA, the base model's folder). Sampling settings
+    (temperature, top-k, top-p, max completion length) are TRL's. Call :meth:`close` (or use it as a context
+    manager) to stop the ranks.
 
     Between two calls TRL trains: the service is told so (``training_starts`` as a call returns,
     ``training_ended`` as the next begins), so that ``ray.colocated`` ranks release their memory meanwhile and,
     with ``speculation.draft_during_training``, ranks on hardware of their own go on drafting (on the virtual
-    clock for as many seconds as TRL really took).
+    clock for as many seconds as TRL really took). An evaluation ends that phase at its first batch; TRL's
+    ``on_evaluate`` starts it again.
     """
 
     def __init__(self, config: ServiceConfig | dict, model_path: str | Path, args=None) -> None:
@@ -84,6 +126,8 @@ class BubblespecRollout:
             raise ConfigError(f"model_path {str(model_path)!r} is not a Hugging Face model folder (no config.json)")
         self.steps: list[dict] = []
         """One record per generation batch: ``generation``, ``global_step``, per-rank records, decode steps..."""
+        self.evaluations: list[dict] = []
+        """One record per evaluation batch: ``evaluation``, ``global_step``, ``num_generations``, tokens, digest."""
         self.metrics = None
         """The Prometheus metrics (``bubblespec.metrics.RunMetrics``) with ``metrics.enabled``."""
         self._stack = contextlib.ExitStack()
@@ -100,31 +144,48 @@ class BubblespecRollout:
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         if self._service is None:
             self._start(trainer)
-        generations = trainer.num_generations
-        distinct = self._distinct(prompts, generations)
-        generation = self._generation_index(trainer)
         self._training_ended()
         if self._synced_step != trainer.state.global_step:
             self._sync_weights(trainer)
-        tokenized = self._prompts(distinct)
-        peeked = self._peeked.pop(generation, None)
-        outcome = self._service.generate(generation, tokenized, generations)
-        by_uid = {p.uid: p for p in tokenized}
-        self._record(generation, trainer.state.global_step, outcome)
-        # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
-        self.steps[-1]["peek_matched"] = None if peeked is None else peeked == [p.uid for p in tokenized]
-        self._service.training_starts()
-        self._training_since = time.perf_counter()
-        return {
-            "prompt_ids": [list(by_uid[r.key.prompt_uid].token_ids) for r in outcome.results],
-            "completion_ids": [list(r.token_ids) for r in outcome.results],
-            "logprobs": [list(r.logprobs) for r in outcome.results],
-        }
+        if is_evaluation(trainer):  # TRL trains again after its on_evaluate: _training_starts then
+            return self._evaluation_batch(prompts, trainer)
+        output = self._generation_batch(prompts, trainer)
+        self._training_starts()
+        return output
 
     def close(self) -> None:
         self._training_ended()
         self._stack.close()
         self._service = None
+
+    def _generation_batch(self, prompts: list, trainer) -> dict[str, list]:
+        """A training generation batch: ``num_generations`` samples per prompt, drafted in the last one's bubbles."""
+        generations = trainer.num_generations
+        tokenized = self._prompts(self._distinct(prompts, generations))
+        generation = self._generation_index(trainer)
+        peeked = self._peeked.pop(generation, None)
+        outcome = self._service.generate(generation, tokenized, generations)
+        self._record(generation, trainer.state.global_step, outcome)
+        # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
+        self.steps[-1]["peek_matched"] = None if peeked is None else peeked == [p.uid for p in tokenized]
+        return _trl_output(tokenized, outcome.results)
+
+    def _evaluation_batch(self, prompts: list, trainer) -> dict[str, list]:
+        """An evaluation batch: ``num_generations_eval`` samples per prompt under evaluation keys, without drafts;
+        the service's drafts and drafting plan stay as the last generation batch left them."""
+        generations = trainer.num_generations_eval
+        tokenized = self._prompts(self._distinct(prompts, generations))
+        index = len(self.evaluations)
+        requests = self._service.requests(evaluation_step(index), tokenized, generations)
+        by_key = {result.key: result for result in self._service.evaluate(requests)}
+        results = [by_key[r.key] for r in requests]
+        self.evaluations.append(_evaluation_record(index, trainer.state.global_step, generations, results))
+        return _trl_output(tokenized, results)
+
+    def _training_starts(self) -> None:
+        if self._service is not None and self._training_since is None:
+            self._service.training_starts()
+            self._training_since = time.perf_counter()
 
     def _training_ended(self) -> None:
         if self._training_since is not None:
@@ -153,8 +214,10 @@ class BubblespecRollout:
 
         if isinstance(trainer.train_dataset, IterableDataset):
             raise ConfigError("bubblespec's TRL rollout needs a map-style dataset (its sampler order is peekable)")
+        check_mergeable(trainer.accelerator.unwrap_model(trainer.model))
         self._trainer = trainer
         self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
+        trainer.add_callback(_on_evaluate(self._training_starts))  # TRL's evaluation is over: it trains again
         tokenizer = trainer.processing_class
         stop = tuple(sorted({t for t in _eos_ids(tokenizer, trainer.model) if t is not None}))
         sampling = SamplingParams(
@@ -179,13 +242,20 @@ class BubblespecRollout:
 
     @staticmethod
     def _distinct(prompts: list, generations: int) -> list:
-        """TRL's prompts without their repetition (each prompt ``generations`` times in a row)."""
+        """TRL's prompts without their repetition (each prompt ``generations`` times in a row: TRL's
+        ``num_generations``, or ``num_generations_eval`` in an evaluation)."""
         if len(prompts) % generations:
-            raise ValueError(f"{len(prompts)} prompts for num_generations {generations}: TRL's contract changed?")
+            raise ValueError(
+                f"{len(prompts)} prompts for {generations} generations per prompt (TRL's num_generations, or "
+                f"num_generations_eval in an evaluation): TRL's contract changed?"
+            )
         distinct = prompts[::generations]
         for i, prompt in enumerate(distinct):
             if any(p != prompt for p in prompts[i * generations : (i + 1) * generations]):
-                raise ValueError("TRL's prompts are not each repeated num_generations times in a row")
+                raise ValueError(
+                    f"TRL's prompts are not each repeated {generations} times in a row (its num_generations, or "
+                    f"num_generations_eval in an evaluation)"
+                )
             if _is_multimodal(prompt):
                 raise ConfigError("bubblespec's TRL rollout takes text or chat prompts; this one carries images")
         return distinct
@@ -240,14 +310,16 @@ class BubblespecRollout:
     # -- weights and records ----------------------------------------------------------------------------------------
 
     def _sync_weights(self, trainer) -> None:
+        """The trainer's weights to every rank by Hugging Face name, a LoRA adapter merged into its base weight."""
         import torch
 
         from bubblespec.backends.torch_model import DTYPES
+        from bubblespec.trainer_models import merged_weights
 
         dtype = DTYPES[self.config.model.dtype]
         model = trainer.accelerator.unwrap_model(trainer.model)
         with torch.no_grad():
-            weights = {name: tensor.detach().to("cpu", dtype) for name, tensor in model.state_dict().items()}
+            weights = {name: tensor.to("cpu", dtype) for name, tensor in merged_weights(model).items()}
         self._service.update_weights(weights, version=trainer.state.global_step)
         self._synced_step = trainer.state.global_step
 
@@ -297,3 +369,37 @@ def _is_multimodal(prompt) -> bool:
         for message in prompt
         if isinstance(message, dict)
     )
+
+
+def _trl_output(prompts: list[Prompt], results) -> dict[str, list]:
+    """What TRL wants back, one entry per completion in request order (prompt by prompt, sample by sample)."""
+    by_uid = {p.uid: p for p in prompts}
+    return {
+        "prompt_ids": [list(by_uid[r.key.prompt_uid].token_ids) for r in results],
+        "completion_ids": [list(r.token_ids) for r in results],
+        "logprobs": [list(r.logprobs) for r in results],
+    }
+
+
+def _evaluation_record(index: int, global_step: int, generations: int, results) -> dict:
+    from bubblespec.controller import rollout_digest
+
+    return {
+        "evaluation": index,
+        "global_step": global_step,
+        "num_generations": generations,
+        "num_completions": len(results),
+        "generated_tokens": sum(len(r.token_ids) for r in results),
+        "completions_digest": rollout_digest(results),
+    }
+
+
+def _on_evaluate(callback):
+    """A transformers ``TrainerCallback`` that calls ``callback()`` when an evaluation is over."""
+    from transformers import TrainerCallback
+
+    class EvaluationOver(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            callback()
+
+    return EvaluationOver()
