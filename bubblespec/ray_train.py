@@ -31,6 +31,7 @@ from pathlib import Path
 import ray
 import torch
 
+from bubblespec import fault_gates
 from bubblespec.errors import BubblespecError, TrainerError, TrainerRestarted
 from bubblespec.trainer import GRPOLearner, LearnerSpec, PeerFailed, TrainSample
 from bubblespec.weights import PackedWeights
@@ -106,6 +107,7 @@ def train_loop(loop_config: dict) -> None:
         number, kind, payload = ray.get(channel.receive.remote(rank))
         if kind == "stop":
             return
+        fault_gates.reached(f"trainer worker {rank} {kind}")  # a testing seam: returns at once unless a test armed it
         try:
             answer = ("ok", worker.run(kind, payload))
         except PeerLost:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bubblespec import fault_gates
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
 from bubblespec.weights import PackedWeights
@@ -50,7 +51,8 @@ class RankReplica:
     def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int]:
         self._check_version(version)
         passes = getattr(self.engine, "num_forward_passes", 0)
-        results = self._engine_call(self.engine.generate, requests)
+        hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
+        results = self._engine_call(self.engine.generate, requests, **({} if hold is None else {"stop": hold}))
         return results, getattr(self.engine, "num_forward_passes", 0) - passes
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:

@@ -1,17 +1,26 @@
 """Runs on a Ray cluster of several nodes (Ray's own ``ray.cluster_utils.Cluster`` on this machine: a raylet and
 an object store per node, fake GPU counts): placement by labels and GPUs, colocated release/resume, and nodes
-lost mid-run, each run compared with the in-process simulation of the same config."""
+lost mid-run, each run compared with the in-process simulation of the same config.
+
+How the node faults fire: never after a delay (a shard that takes 50 ms here takes 5 ms on a faster machine, or
+500 ms beside a busy process). The test arms a point of :mod:`bubblespec.fault_gates` from an ``on_phase``
+callback; the rank (or trainer worker) that reaches it holds there, in the middle of its shard (or with its train
+command received), and tells the gate its node. The run runs in a background thread, while the test's main thread
+waits for the hold, removes that node and adds its replacement (Ray's ``Cluster`` starts and stops nodes with
+signal handlers, which only the main thread may set), then releases the gate. The retried call passes through."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from bubblespec.config import validate
+from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
 from bubblespec.launch import run
 from bubblespec.run_dir import RunDirectory
 
@@ -32,6 +41,7 @@ def cluster(monkeypatch_module):
     # a removed node is declared dead after 3 missed health checks 0.2 s apart (the default takes 15 s)
     monkeypatch_module.setenv("RAY_health_check_period_ms", "200")
     monkeypatch_module.setenv("RAY_health_check_failure_threshold", "3")
+    monkeypatch_module.setenv(ENVIRONMENT_VARIABLE, "test-cluster")  # ranks and trainer workers consult the gate
     with local_cluster([ROLLOUT] * 3 + [TRAINER] * 2 + [STORE], head_cpus=1) as cluster:
         yield cluster
 
@@ -95,16 +105,57 @@ def _remove_node_of(cluster, node_id: str, replacement: dict) -> None:
     cluster.add_node(**replacement)
 
 
-def _when(step: int, phase: str, action, delay_s: float = 0.05):
-    """An ``on_phase`` callback that runs ``action`` once, ``delay_s`` after the run enters (step, phase)."""
+def _at(step: int, phase: str, action: Callable[[], None]) -> Callable[[int, str], None]:
+    """An ``on_phase`` callback that runs ``action`` once, as the run enters (step, phase), before it goes on."""
     done = []
 
     def on_phase(at_step, at_phase):
         if (at_step, at_phase) == (step, phase) and not done:
             done.append(True)
-            threading.Timer(delay_s, action).start()
+            action()
 
     return on_phase
+
+
+class _Background:
+    """``run(config, on_phase=...)`` in a thread, so that the main thread is free to change the cluster."""
+
+    def __init__(self, config, on_phase) -> None:
+        self.summary: dict | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(config, on_phase), name="run", daemon=True)
+        self.thread.start()
+
+    def _run(self, config, on_phase) -> None:
+        try:
+            self.summary = run(config, on_phase=on_phase)
+        except BaseException as error:  # raised in the test by result()
+            self.error = error
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def result(self, timeout_s: float = 600.0) -> dict:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the run did not end within {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def _lose_a_node_at(cluster, config, at, point: str, replacement: dict, after_passes=0, node=None) -> tuple:
+    """Runs ``config``; the call that reaches ``point`` (armed as the run enters ``at``: (step, phase)) holds there
+    while the main thread removes a node (the holder's, or ``node(where)``) and adds ``replacement``. Returns the
+    summary and the lost node's id."""
+    with FaultGate() as gate:
+        background = _Background(config, _at(*at, lambda: gate.arm(point, after_passes)))
+        try:
+            where = gate.wait_held(point, running=background.is_alive)
+            lost = where["node"] if node is None else node(where)
+            _remove_node_of(cluster, lost, replacement)
+        finally:
+            gate.release()
+        return background.result(), lost
 
 
 def test_ranks_spread_over_labelled_nodes_with_their_gpus_and_the_trainer_on_its_own(cluster, tmp_path):
@@ -187,31 +238,26 @@ def test_colocated_ranks_share_gpus_with_the_trainer_and_release_them_while_it_t
 
 
 def test_a_node_lost_mid_rollout_moves_its_rank_and_nothing_changes(cluster, tmp_path, caplog):
-    """The node holding rank 1 dies while step 1's rollout runs: Serve starts the rank on a surviving rollout
-    node, the pool gives it the current policy and retries its shard; the run equals its simulation."""
-    from ray import serve
-
-    def kill_rank_1_node():
-        where = serve.get_app_handle("bubblespec-rank-1").placement.remote().result()
-        lost.append(where["node"])
-        _remove_node_of(cluster, where["node"], ROLLOUT)
-
-    lost: list[str] = []
+    """The node holding rank 1 dies while rank 1 generates step 1's shard (held after two forward passes until
+    the node is gone): Serve starts the rank on a surviving rollout node, the pool gives it the current policy and
+    retries its shard; the run equals its simulation."""
     config = validate(_small_run(tmp_path, "rank-node-lost", clock={"kind": "wall"}))
-    summary = run(config, on_phase=_when(1, "rollout", kill_rank_1_node))
-    assert lost, "no node was removed"
-    assert "rank 1 lost its replica" in caplog.text, "the node died after the shard came back"
-    assert summary["placement"]["ranks"][1]["node"] != lost[0]
+    summary, lost = _lose_a_node_at(cluster, config, (1, "rollout"), "rank 1 generate", ROLLOUT, after_passes=2)
+    assert "rank 1 lost its replica" in caplog.text
+    assert summary["placement"]["ranks"][1]["node"] != lost
     _assert_equals_the_simulation(tmp_path, config)
 
 
 def test_the_draft_store_node_lost_mid_rollout_costs_drafts_only(cluster, tmp_path, caplog):
-    """The `ray` draft store's actor runs on a node of its own, which dies during step 1's rollout: the run goes
-    on without stored drafts and equals its simulation."""
-    store_nodes = _nodes({"role": "store"})
+    """The `ray` draft store's actor runs on a node of its own, which dies during step 1's rollout (after the
+    step took its drafts from the store, while rank 0 is held in its shard): the run goes on without stored drafts
+    and equals its simulation."""
+    (store_node,) = _nodes({"role": "store"})
     speculation = {"draft_store": "ray", "draft_store_options": {"label_selector": {"role": "store"}}}
     config = validate(_small_run(tmp_path, "store-node-lost", clock={"kind": "wall"}, speculation=speculation))
-    summary = run(config, on_phase=_when(1, "rollout", lambda: _remove_node_of(cluster, store_nodes.pop(), STORE)))
+    summary, _ = _lose_a_node_at(
+        cluster, config, (1, "rollout"), "rank 0 generate", STORE, after_passes=2, node=lambda where: store_node
+    )
     assert "the draft store (RayDraftStore) failed and is given up" in caplog.text
     steps = RunDirectory(config.run_dir).read_steps()
     assert steps[-1]["draft_coverage"] == 0
@@ -220,34 +266,11 @@ def test_the_draft_store_node_lost_mid_rollout_costs_drafts_only(cluster, tmp_pa
 
 
 def test_a_trainer_node_lost_mid_step_restarts_the_trainer_elsewhere_and_nothing_changes(cluster, tmp_path, caplog):
-    """The node holding the trainer worker dies while step 2 trains (after step 1's checkpoint): Ray Train
-    restarts the worker on the other trainer node, the run rewinds to that checkpoint and replays; it equals
-    its simulation."""
-    lost: list[str] = []
-
-    def kill_trainer_node():
-        node = _node_running(cluster, "ray::RayTrainWorker")
-        lost.append(node)
-        _remove_node_of(cluster, node, TRAINER)
-
+    """The node holding the trainer worker dies while step 2 trains (the worker holds its train command until the
+    node is gone; after step 1's checkpoint): Ray Train restarts the worker on the other trainer node, the run
+    rewinds to that checkpoint and replays; it equals its simulation."""
     config = validate(_small_run(tmp_path, "trainer-node-lost", clock={"kind": "wall"}))
-    summary = run(config, on_phase=_when(2, "train", kill_trainer_node, delay_s=0.0))
-    assert lost, "no node was removed"
-    assert "the run rewinds to its last checkpoint and replays from step 2" in caplog.text
-    assert summary["placement"]["trainer_workers"][0]["node"] != lost[0]
+    summary, lost = _lose_a_node_at(cluster, config, (2, "train"), "trainer worker 0 train", TRAINER)
+    assert "in step 2: the run rewinds to its last checkpoint and replays from step 2" in caplog.text
+    assert summary["placement"]["trainer_workers"][0]["node"] != lost
     _assert_equals_the_simulation(tmp_path, config)
-
-
-def _node_running(cluster, prefix: str) -> str:
-    """The id of the worker node one of whose processes' command line starts with ``prefix``."""
-    import psutil
-
-    for node in cluster.worker_nodes:
-        raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-        for process in raylet.children(recursive=True):
-            try:
-                if (process.cmdline() or [""])[0].startswith(prefix):
-                    return node.node_id
-            except psutil.NoSuchProcess:
-                continue
-    raise AssertionError(f"no node runs a process {prefix!r}")

@@ -1,14 +1,19 @@
-"""One small real run on Ray: Serve rank deployments and a Ray Train trainer, wall clock."""
+"""One small real run on Ray: Serve rank deployments and a Ray Train trainer, wall clock.
+
+Faults fire at events, never after a delay: at a phase the run enters (``on_phase``, which runs before the phase
+does anything), or where a rank or trainer worker holds at a point of :mod:`bubblespec.fault_gates` (a rank after
+two forward passes of its shard, a trainer worker with its train command received) until a thread of the test
+has injected the fault and released it. Each run starts its own local Ray, whose processes inherit
+``BUBBLESPEC_FAULT_GATE`` from the test (the ``fault_gate`` fixture)."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from bubblespec.config import validate
+from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
 from bubblespec.launch import run
 from bubblespec.run_dir import RunDirectory
 
@@ -25,6 +30,13 @@ def _small_run(tmp_path, **changes) -> dict:
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
         "trainer": {"learning_rate": 1e-3},
     } | changes
+
+
+@pytest.fixture
+def fault_gate(monkeypatch):
+    """The name of the fault gate set in the environment that the next run's local Ray (its ranks and trainer
+    workers) inherits; the test makes the gate itself with ``FaultGate()``."""
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "test-ray")
 
 
 def _our_ray_processes(prefix: str) -> list:
@@ -97,13 +109,11 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     assert any(activity == "draft" for _, activity in heard)
 
 
-def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_path, caplog):
-    """Kill rank 1's Serve replica while step 1's rollout runs: Serve starts a new one, the pool gives it the
-    current policy and retries the shard; keyed sampling makes every sample the one the lost replica would have
-    made, so the run equals the simulation, with no sample lost or duplicated."""
-    import threading
-    import time
-
+def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_path, caplog, fault_gate):
+    """Kill rank 1's Serve replica while it generates step 1's shard (held after two forward passes until it is
+    killed): Serve starts a new one, the pool gives it the current policy and retries the shard; keyed sampling
+    makes every sample the one the lost replica would have made, so the run equals the simulation, with no sample
+    lost or duplicated."""
     import ray
 
     base = _small_run(tmp_path, checkpoint_every=3, metrics={"enabled": False})
@@ -111,23 +121,22 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
     killed = []
 
-    def kill_rank_1_soon(step, phase):
-        if (step, phase) != (1, "rollout"):
-            return
+    def kill_rank_1(where: dict) -> None:
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].startswith("SERVE_REPLICA::bubblespec-rank-1#"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                killed.append(actor["name"])
 
-        def kill():
-            time.sleep(0.05)
-            for actor in ray.util.list_named_actors(all_namespaces=True):
-                if actor["name"].startswith("SERVE_REPLICA::bubblespec-rank-1#"):
-                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-                    killed.append(actor["name"])
+    def on_phase(step, phase):
+        if (step, phase) == (1, "rollout"):
+            gate.arm("rank 1 generate", after_passes=2)
+            gate.inject_when_held("rank 1 generate", kill_rank_1)
 
-        threading.Thread(target=kill).start()
-
-    run(wall, on_phase=kill_rank_1_soon)
+    with FaultGate() as gate:
+        run(wall, on_phase=on_phase)
     run(virtual)
-    assert killed, "no replica was killed"
-    assert "rank 1 lost its replica" in caplog.text, "the kill did not hit a call in flight"
+    assert len(killed) == 1, killed
+    assert "rank 1 lost its replica" in caplog.text
     wall_steps = RunDirectory(wall.run_dir).read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
     assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
@@ -137,14 +146,15 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
 
 
-def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothing_changes(tmp_path, caplog):
-    """Kill the Ray Train worker process during step 1 (before any checkpoint) and again while step 2 trains
-    (after the checkpoint of step 1): Ray Train restarts the worker group, the run rewinds to its start and then
-    to that checkpoint, replays, and ends with the rollouts and weights of a run without faults."""
+def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothing_changes(
+    tmp_path, caplog, fault_gate
+):
+    """Kill the Ray Train worker process as step 1 starts (before any checkpoint; it waits for its next command)
+    and again while step 2 trains (after the checkpoint of step 1; it holds its train command until killed): Ray
+    Train restarts the worker group, the run rewinds to its start and then to that checkpoint, replays, and ends
+    with the rollouts and weights of a run without faults."""
     import os
     import signal
-    import threading
-    import time
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
     wall = validate(base | {"name": "trainer-faults", "clock": {"kind": "wall"}})
@@ -152,25 +162,28 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
     faults = {(1, "rollout"), (2, "train")}  # the worker exists by step 1: it trained step 0
     killed: list[tuple[int, str]] = []
 
-    def kill_the_trainer_worker(step, phase):
+    def on_phase(step, phase):
         if (step, phase) not in faults:
             return
         faults.discard((step, phase))  # once: the run replays these steps
-
-        def kill():
-            time.sleep(0.02)
+        if phase == "rollout":
             for process in _our_ray_processes("ray::RayTrainWorker"):
                 os.kill(process.pid, signal.SIGKILL)
                 killed.append((step, phase))
+        else:
+            gate.arm("trainer worker 0 train")
+            gate.inject_when_held("trainer worker 0 train", lambda where: kill_the_worker(where, step, phase))
 
-        threading.Thread(target=kill).start()
+    def kill_the_worker(where: dict, step: int, phase: str) -> None:
+        os.kill(where["pid"], signal.SIGKILL)
+        killed.append((step, phase))
 
-    run(wall, on_phase=kill_the_trainer_worker)
+    with FaultGate() as gate:
+        run(wall, on_phase=on_phase)
     run(virtual)
     assert killed == [(1, "rollout"), (2, "train")], killed
     assert "in step 1: the run rewinds to its last checkpoint and replays from step 0" in caplog.text
-    # the second kill may land after step 2's few milliseconds of training: then step 3 notices it
-    assert re.search(r"in step [23]: the run rewinds to its last checkpoint and replays from step 2", caplog.text)
+    assert "in step 2: the run rewinds to its last checkpoint and replays from step 2" in caplog.text
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
     wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
     assert [s["step"] for s in wall_steps] == [0, 1, 2, 3]  # replayed steps are recorded once
@@ -180,7 +193,7 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
 
 
-def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(tmp_path, caplog):
+def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(tmp_path, caplog, fault_gate):
     """Three faults in one run: rank 0's replica killed while the ranks draft during training; rank 1's replica
     killed after a weight sync and replaced by Serve before the next rollout (the replacement holds the initial
     model and must refuse to generate with it); the Ray draft store's actor killed during a rollout. The ranks
@@ -188,10 +201,10 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
     of the simulation without faults."""
     import os
     import signal
-    import threading
     import time
 
     import ray
+    from ray import serve
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=4, metrics={"enabled": False})
     speculation = {"draft_store": "ray", "draft_during_training": True, "lookahead_steps": 2}
@@ -209,8 +222,7 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
         killed.append(f"replica {rank}")
         return name
 
-    def kill_store():
-        time.sleep(0.05)
+    def kill_store(where: dict) -> None:  # rank 0 holds its shard: the store was asked for this step's drafts
         for process in _our_ray_processes("ray::InMemoryDraftStore"):
             os.kill(process.pid, signal.SIGKILL)
             killed.append("store")
@@ -219,7 +231,8 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
         if (step, phase) == (1, "train"):
             kill_replica(0)
         if (step, phase) == (2, "rollout"):
-            threading.Thread(target=kill_store).start()
+            gate.arm("rank 0 generate", after_passes=2)
+            gate.inject_when_held("rank 0 generate", kill_store)
 
     def on_step(record):
         if record["step"] == 1:  # weights of version 2 are synced; replace rank 1's replica before step 2
@@ -227,9 +240,11 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
             deadline = time.monotonic() + 60
             while replicas(1) in ([], [old]) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            time.sleep(1.0)  # let the replacement finish starting
+            # the replacement has started once it answers (and Serve routes the pool's next call to it)
+            serve.get_app_handle("bubblespec-rank-1").placement.remote().result(timeout_s=120)
 
-    run(wall, on_phase=on_phase, on_step=on_step)
+    with FaultGate() as gate:
+        run(wall, on_phase=on_phase, on_step=on_step)
     run(virtual)
     assert killed == ["replica 0", "replica 1", "store"], killed
     wall_steps = RunDirectory(wall.run_dir).read_steps()

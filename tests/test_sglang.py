@@ -204,8 +204,14 @@ def test_a_stop_during_a_call_aborts_it_and_returns_partial_responses(requests):
     with FakeSGLangServer(MODEL, token_delay_s=0.02) as slow:
         engine = _engine(slow, tokens_per_call=64)
         plain = _by_key(_engine(slow).generate(requests[:4]))
-        stop = threading.Event()
-        threading.Timer(0.2, stop.set).start()
+        stop, sent = threading.Event(), len(slow.bodies("/generate"))
+
+        def stop_once_the_call_is_in_flight():  # an event, not a delay: the server has the request
+            while len(slow.bodies("/generate")) == sent:
+                time.sleep(0.005)
+            stop.set()
+
+        threading.Thread(target=stop_once_the_call_is_in_flight, daemon=True).start()
         started = time.monotonic()
         results = _by_key(engine.generate(requests[:4], stop=stop))
         assert time.monotonic() - started < 1.5
