@@ -29,6 +29,7 @@ def pytest_report_header(config) -> list[str]:
 
     return ["dependencies: " + ", ".join(f"{name} {installed(name)}" for name in MAIN_DEPENDENCIES)]
 
+
 VOCAB = 40
 EOS = 2
 
