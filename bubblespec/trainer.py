@@ -224,7 +224,8 @@ class GRPOLearner:
             # The loss is 0 with a zero gradient, and an Adam step would still move the weights by its momentum.
             return self._skipped() | kept  # all workers decide alike: they all see the whole batch
         self._copy_master_to_model()
-        before = self._agreed(lambda: self._before_updates(samples, owned, config.ppo_epochs * len(batches)))
+        num_updates = config.ppo_epochs * len(batches)
+        before = self._agreed(lambda: self._before_updates(samples, owned, num_updates))
         if penalised:
             if self.all_reduce is not None:  # every worker has agreed that none failed: this cannot hang
                 self.all_reduce(before.penalties)
@@ -242,7 +243,7 @@ class GRPOLearner:
         for epoch in range(config.ppo_epochs):
             for number, (batch, share) in enumerate(zip(batches, shares, strict=True)):
                 where = _place_name(at_step, epoch, config.ppo_epochs, number, len(batches))
-                measure = before.difference is None  # one update only: this pass is before it
+                measure = num_updates == 1  # this pass is before the update (with more, _before_updates measured)
                 stats = self._agreed(lambda b=batch, s=share, m=measure, w=where: self.compute_gradients(
                     samples, advantages, b, s, before, measure_engine_agreement=m, where=w))  # fmt: skip
                 sums += torch.stack([stats[name] for name in _SUMS])
@@ -382,9 +383,8 @@ class GRPOLearner:
         share's statistics (:func:`bubblespec.policy_loss.policy_loss`) and ``loss`` as float64 tensors on the
         learner's device, and, with ``measure_engine_agreement``, the sum/count/max of |engine logprob - trainer
         logprob|. Raises :class:`~bubblespec.errors.NonFiniteError` (naming ``where``) for a loss that is not a
-        finite number."""
+        finite number. The samples are :func:`check_samples`' (:meth:`step` checks them once per step)."""
         config, before = self.config, before or _Before({}, {})
-        check_samples(samples, config)
         batch = list(range(len(samples))) if batch is None else list(batch)
         share = batch if share is None else list(share)
         lengths = self._lengths(samples, batch)
