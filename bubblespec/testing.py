@@ -122,11 +122,21 @@ class EngineConformance:
             self._assert_same(plain, _by_key(engine.generate(drafted)), f"drafts: {name}")
 
     def test_good_drafts_save_decode_steps(self, engine, requests, plain):
+        """With its own response as the draft, a response of L tokens takes at most ceil(L / K) + 1 decode steps,
+        K being ``engine_settings["max_draft_tokens_per_step"]`` (16 unless set, the rollout default); the + 1 is for
+        an engine whose prefill takes no draft, and each position the engine's top-K left undecided adds one."""
         drafted = _by_key(engine.generate([_with_draft(r, plain[r.key].token_ids) for r in requests]))
         without = sum(r.stats.decode_steps for r in plain.values())
         with_drafts = sum(r.stats.decode_steps for r in drafted.values())
         assert with_drafts <= 0.5 * without, f"decode steps {without} -> {with_drafts} with perfect drafts"
         assert sum(r.stats.draft_tokens_accepted for r in drafted.values()) > 0
+        per_step = self.engine_settings.get("max_draft_tokens_per_step", 16)
+        for key, result in drafted.items():
+            bound = -(-len(result.token_ids) // per_step) + 1 + result.stats.undecided_steps
+            assert result.stats.decode_steps <= bound, (
+                f"{key}: {result.stats.decode_steps} decode steps for {len(result.token_ids)} tokens with a perfect "
+                f"draft, {per_step} draft tokens per step (at most {bound})"
+            )
 
     def test_stats_add_up(self, engine, requests, plain):
         drafted = engine.generate([_with_draft(r, plain[r.key].token_ids[:20]) for r in requests])
@@ -164,11 +174,9 @@ class EngineConformance:
                 assert result.token_ids == plain[key].token_ids
 
     def test_a_weight_update_gives_the_new_policy(self, model_path, requests, tmp_path):
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
-        weights = {}
-        for file in sorted(Path(model_path).glob("*.safetensors")):
-            weights |= load_file(str(file))
+        weights = _checkpoint_weights(model_path)
         changed = {name: tensor * 1.05 if tensor.ndim == 2 else tensor for name, tensor in weights.items()}
         folder = tmp_path / "changed"
         shutil.copytree(model_path, folder)
@@ -319,6 +327,26 @@ class RealVocabularyConformance:
         assert accepted > 0, f"no draft token accepted ({sum(r.stats.undecided_steps for r in drafted)} undecided)"
         assert sum(r.stats.decode_steps for r in drafted) < sum(r.stats.decode_steps for r in plain)
 
+    def test_weight_updates_between_calls(self, engine, checkpoints, older_samples):
+        """The weights change between generate calls, as between RL steps: after an update to the older policy the
+        engine verifies the newer policy's responses as drafts and gives the older policy's samples (float32
+        engines: the torch engine's, the reference); after updating back it gives the newer policy's again."""
+        setting = list(self.sampling_settings)[-1]
+        requests = self.make_requests(setting)
+        newer = _by_key(self._timed(engine, requests, "newer policy"))
+        try:
+            engine.update_weights(_checkpoint_weights(checkpoints[1]), version=1)
+            older = _by_key(self._timed(engine, requests, "older policy"))
+            drafted = self._timed(engine, [_with_draft(r, newer[r.key].token_ids) for r in requests], "older, drafts")
+            self._assert_same(older, _by_key(drafted), f"{setting}, the older policy with the newer one's drafts")
+            assert any(older[k].token_ids != newer[k].token_ids for k in older), "the update changed nothing"
+            if self.dtype == "float32":
+                self._assert_same(older_samples[setting], older, f"{setting}, the older policy after an update")
+        finally:
+            engine.update_weights(_checkpoint_weights(checkpoints[0]), version=2)
+        again = _by_key(self._timed(engine, requests, "newer policy again"))
+        self._assert_same(newer, again, f"{setting}, after updating back to the newer policy")
+
     def _timed(self, engine, requests, what: str) -> list[GenerationResult]:
         """``engine.generate(requests)`` under the time limit: a hang fails the test instead of stalling CI. (An
         alarm in this thread, not a second thread: vLLM's CPU kernels must run in the thread that built them.)"""
@@ -335,6 +363,16 @@ class RealVocabularyConformance:
             signal.signal(signal.SIGALRM, previous)
 
     _assert_same = EngineConformance._assert_same
+
+
+def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint folder's weights by Hugging Face name (what ``update_weights`` takes)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        weights |= load_file(str(file))
+    return weights
 
 
 _COMMON_TOKENS = 256

@@ -49,6 +49,7 @@ class TestMinimalExampleBackend(EngineConformance):
 
     dtype = "float64"
     num_prompts = 4
+    engine_settings = {"max_draft_tokens_per_step": 8}  # the example's default, stated for the suite's step bound
 
     def make_engine(self, model_path):
         import importlib.util
@@ -58,7 +59,7 @@ class TestMinimalExampleBackend(EngineConformance):
         spec = importlib.util.spec_from_file_location("minimal_backend", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.MinimalEngine.from_pretrained(model_path, dtype=self.dtype)
+        return module.MinimalEngine.from_pretrained(model_path, dtype=self.dtype, **self.engine_settings)
 
 
 class TestTorchEngineAtARealVocabulary(RealVocabularyConformance):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -28,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 class TestVLLMEngine(EngineConformance):
-    """float32 is vLLM's most exact dtype on CPU. Verification scores drafts with a prefill kernel, plain decoding
-    with a decode kernel; a rounding near-tie could flip a token, and none is allowed on this set."""
+    """float32 is vLLM's most exact dtype on CPU. A verify step computes a draft chunk's logits in one pass, plain
+    decoding one position per pass; a rounding near-tie could flip a token, and none is allowed on this set."""
 
     backend = "vllm"
     dtype = "float32"
@@ -134,25 +135,116 @@ def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
             "num_steps=3",
             "eval_every=0",
             "metrics.enabled=false",
+            # The quickstart's bubbles leave drafts of a token or two, and vLLM's prefill, which samples a
+            # response's first token, takes no draft: drafts made while the trainer runs are whole responses.
+            "speculation.draft_during_training=true",
             f"output_dir={tmp_path}",
         ],
     )
     summary = run(config)
     steps = RunDirectory(config.run_dir).read_steps()
     assert [s["step"] for s in steps] == [0, 1, 2] and summary["generated_tokens"] > 0
-    assert steps[2]["draft_tokens_accepted"] > 0
+    assert steps[2]["draft_tokens_accepted"] > 0.5 * steps[2]["generated_tokens"]
+    assert steps[2]["decode_steps"] < 0.5 * steps[2]["generated_tokens"]
 
 
 class TestVLLMEngineAtARealVocabulary(RealVocabularyConformance):
-    """A Llama-shaped checkpoint with 32,000 tokens: verification from the top 64 logprobs of a prefill, undecided
-    positions decoded plainly. Every call must return (it used to resubmit an undecided chunk forever)."""
+    """A Llama-shaped checkpoint with 32,000 tokens, float32: drafts of every kind verified inside vLLM's
+    speculative step give plain keyed decoding's tokens, and the engine gives the torch engine's."""
 
     backend = "vllm"
     family = "llama"
     dtype = "float32"
     engine_settings = {"max_batch_size": 16}
+    make_engine = TestVLLMEngine.make_engine
 
-    def make_engine(self, model_path):
-        from bubblespec.backends.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
+class TestVLLMEngineInBfloat16(RealVocabularyConformance):
+    """bfloat16 at 32,000 tokens (Llama 3 rope scaling, tied head): a verify pass and a decode pass round
+    differently, so a near-tie may flip a token; `bubblespec bench engine` measures how often, next to how often
+    two plain runs of other batch compositions differ. This allows one response in six."""
+
+    backend = "vllm"
+    family = "llama3"
+    dtype = "bfloat16"
+    max_mismatch_rate = 1 / 6
+    engine_settings = {"max_batch_size": 16}
+    make_engine = TestVLLMEngine.make_engine
+
+
+class TestVLLMEngineAtQwenVocabulary(RealVocabularyConformance):
+    """Qwen2's 151,936-token vocabulary, float32: every row is sampled from the whole vocabulary (no top-K)."""
+
+    backend = "vllm"
+    family = "qwen2"
+    vocab_size = 151_936
+    num_prompts = 4
+    dtype = "float32"
+    engine_settings = {"max_batch_size": 16}
+    make_engine = TestVLLMEngine.make_engine
+
+
+def test_the_version_is_checked():
+    from bubblespec.backends.vllm_engine import check_vllm_version
+    from bubblespec.errors import ModelLoadError
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3")
+    with pytest.raises(ModelLoadError, match=r"private to vLLM 0\.32\.0.*this is vLLM 0\.33\.1"):
+        check_vllm_version("0.33.1")
+
+
+def test_vllm_preempting_requests_for_kv_cache_changes_nothing(engines):
+    """A KV cache of a few blocks: vLLM preempts running requests and recomputes them later (partial prefills
+    sample nothing). Outputs, with and without drafts, equal those of an engine with room for everything."""
+    from bubblespec.backends.vllm_engine import VLLMEngine
+    from bubblespec.interfaces import Draft, GenerationRequest
+    from bubblespec.tasks import ArithmeticTask
+
+    roomy, _ = engines
+    # Responses of 300 tokens need three 128-token blocks each; the cache has 4 blocks free.
+    requests = [replace(r, sampling=replace(r.sampling, ignore_eos=True, max_new_tokens=300)) for r in _requests(4, 2)]
+    expected = roomy.generate(requests)
+    small = VLLMEngine.from_pretrained(
+        str(ArithmeticTask.model_path()), max_batch_size=16, num_kv_blocks=5, max_num_batched_tokens=64
+    )
+    scheduler = small.engine.engine_core.engine_core.scheduler  # vLLM 0.32's in-process engine core
+    preempted, preempt = [], scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counted
+    try:
+        plain = small.generate(requests)
+        drafted = small.generate(
+            [
+                GenerationRequest(r.prompt_token_ids, r.key, r.sampling, Draft(r.key, tuple(x.token_ids), 0))
+                for r, x in zip(requests, expected, strict=True)
+            ]
+        )
+    finally:
+        small.close()
+    assert [r.token_ids for r in plain] == [r.token_ids for r in drafted] == [r.token_ids for r in expected]
+    assert len(preempted) > 0, "the small cache preempted nothing"
+
+
+def test_draft_sources_run_inside_vllm(engines):
+    """Dynamic draft sources (group, ngram) propose through the same proposer; outputs stay plain keyed decoding."""
+    from bubblespec.backends.vllm_engine import VLLMEngine
+    from bubblespec.tasks import ArithmeticTask
+
+    roomy, _ = engines
+    requests = _requests(num_prompts=8, samples=4)
+    expected = roomy.generate(requests)
+    chained = VLLMEngine.from_pretrained(
+        str(ArithmeticTask.model_path()), max_batch_size=32, draft_chain=("request", "group", "ngram")
+    )
+    try:
+        results = chained.generate(requests)
+    finally:
+        chained.close()
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+    assert sum(r.stats.decode_steps for r in results) < sum(r.stats.decode_steps for r in expected)
