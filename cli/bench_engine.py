@@ -1,21 +1,24 @@
-"""``bubblespec bench engine``: an engine backend measured side by side in one run, on the same requests.
+"""``bubblespec bench engine``: engine backends measured side by side in one run, on the same requests and drafts.
 
-(a) Hugging Face ``generate()`` against the engine without drafts, tokens/s.
-(b) The engine verifying coupled drafts from one policy step older against the same engine without drafts:
-    tokens/s, forward passes, decode steps, acceptance length, and whether the outputs are identical.
-(c) The exactness table: the share of responses that differ with drafts and without, per dtype (torch engine:
-    float64, float32, bfloat16; vLLM: float32, bfloat16).
+(a) Hugging Face ``generate()`` against each engine without drafts, tokens/s.
+(b) Each engine verifying coupled drafts from one policy step older against the same engine without drafts:
+    tokens/s, forward passes (engine steps), decode steps, acceptance length, whether the outputs are identical,
+    and how far decode steps with fully accepted drafts are from ceil(L / K) per response.
+(c) The exactness table: per backend and dtype (torch: float64, float32, bfloat16; vLLM: float32, bfloat16), the
+    share of responses that differ with drafts and without, next to the share that differ between two plain runs
+    whose batches differ (another order, half the batch size): the engine's own nondeterminism.
 (d) Keyed sampling's share of a decode forward pass at the model's vocabulary.
 
-The requests, the policy step between the drafting policy pi_t and the verifying policy pi_t+1, and HF
-``generate`` are described in :mod:`bubblespec.cli.bench_engine_requests`; the exactness table and the sampling
-share in :mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly the keys
-pi_t+1 then generates, as bubble drafting produces them; they come from the torch engine whatever the backend
-(keyed sampling picks the same tokens on every backend).
+``--backend torch,vllm`` runs several backends; every backend gets the same requests and the same drafts and
+reports the same fields. The requests, the policy step between the drafting policy pi_t and the verifying policy
+pi_t+1, and HF ``generate`` are described in :mod:`bubblespec.cli.bench_engine_requests`; the exactness table and
+the sampling share in :mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly
+the keys pi_t+1 then generates, as bubble drafting produces them; they come from the torch engine whatever the
+backend (keyed sampling picks the same tokens on every backend).
 
-Every backend gets the same requests and reports the same fields. All timings of one row run in the same
-process, interleaved (HF, engine, engine with drafts, repeated), with the median of ``repeats`` reported: the
-ratios are what to read, absolute numbers depend on the machine and its load.
+All timings of one batch size run in the same process, interleaved (HF, then each backend without and with
+drafts, repeated), with the median of ``repeats`` reported: the ratios are what to read, absolute numbers depend
+on the machine and its load.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from pathlib import Path
 import torch
 
 from bubblespec.cli.bench_engine_measures import (
-    differing_share,
     exactness_table,
     keyed_sampling_share,
     make_engine,
@@ -55,7 +57,8 @@ DTYPES_BY_BACKEND = {"torch": ("float32", "bfloat16", "float64"), "vllm": ("floa
 
 @dataclass(frozen=True)
 class EngineBenchSettings:
-    backend: str = "torch"
+    backends: tuple[str, ...] = ("torch",)
+    """The engine backends to measure side by side (``--backend torch,vllm``)."""
     model_path: str | None = None
     """A Hugging Face model folder; None: the shipped model on the arithmetic task's prompts."""
     dtype: str = "float32"
@@ -77,6 +80,9 @@ class EngineBenchSettings:
     policy_step_prompts: int = 16
     policy_step_samples: int = 4
     max_draft_tokens_per_step: int = 16
+    adaptive_draft_length: bool = True
+    """Each engine's ``adaptive_draft_length``: on, as the CPU examples run (a verify pass costs in proportion to
+    its tokens on a CPU, so drafts that diverge must shrink)."""
     min_requests: int = 8
     """Requests per row at least: batch size 1 runs this many one at a time (one response is too noisy)."""
     exactness_requests: int | None = None
@@ -88,15 +94,20 @@ class EngineBenchSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.backend not in DTYPES_BY_BACKEND:
-            raise ConfigError(
-                f"backend {self.backend!r} is not benchmarked; choose one of {', '.join(DTYPES_BY_BACKEND)}"
-            )
-        if self.dtype not in DTYPES_BY_BACKEND[self.backend]:
-            choices = ", ".join(DTYPES_BY_BACKEND[self.backend])
-            raise ConfigError(
-                f"dtype {self.dtype!r} is not offered by the {self.backend} engine; choose one of {choices}"
-            )
+        if not self.backends:
+            raise ConfigError("name at least one backend: " + ", ".join(DTYPES_BY_BACKEND))
+        for backend in self.backends:
+            if backend not in DTYPES_BY_BACKEND:
+                raise ConfigError(
+                    f"backend {backend!r} is not benchmarked; choose one of {', '.join(DTYPES_BY_BACKEND)}"
+                )
+            if self.dtype not in DTYPES_BY_BACKEND[backend]:
+                choices = ", ".join(DTYPES_BY_BACKEND[backend])
+                raise ConfigError(
+                    f"dtype {self.dtype!r} is not offered by the {backend} engine; choose one of {choices}"
+                )
+        if len(set(self.backends)) != len(self.backends):
+            raise ConfigError(f"backends {list(self.backends)} name one twice")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError(f"--model {self.model_path!r} is not a Hugging Face model folder (no config.json there)")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -104,7 +115,7 @@ class EngineBenchSettings:
         low, high = self.prompt_lengths
         if not 1 <= low <= high:
             raise ConfigError(f"prompt lengths must satisfy 1 <= low <= high, got {self.prompt_lengths}")
-        for name in ("max_new_tokens", "repeats", "threads"):
+        for name in ("max_new_tokens", "repeats", "threads", "max_draft_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.weight_noise < 0:
@@ -120,6 +131,11 @@ class EngineBenchSettings:
         if self.model_path is None:
             return None
         return self.prompt_lengths[1] + self.max_new_tokens + self.max_draft_tokens_per_step + 64
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """``"torch,vllm"`` -> ``("torch", "vllm")`` (checked by :class:`EngineBenchSettings`)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -156,7 +172,7 @@ def run_engine_bench(settings: EngineBenchSettings) -> dict:
     timed = workload.requests[:num_timed]
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    engine, new_state, drafts, report = _engine_and_drafts(settings, shipped, workload, timed)
+    engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, workload, timed)
     seconds["policies, drafts and sampling share"] = time.perf_counter() - clock
 
     hf = hf_model(settings.model_path, settings.dtype, settings.device, new_state) if settings.hf_batch_sizes else None
@@ -164,26 +180,23 @@ def run_engine_bench(settings: EngineBenchSettings) -> dict:
     for batch_size in settings.batch_sizes:
         clock = time.perf_counter()
         count = max(batch_size, settings.min_requests)
-        plain, speculative = _measure_row(
-            report, engine, hf, workload, timed[:count], drafted[:count], batch_size, settings
-        )
+        results = _measure_row(report, engines, hf, workload, timed[:count], drafted[:count], batch_size, settings)
         seconds[f"batch {batch_size}"] = time.perf_counter() - clock
     del hf
-    report |= _draft_summary(plain, speculative)
+    for backend, (plain, speculative) in results.items():
+        report["backends"][backend] |= _draft_summary(plain, speculative, settings.max_draft_tokens_per_step)
     clock = time.perf_counter()
     exactness_requests = workload.requests[: settings.exactness_requests]
-    measured = differing_share(plain, speculative)
-    report["exactness"] = (
-        exactness_table(settings, new_state, exactness_requests, measured) if exactness_requests else {}
-    )
+    table = exactness_table(settings, engines, new_state, exactness_requests) if exactness_requests else {}
+    report["exactness"] = table
     report |= _exactness_summary(report["exactness"])
     seconds["exactness"] = time.perf_counter() - clock
     report["benchmark_seconds"] = seconds
     return report
 
 
-def _engine_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: Workload, timed: list):
-    """The engine of the backend holding pi_t+1, pi_t+1's weights, pi_t's responses to the timed requests (the
+def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: Workload, timed: list):
+    """An engine of each backend holding pi_t+1, pi_t+1's weights, pi_t's responses to the timed requests (the
     drafts) and the report so far (settings, workload, policy update, keyed sampling's share)."""
     drafter = make_engine("torch", settings.model_path, settings.dtype, settings)  # pi_t
     new_state, policy_update = _next_policy(settings, shipped, drafter)
@@ -193,13 +206,15 @@ def _engine_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: W
     pairs = zip(timed, drafts, strict=True)
     context = round(statistics.mean(len(r.prompt_token_ids) + len(d.token_ids) // 2 for r, d in pairs))
     report["keyed_sampling"] = keyed_sampling_share(drafter.model, share_batch, context, max(settings.repeats, 3))
-    if settings.backend == "torch":
-        engine = drafter
-    else:
-        del drafter
-        engine = make_engine(settings.backend, settings.model_path, settings.dtype, settings)
-    engine.update_weights(new_state, version=1)  # pi_t+1
-    return engine, new_state, drafts, report
+    engines = {}
+    for backend in settings.backends:
+        if backend == "torch" and "torch" not in engines:
+            engines["torch"], drafter = drafter, None
+        else:
+            engines[backend] = make_engine(backend, settings.model_path, settings.dtype, settings)
+        engines[backend].update_weights(new_state, version=1)  # pi_t+1
+    del drafter
+    return engines, new_state, drafts, report
 
 
 def _workload(settings: EngineBenchSettings, shipped: bool, num_requests: int) -> Workload:
@@ -221,19 +236,18 @@ def _next_policy(settings: EngineBenchSettings, shipped: bool, drafter) -> tuple
 
 
 def _empty_report(settings: EngineBenchSettings, workload: Workload, policy_update: dict) -> dict:
-    fields = {**settings.__dict__, "batch_sizes": list(settings.batch_sizes)}
+    fields = {**settings.__dict__, "backends": list(settings.backends), "batch_sizes": list(settings.batch_sizes)}
     fields["hf_batch_sizes"] = list(settings.hf_batch_sizes)
     fields["prompt_lengths"] = list(settings.prompt_lengths)
     fields["exactness_dtypes"] = list(settings.exactness_dtypes)
     report: dict = {"settings": fields, "workload": workload.description, "policy_update": policy_update}
-    for name in ROW_FIELDS:
-        report[name] = {}
+    report["hf_generate_tokens_per_s"] = {}
+    report["backends"] = {backend: {name: {} for name in ROW_FIELDS} for backend in settings.backends}
     return report
 
 
 ROW_FIELDS = (
     "num_requests",
-    "hf_generate_tokens_per_s",
     "engine_tokens_per_s",
     "engine_vs_hf_generate",
     "engine_tokens_per_s_with_draft",
@@ -242,29 +256,40 @@ ROW_FIELDS = (
     "forward_passes_with_draft",
     "identical_outputs",
 )
-"""The report's fields by batch size (HF generate's only at ``hf_batch_sizes``)."""
+"""Each backend's fields by batch size (``engine_vs_hf_generate`` only at ``hf_batch_sizes``)."""
 
 
-def _measure_row(report, engine, hf, workload, plain, drafted, batch_size, settings):
-    """Times one batch size, interleaved, and fills its entries of ``report``; returns the engine's results
+def _measure_row(report, engines, hf, workload, plain, drafted, batch_size, settings) -> dict:
+    """Times one batch size, interleaved, and fills its entries of ``report``; returns each backend's results
     without and with drafts (of the last repetition)."""
-    runs = {"engine": _EngineRun(engine, plain, batch_size), "draft": _EngineRun(engine, drafted, batch_size)}
+    runs: dict = {}
     if hf is not None and batch_size in settings.hf_batch_sizes:
         runs["hf"] = lambda: hf_generate(hf, workload, plain, batch_size)
+    for backend, engine in engines.items():
+        runs[backend] = _EngineRun(engine, plain, batch_size)
+        runs[f"{backend}+draft"] = _EngineRun(engine, drafted, batch_size)
     rates = _interleaved_rates(runs, settings.repeats, settings.device)
     key = str(batch_size)
-    report["num_requests"][key] = len(plain)
     if "hf" in rates:
         report["hf_generate_tokens_per_s"][key] = rates["hf"]
-        report["engine_vs_hf_generate"][key] = rates["engine"] / rates["hf"]
-    report["engine_tokens_per_s"][key] = rates["engine"]
-    report["engine_tokens_per_s_with_draft"][key] = rates["draft"]
-    report["speedup_with_draft"][key] = rates["draft"] / rates["engine"]
-    report["forward_passes_no_draft"][key] = runs["engine"].forward_passes
-    report["forward_passes_with_draft"][key] = runs["draft"].forward_passes
-    same = [r.token_ids for r in runs["engine"].results] == [r.token_ids for r in runs["draft"].results]
-    report["identical_outputs"][key] = same
-    return runs["engine"].results, runs["draft"].results
+    results = {}
+    for backend in engines:
+        row, plain_run, draft_run = report["backends"][backend], runs[backend], runs[f"{backend}+draft"]
+        row["num_requests"][key] = len(plain)
+        if "hf" in rates:
+            row["engine_vs_hf_generate"][key] = rates[backend] / rates["hf"]
+        row["engine_tokens_per_s"][key] = rates[backend]
+        row["engine_tokens_per_s_with_draft"][key] = rates[f"{backend}+draft"]
+        row["speedup_with_draft"][key] = rates[f"{backend}+draft"] / rates[backend]
+        row["forward_passes_no_draft"][key] = plain_run.forward_passes
+        row["forward_passes_with_draft"][key] = draft_run.forward_passes
+        row["identical_outputs"][key] = _token_ids(plain_run.results) == _token_ids(draft_run.results)
+        results[backend] = (plain_run.results, draft_run.results)
+    return results
+
+
+def _token_ids(results: list[GenerationResult]) -> list[list[int]]:
+    return [list(r.token_ids) for r in results]
 
 
 class _EngineRun:
@@ -297,13 +322,19 @@ def _interleaved_rates(runs: dict, repeats: int, device: str) -> dict[str, float
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationResult]) -> dict:
-    """Decode steps, acceptance and identity over the largest batch size's requests."""
+def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationResult], per_step: int) -> dict:
+    """Decode steps, acceptance and identity over the largest batch size's requests. ``steps_over_ceil_l_over_k``:
+    of the responses whose every proposed draft token was accepted, the most decode steps beyond ceil(L / K)."""
     steps_plain = sum(r.stats.decode_steps for r in plain)
     steps_draft = sum(r.stats.decode_steps for r in speculative)
     verify_steps = sum(r.stats.verify_steps for r in speculative)
     accepted = sum(r.stats.draft_tokens_accepted for r in speculative)
     proposed = sum(r.stats.draft_tokens_proposed for r in speculative)
+    fully_accepted = [
+        r
+        for r in speculative
+        if r.stats.verify_steps and r.stats.draft_tokens_proposed == r.stats.draft_tokens_accepted
+    ]
     return {
         "decode_steps_no_draft": steps_plain,
         "decode_steps_with_draft": steps_draft,
@@ -311,7 +342,11 @@ def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationRe
         "acceptance_length_mean": acceptance_length(accepted, verify_steps),
         "draft_acceptance_rate": accepted / max(proposed, 1),
         "undecided_steps": sum(r.stats.undecided_steps for r in speculative),
-        "identical_with_and_without_draft": [r.token_ids for r in plain] == [r.token_ids for r in speculative],
+        "identical_with_and_without_draft": _token_ids(plain) == _token_ids(speculative),
+        "fully_accepted_responses": len(fully_accepted),
+        "steps_over_ceil_l_over_k": max(
+            (r.stats.decode_steps - -(-len(r.token_ids) // per_step) for r in fully_accepted), default=None
+        ),
     }
 
 
@@ -339,32 +374,43 @@ def print_report(report: dict) -> None:
 
     console = Console()
     settings = report["settings"]
-    title = f"Engine speed: {settings['backend']}, {settings['dtype']}, {Path(settings['model_path']).name}"
-    speed = Table("batch", "HF generate tok/s", "engine tok/s", "engine / HF", "engine + drafts tok/s",
-                  "speedup with drafts", "forward passes (no draft -> draft)", "identical", title=title)  # fmt: skip
-    for key in report["engine_tokens_per_s"]:
-        hf_rate, versus = report["hf_generate_tokens_per_s"].get(key), report["engine_vs_hf_generate"].get(key)
-        speed.add_row(
-            key,
-            "-" if hf_rate is None else f"{hf_rate:.0f}",
-            f"{report['engine_tokens_per_s'][key]:.0f}",
-            "-" if versus is None else f"{versus:.2f}x",
-            f"{report['engine_tokens_per_s_with_draft'][key]:.0f}",
-            f"{report['speedup_with_draft'][key]:.2f}x",
-            f"{report['forward_passes_no_draft'][key]} -> {report['forward_passes_with_draft'][key]}",
-            str(report["identical_outputs"][key]),
-        )
+    title = f"Engine speed: {settings['dtype']}, {Path(settings['model_path']).name}"
+    speed = Table("backend", "batch", "HF generate tok/s", "engine tok/s", "engine / HF", "engine + drafts tok/s",
+                  "speedup with drafts", "engine steps (no draft -> draft)", "identical", title=title)  # fmt: skip
+    for backend, rows in report["backends"].items():
+        for key in rows["engine_tokens_per_s"]:
+            hf_rate, versus = report["hf_generate_tokens_per_s"].get(key), rows["engine_vs_hf_generate"].get(key)
+            speed.add_row(
+                backend,
+                key,
+                "-" if hf_rate is None else f"{hf_rate:.0f}",
+                f"{rows['engine_tokens_per_s'][key]:.0f}",
+                "-" if versus is None else f"{versus:.2f}x",
+                f"{rows['engine_tokens_per_s_with_draft'][key]:.0f}",
+                f"{rows['speedup_with_draft'][key]:.2f}x",
+                f"{rows['forward_passes_no_draft'][key]} -> {rows['forward_passes_with_draft'][key]}",
+                str(rows["identical_outputs"][key]),
+            )
     console.print(speed)
-    drafts = Table("measure", "value", title="Drafts from one policy step older (largest batch size)")
-    for name in ("decode_steps_no_draft", "decode_steps_with_draft", "decode_step_reduction",
-                 "acceptance_length_mean", "draft_acceptance_rate", "undecided_steps"):  # fmt: skip
-        value = report[name]
-        drafts.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+    names = ("decode_steps_no_draft", "decode_steps_with_draft", "decode_step_reduction", "acceptance_length_mean",
+             "draft_acceptance_rate", "undecided_steps", "fully_accepted_responses",
+             "steps_over_ceil_l_over_k")  # fmt: skip
+    drafts = Table("measure", *report["backends"], title="Drafts from one policy step older (largest batch size)")
+    for name in names:
+        values = [rows.get(name) for rows in report["backends"].values()]
+        drafts.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
     console.print(drafts)
-    exactness = Table("backend", "dtype", "responses", "differing with drafts", title="Exactness")
+    exactness = Table("backend", "dtype", "responses", "differing with drafts", "differing between plain batches",
+                      title="Exactness")  # fmt: skip
     for backend, rows in report["exactness"].items():
         for dtype, row in rows.items():
-            exactness.add_row(backend, dtype, str(row["responses"]), f"{row['differing']} ({row['mismatch_rate']:.1%})")
+            exactness.add_row(
+                backend,
+                dtype,
+                str(row["responses"]),
+                f"{row['differing']} ({row['mismatch_rate']:.1%})",
+                f"{row['differing_between_plain_batches']} ({row['plain_batch_mismatch_rate']:.1%})",
+            )
     console.print(exactness)
     share = report["keyed_sampling"]
     console.print(

@@ -1,12 +1,14 @@
 """Parts of ``bubblespec bench engine`` that are not timing rows: the engines of each backend, the exactness table
 and keyed sampling's share of a forward pass.
 
-Exactness. For each engine dtype: pi_t drafts every request (its keyed samples for the same keys), pi_t+1
-generates them without and with those drafts, and the table reports the share of responses that differ. Keyed
-verification emits exactly the tokens of plain keyed decoding, so any difference is a rounding near-tie
-between the logits of a position computed in a verify pass (many positions at once) and in a decode pass
-(one). float64 must show none (docs/design.md §3.2); float32 and bfloat16 are measured, not bounded. The benchmarked
-backend and dtype reuse the largest timing row's responses instead of generating them again.
+Exactness. For each backend and engine dtype: pi_t drafts every request (its keyed samples for the same keys),
+pi_t+1 generates them without drafts twice, in batches that differ (all at once; in reverse order, half as many at
+a time), and once with pi_t's drafts. The table reports the share of responses that differ with drafts, and the
+share that differ between the two plain runs: the engine's own nondeterminism under another batch composition,
+which drafts must not exceed. Keyed verification emits exactly the tokens of plain keyed decoding, so any
+difference is a rounding near-tie between the logits of a position computed in one pass shape and in another.
+float64 must show none (docs/design.md §3.2); float32 and bfloat16 are measured, not bounded. The benchmarked
+backends' engines at the benchmarked dtype are reused.
 
 Keyed sampling's share. One decode forward pass of the torch engine's model (``batch_size`` sequences, one
 token each, at a context of ``context_tokens`` cached positions) against :func:`bubblespec.sampling.keyed_sample`
@@ -37,6 +39,7 @@ def make_engine(backend: str, model_path: str, dtype: str, settings):
     common = {
         "max_batch_size": settings.max_batch_size,
         "max_draft_tokens_per_step": settings.max_draft_tokens_per_step,
+        "adaptive_draft_length": settings.adaptive_draft_length,
     }
     if backend == "torch":
         from bubblespec.backends.torch_engine import TorchEngine
@@ -60,42 +63,44 @@ def draft_results(model_path: str, dtype: str, settings, requests: list[Generati
     return engine.generate(requests)
 
 
-def differing_share(plain: list[GenerationResult], drafted: list[GenerationResult]) -> dict:
-    differing = sum(a.token_ids != b.token_ids for a, b in zip(plain, drafted, strict=True))
-    return {"responses": len(plain), "differing": differing, "mismatch_rate": differing / max(len(plain), 1)}
-
-
 def exactness_row(engine, requests: list[GenerationRequest], drafts: list[GenerationResult]) -> dict:
-    """Share of responses that differ with pi_t's drafts attached and without, on ``engine`` (holding pi_t+1)."""
+    """On ``engine`` (holding pi_t+1): the share of responses that differ with pi_t's drafts attached and without,
+    and between two plain runs whose batches differ."""
     plain = engine.generate(requests)
+    half = max(1, (len(requests) + 1) // 2)
+    reordered = list(reversed(requests))
+    other = [r for start in range(0, len(reordered), half) for r in engine.generate(reordered[start : start + half])]
+    other_by_key = {r.key: r for r in other}
     drafted = engine.generate(with_drafts(requests, drafts))
-    return differing_share(plain, drafted)
+    differing = sum(a.token_ids != b.token_ids for a, b in zip(plain, drafted, strict=True))
+    between = sum(r.token_ids != other_by_key[r.key].token_ids for r in plain)
+    count = max(len(plain), 1)
+    return {
+        "responses": len(plain),
+        "differing": differing,
+        "mismatch_rate": differing / count,
+        "differing_between_plain_batches": between,
+        "plain_batch_mismatch_rate": between / count,
+    }
 
 
-def exactness_table(settings, new_state: dict, requests: list[GenerationRequest], measured: dict) -> dict:
-    """{backend: {dtype: {responses, differing, mismatch_rate}}}: torch for ``settings.exactness_dtypes``; vLLM
-    for float32 and bfloat16 when the backend is vLLM. The benchmarked backend and dtype take their row from
-    ``measured`` (the largest timing row's own responses, without and with drafts)."""
+def exactness_table(settings, engines: dict, new_state: dict, requests: list[GenerationRequest]) -> dict:
+    """{backend: {dtype: exactness_row}}: torch for ``settings.exactness_dtypes``, vLLM for float32 and bfloat16,
+    for each benchmarked backend (torch always: it is the reference). ``engines`` (holding pi_t+1 at
+    ``settings.dtype``) are reused for their dtype."""
     path = settings.model_path
-    table: dict = {"torch": {}}
-    for dtype in settings.exactness_dtypes:
-        if settings.backend == "torch" and dtype == settings.dtype:
-            table["torch"][dtype] = measured
-            continue
-        engine = make_engine("torch", path, dtype, settings)
-        drafts = engine.generate(requests)
-        engine.update_weights(new_state, version=1)
-        table["torch"][dtype] = exactness_row(engine, requests, drafts)
-        del engine
-    if settings.backend == "vllm":
-        table["vllm"] = {}
-        for dtype in VLLM_DTYPES:
-            if dtype == settings.dtype:
-                table["vllm"][dtype] = measured
-                continue
-            engine = make_engine("vllm", path, dtype, settings)
-            engine.update_weights(new_state, version=1)
-            table["vllm"][dtype] = exactness_row(engine, requests, draft_results(path, dtype, settings, requests))
+    table: dict = {}
+    dtypes_by_backend = {"torch": settings.exactness_dtypes, "vllm": VLLM_DTYPES}
+    for backend in dict.fromkeys(["torch", *settings.backends]):
+        table[backend] = {}
+        for dtype in dtypes_by_backend[backend]:
+            drafts = draft_results(path, dtype, settings, requests)
+            engine = engines.get(backend) if dtype == settings.dtype else None
+            if engine is None:
+                engine = make_engine(backend, path, dtype, settings)
+                engine.update_weights(new_state, version=1)
+            table[backend][dtype] = exactness_row(engine, requests, drafts)
+            del engine
     return table
 
 

@@ -167,7 +167,9 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
     quick: Annotated[bool, typer.Option(help="A smoke run, not a measurement (engine only).")] = False,
-    backend: Annotated[str, typer.Option(help="Engine backend: torch or vllm (engine only).")] = "torch",
+    backend: Annotated[
+        str, typer.Option(help="Engine backends side by side: torch, vllm or torch,vllm (engine only).")
+    ] = "torch",
     model: Annotated[
         Path | None,
         typer.Option(
@@ -186,6 +188,13 @@ def bench(
             min=0, help="Relative RMS weight change, drafting to verifying policy, with --model (engine only)."
         ),
     ] = None,
+    adaptive_draft_length: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive-draft-length/--fixed-draft-length",
+            help="Shrink proposals after a rejection, as the CPU examples do (engine only).",
+        ),
+    ] = True,
     exactness_requests: Annotated[
         int | None,
         typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model)."),
@@ -227,11 +236,18 @@ def bench(
 
         raise ConfigError(f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG`")
     if target == "engine":
-        from bubblespec.cli.bench_engine import EngineBenchSettings, parse_batch_sizes, print_report, run_engine_bench
+        from bubblespec.cli.bench_engine import (
+            EngineBenchSettings,
+            parse_backends,
+            parse_batch_sizes,
+            print_report,
+            run_engine_bench,
+        )
 
         optional = {"max_new_tokens": max_new_tokens, "weight_noise": weight_noise}
         settings = EngineBenchSettings(
-            backend=backend,
+            backends=parse_backends(backend),
+            adaptive_draft_length=adaptive_draft_length,
             model_path=None if model is None else str(model),
             dtype=dtype,
             device=device,

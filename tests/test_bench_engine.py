@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bubblespec.cli.bench_engine import ROW_FIELDS, EngineBenchSettings, parse_batch_sizes
+from bubblespec.cli.bench_engine import ROW_FIELDS, EngineBenchSettings, parse_backends, parse_batch_sizes
 from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
 from bubblespec.cli.main import app
 from bubblespec.errors import ConfigError
@@ -26,18 +26,27 @@ SUMMARY_FIELDS = {
     "draft_acceptance_rate",
     "undecided_steps",
     "identical_with_and_without_draft",
+    "fully_accepted_responses",
+    "steps_over_ceil_l_over_k",
 }
 REPORT_FIELDS = {
     "settings",
     "workload",
     "policy_update",
     "keyed_sampling",
+    "hf_generate_tokens_per_s",
+    "backends",
     "exactness",
     "benchmark_seconds",
-    *ROW_FIELDS,
-    *SUMMARY_FIELDS,
     "float64_identical",
     "float32_mismatch_rate",
+}
+EXACTNESS_FIELDS = {
+    "responses",
+    "differing",
+    "mismatch_rate",
+    "differing_between_plain_batches",
+    "plain_batch_mismatch_rate",
 }
 
 
@@ -52,14 +61,19 @@ def small_folder(tmp_path_factory):
 
 def test_settings_refuse_what_no_engine_offers(tmp_path):
     with pytest.raises(ConfigError, match=r"backend 'sglang' is not benchmarked; choose one of torch, vllm"):
-        EngineBenchSettings(backend="sglang")
+        EngineBenchSettings(backends=("torch", "sglang"))
     with pytest.raises(ConfigError, match=r"dtype 'float64' is not offered by the vllm engine; .* float32, bfloat16"):
-        EngineBenchSettings(backend="vllm", dtype="float64")
+        EngineBenchSettings(backends=("torch", "vllm"), dtype="float64")
+    with pytest.raises(ConfigError, match=r"name one twice"):
+        EngineBenchSettings(backends=("vllm", "vllm"))
+    with pytest.raises(ConfigError, match="name at least one backend"):
+        EngineBenchSettings(backends=())
     with pytest.raises(ConfigError, match="is not a Hugging Face model folder"):
         EngineBenchSettings(model_path=str(tmp_path))
     with pytest.raises(ConfigError, match="prompt lengths"):
         EngineBenchSettings(prompt_lengths=(64, 32))
     assert parse_batch_sizes("1,16,32") == (1, 16, 32)
+    assert parse_backends("torch, vllm") == ("torch", "vllm")
     with pytest.raises(ConfigError, match=r"--batch-sizes '1,x' is not a comma-separated list"):
         parse_batch_sizes("1,x")
     with pytest.raises(ConfigError, match=r"--batch-sizes '0,4': every batch size must be >= 1"):
@@ -67,7 +81,7 @@ def test_settings_refuse_what_no_engine_offers(tmp_path):
 
 
 def test_a_bad_backend_on_the_command_line_is_a_clear_error():
-    result = runner.invoke(app, ["bench", "engine", "--backend", "tensorrt"])
+    result = runner.invoke(app, ["bench", "engine", "--backend", "torch,tensorrt"])
     assert result.exit_code == 2
     assert "backend 'tensorrt' is not benchmarked; choose one of torch, vllm" in result.output
 
@@ -109,18 +123,26 @@ def _run_quick(tmp_path, *arguments: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _check_rows(report: dict, hf_batch_sizes: set[str]) -> None:
+def _check_rows(report: dict, backends: set[str], hf_batch_sizes: set[str]) -> None:
     assert set(report) == REPORT_FIELDS
-    for name in ROW_FIELDS:
-        expected = hf_batch_sizes if name in ("hf_generate_tokens_per_s", "engine_vs_hf_generate") else {"1", "16"}
-        assert set(report[name]) == expected, name
-    for name in ("engine_tokens_per_s", "engine_tokens_per_s_with_draft", "speedup_with_draft"):
-        assert all(value > 0 for value in report[name].values()), name
-    assert all(report["identical_outputs"].values()) and report["identical_with_and_without_draft"]
-    for key in ("1", "16"):
-        assert report["forward_passes_with_draft"][key] < report["forward_passes_no_draft"][key]
-    assert report["decode_steps_with_draft"] < report["decode_steps_no_draft"]
-    assert report["acceptance_length_mean"] > 1
+    assert set(report["backends"]) == backends
+    assert set(report["hf_generate_tokens_per_s"]) == hf_batch_sizes
+    for rows in report["backends"].values():
+        assert set(rows) == set(ROW_FIELDS) | SUMMARY_FIELDS
+        for name in ROW_FIELDS:
+            assert set(rows[name]) == (hf_batch_sizes if name == "engine_vs_hf_generate" else {"1", "16"}), name
+        for name in ("engine_tokens_per_s", "engine_tokens_per_s_with_draft", "speedup_with_draft"):
+            assert all(value > 0 for value in rows[name].values()), name
+        assert all(rows["identical_outputs"].values()) and rows["identical_with_and_without_draft"]
+        for key in ("1", "16"):
+            assert rows["forward_passes_with_draft"][key] < rows["forward_passes_no_draft"][key]
+        assert rows["decode_steps_with_draft"] < rows["decode_steps_no_draft"]
+        assert 0 < rows["decode_step_reduction"] < 1
+        assert rows["acceptance_length_mean"] > 1
+        # responses whose drafts were all accepted took at most one decode step more than ceil(L / K)
+        assert rows["fully_accepted_responses"] > 0 and rows["steps_over_ceil_l_over_k"] <= 1
+    for table in report["exactness"].values():
+        assert all(set(row) == EXACTNESS_FIELDS for row in table.values())
     share = report["keyed_sampling"]
     assert share["share_of_forward_pass"] == pytest.approx(share["keyed_sample_s"] / share["forward_pass_s"])
 
@@ -128,35 +150,41 @@ def _check_rows(report: dict, hf_batch_sizes: set[str]) -> None:
 @pytest.mark.slow
 def test_quick_torch_run_on_the_shipped_model_reports_every_field(tmp_path):
     report = _run_quick(tmp_path)
-    _check_rows(report, {"1", "16"})
+    _check_rows(report, {"torch"}, {"1", "16"})
     assert report["policy_update"]["samples_with_nonzero_advantage"] > 0
+    assert report["policy_update"]["max_relative_weight_change"] > 0
     assert set(report["exactness"]["torch"]) == {"float64", "float32", "bfloat16"}
     assert report["exactness"]["torch"]["float64"]["differing"] == 0 and report["float64_identical"]
+    assert report["exactness"]["torch"]["float64"]["differing_between_plain_batches"] == 0
     assert report["exactness"]["torch"]["float64"]["responses"] == 64
+    assert 0 <= report["float32_mismatch_rate"] <= 1
     assert report["keyed_sampling"]["vocab_size"] == 19
 
 
 @pytest.mark.slow
 def test_quick_torch_run_on_a_model_folder_uses_random_prompts_and_a_perturbed_policy(tmp_path, small_folder):
     report = _run_quick(tmp_path, "--model", str(small_folder), "--weight-noise", "0.01")
-    _check_rows(report, {"16"})
+    _check_rows(report, {"torch"}, {"16"})
     assert report["workload"]["max_new_tokens"] == 16 and report["workload"]["vocab_size"] == 32_000
     assert report["policy_update"]["relative_rms_change"] == 0.01
-    assert report["exactness"]["torch"]["float64"] == {"responses": 8, "differing": 0, "mismatch_rate": 0.0}
+    assert report["exactness"]["torch"]["float64"]["responses"] == 8
+    assert report["exactness"]["torch"]["float64"]["differing"] == 0
     assert report["keyed_sampling"]["vocab_size"] == 32_000
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_quick_vllm_run_reports_the_same_fields_as_torch(tmp_path):
+def test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields(tmp_path):
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("BUBBLESPEC_SKIP_VLLM") == "1":
             pytest.skip("vLLM is not installed and BUBBLESPEC_SKIP_VLLM=1")
         raise RuntimeError("this test needs vLLM (pip install -e '.[vllm]'), or BUBBLESPEC_SKIP_VLLM=1 to skip it")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = _run_quick(tmp_path, "--backend", "vllm", "--exactness-requests", "8")
-    _check_rows(report, {"1", "16"})
+    report = _run_quick(tmp_path, "--backend", "torch,vllm", "--exactness-requests", "8")
+    _check_rows(report, {"torch", "vllm"}, {"1", "16"})
     assert set(report["exactness"]) == {"torch", "vllm"}
     assert set(report["exactness"]["vllm"]) == {"float32", "bfloat16"}
     assert report["exactness"]["torch"]["float64"]["differing"] == 0
+    torch_rows, vllm_rows = report["backends"]["torch"], report["backends"]["vllm"]
+    assert torch_rows["decode_steps_no_draft"] == vllm_rows["decode_steps_no_draft"]  # the same requests and tokens
