@@ -248,3 +248,58 @@ def test_draft_sources_run_inside_vllm(engines):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert sum(r.stats.draft_tokens_accepted for r in results) > 0
     assert sum(r.stats.decode_steps for r in results) < sum(r.stats.decode_steps for r in expected)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A random Qwen2-shaped chat model with a 32,000-token ChatML tokenizer (head_dim 64: vLLM's CPU attention
+    refuses 16 and 32)."""
+    from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
+
+    folder = tmp_path_factory.mktemp("chat32k")
+    write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=128, num_heads=2, num_kv_heads=1,
+                            head_dim=64, intermediate_size=256, max_position_embeddings=1024, bos_token_id=None,
+                            eos_token_id=0)  # fmt: skip
+    write_chat_tokenizer(folder, 32_000)
+    return folder
+
+
+@pytest.mark.ray
+def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model, tmp_path):
+    """examples/math.yaml on the chat model with vLLM ranks on Ray Serve (wall clock, speculation on, drafting while
+    the trainer trains): the rollouts, rewards and weights of vLLM without speculation (virtual clock, in this
+    process), and far fewer decode steps from the second step on."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bubblespec.config import load_config
+    from bubblespec.launch import run
+    from bubblespec.run_dir import RunDirectory
+
+    def math_run(name: str, *changes: str) -> RunDirectory:
+        overrides = [
+            f"name={name}", f"output_dir={tmp_path}", f"model.path={chat_model}", "model.dtype=float32",
+            "rollout.backend=vllm", "num_steps=3", "eval_every=0", "checkpoint_every=3", "metrics.enabled=false",
+            "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.max_new_tokens=32",
+            "task.options.reward_workers=0", "trainer.learning_rate=1e-5",
+            # a random model never earns the math reward: digit_share gives the trainer a signal to train on
+            'task.options.reward=[math, "tests.reward_functions:digit_share"]',
+            # a random model's responses all run to the length limit: no bubble, so draft while the trainer trains
+            "speculation.draft_during_training=true",
+            *changes,
+        ]  # fmt: skip
+        config = load_config("examples/math.yaml", overrides)
+        run(config)
+        return RunDirectory(config.run_dir)
+
+    wall = math_run("wall", "clock.kind=wall")
+    plain = math_run("plain", "clock.kind=virtual", "speculation.enabled=false")
+    wall_steps, plain_steps = wall.read_steps(), plain.read_steps()
+    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in plain_steps]
+    assert [s["reward_mean"] for s in wall_steps] == [s["reward_mean"] for s in plain_steps]
+    assert any(not s["train"]["skipped"] for s in wall_steps), "nothing trained: the drafts were never stale"
+    for step in wall_steps[1:]:
+        assert step["decode_steps"] < 0.25 * step["generated_tokens"], step["decode_steps"]
+    wall_weights = load_file(str(wall.latest_checkpoint() / "weights.safetensors"))
+    plain_weights = load_file(str(plain.latest_checkpoint() / "weights.safetensors"))
+    assert all(torch.equal(wall_weights[k], plain_weights[k]) for k in plain_weights)
