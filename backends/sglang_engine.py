@@ -1,10 +1,11 @@
 """An engine backend over SGLang 0.5.23's HTTP API: keyed sampling in a custom logit processor, drafts verified
-exactly on the client from prefill-scored top-K logprobs (docs/design.md §4).
+exactly, on one of two routes (docs/design.md §4; the server side is :mod:`bubblespec.backends.sglang_server`).
 
-Each step is one batched ``/generate`` round trip over the active sequences (up to ``max_batch_size``):
+**Prefill scoring** (the default): each step is one batched ``/generate`` round trip over the active sequences (up
+to ``max_batch_size``):
 
 - **plain generation**: ``input_ids`` = prompt + response so far, ``temperature: 0`` (greedy on processed
-  logits) and :class:`KeyedGumbelProcessor`, which puts the keyed sample ``argmax(mask(z / T) + G(k, i))`` on top.
+  logits) and ``KeyedGumbelProcessor``, which puts the keyed sample ``argmax(mask(z / T) + G(k, i))`` on top.
   The response position ``i`` is ``custom_params["offset"] + len(__req__.output_ids)``, exact only with
   ``--disable-overlap-schedule`` (the overlap scheduler samples before the previous token is appended).
 - **verification**: ``input_ids`` = prompt + response + draft chunk, ``max_new_tokens: 1``, input logprobs from the
@@ -14,10 +15,13 @@ Each step is one batched ``/generate`` round trip over the active sequences (up 
   sample, takes the processor's sample as the bonus after a fully accepted chunk, and decodes a position the top K
   cannot decide as one plain token on the server before it goes on (exact, only slower).
 
-The processor returns a two-point logit row: 0 at the sample ``y`` and ``lp(y) - 1`` at ``(y + 1) % V`` (the rest
--inf), where ``lp(y)`` is the log-probability of ``y`` under ``softmax(mask(z / T))`` computed in float64. The
-argmax cannot flip when SGLang casts the row to float32, and the top-2 output logprobs carry ``lp(y)`` back as their
-difference (``lp = B - A + 1``), so no extra round trip is needed for logprobs.
+**SGLang's own speculative step** (``speculative: true``): servers run bubblespec's ``BUBBLESPEC`` speculative
+algorithm; each response is one request carrying its draft, the server verifies the draft's chunks with keyed
+verify rows in its batched steps, and each reply is replayed on the client (``sglang_server.replay``) for its stats
+and as a check.
+
+The processor's two-point row (0 at the sample, its logprob - 1 next to it) carries each token's log-probability
+back in the top-2 output logprobs (``lp = B - A + 1``), so no extra round trip is needed for logprobs.
 
 Remote engines report round trips, not device passes: ``on_forward`` is called once per ``/generate`` call (a plain
 generation call runs up to ``tokens_per_call`` device passes); ``RequestStats.decode_steps`` still counts device
@@ -30,9 +34,7 @@ from __future__ import annotations
 
 import http.client
 import importlib.util
-import inspect
 import json
-import pickle
 import shutil
 import subprocess
 import sys
@@ -51,12 +53,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bubblespec import sampling
+from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payload, replay
 from bubblespec.config import engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult
-from bubblespec.sampling import keyed_sample
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _POLL_S = 0.005
@@ -89,8 +90,9 @@ class SGLangEngineConfig(BaseModel):
     """Longest one HTTP call may take."""
     top_logprobs_num: int = Field(20, ge=1)
     """K, the candidates scored per draft position; K >= vocabulary size decides every position."""
-    tokens_per_call: int = Field(64, ge=1)
-    """Tokens one plain-generation call may produce; a batched call returns when its longest item is done."""
+    tokens_per_call: int | None = Field(None, ge=1)
+    """Tokens one generation call may produce; a batched call returns when its longest item is done. Empty: 64,
+    or the whole response with ``speculative`` (each call's prefill samples a token without a draft)."""
     processor: Literal["reference", "value"] = "reference"
     """How the logit processor travels: "reference" (the server imports bubblespec) or "value" (dill bytecode;
     needs dill here and the same Python minor version on the server)."""
@@ -110,6 +112,11 @@ class SGLangEngineConfig(BaseModel):
     """Shrink proposals to what the last verify call accepted (+1); grow again after full acceptance."""
     draft_alignment: Literal["position", "suffix"] = "suffix"
     """After a rejected draft token: keep the position, or re-align by suffix match (as the torch engine)."""
+    speculative: bool = False
+    """Verify drafts inside SGLang's own speculative step: the servers run bubblespec's speculative algorithm
+    (``--speculative-algorithm BUBBLESPEC``, see backends/sglang_speculative.py; ``launch: true`` adds the flags),
+    each response is one request carrying its draft, drafts align by position. Off: drafts are verified on this
+    client from prefill-scored top-K logprobs."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads of the client (noise for verification); None leaves torch's setting alone."""
     rank: int = Field(0, ge=0)
@@ -121,59 +128,11 @@ class SGLangEngineConfig(BaseModel):
             raise ValueError("give either urls (running servers) or launch: true, exactly one of them")
         if self.verification != "coupled":
             raise ValueError("the sglang backend verifies with keyed noise only: verification must be 'coupled'")
+        if self.speculative and self.adaptive_draft_length:
+            raise ValueError("speculative: true verifies with SGLang's fixed width: adaptive_draft_length must be off")
         if self.launch and self.dtype not in _LAUNCH_DTYPES:
             raise ValueError(f"SGLang cannot run dtype {self.dtype!r}; choose one of {sorted(_LAUNCH_DTYPES)}")
         return self
-
-
-class KeyedGumbelProcessor:
-    """SGLang ``CustomLogitProcessor`` (duck-typed, stateless): the keyed sample as a two-point logit row.
-
-    logits: [R, V] float32; custom_param_list[r]: {"seed0", "seed1", "offset", "temperature", "top_k", "top_p",
-    "__req__"}. Returns [R, V]: 0 at y, lp(y) - 1 at (y + 1) % V, -inf elsewhere.
-    """
-
-    def __call__(self, logits, custom_param_list=None):
-        params = custom_param_list
-        device = logits.device
-        seeds_R2 = torch.tensor([[p["seed0"], p["seed1"]] for p in params], dtype=torch.int64, device=device)
-        positions_R1 = torch.tensor(
-            [[p["offset"] + len(p["__req__"].output_ids)] for p in params], dtype=torch.int64, device=device
-        )
-        temperature_R = torch.tensor([p["temperature"] for p in params], dtype=torch.float64, device=device)
-        top_k_R = torch.tensor([p["top_k"] for p in params], dtype=torch.int64, device=device)
-        top_p_R = torch.tensor([p["top_p"] for p in params], dtype=torch.float64, device=device)
-        tokens_R1, logprobs_R1 = keyed_sample(
-            logits[:, None, :], seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R
-        )
-        rows = torch.arange(logits.shape[0], device=device)
-        tokens_R = tokens_R1[:, 0]
-        out = torch.full(logits.shape, float("-inf"), dtype=torch.float64, device=device)
-        out[rows, (tokens_R + 1) % logits.shape[1]] = logprobs_R1[:, 0] - 1.0
-        out[rows, tokens_R] = 0.0
-        return out.to(logits.dtype)
-
-
-def processor_payload(mode: str) -> str:
-    """The ``custom_logit_processor`` string: ``{"callable": hex(pickle of the class)}`` as SGLang's ``to_str``.
-
-    "reference" pickles the class by name (stdlib pickle; SGLang's ``dill.loads`` reads it; the server imports
-    bubblespec). "value" rebuilds the class and bubblespec.sampling in a ``__main__`` namespace so dill pickles
-    their bytecode.
-    """
-    if mode == "reference":
-        return json.dumps({"callable": pickle.dumps(KeyedGumbelProcessor, protocol=4).hex()})
-    try:
-        import dill
-    except ImportError:
-        raise ConfigError(
-            "processor: 'value' needs the dill package on the client (pip install dill), "
-            "or use processor: 'reference' with bubblespec installed on the server"
-        ) from None
-    namespace: dict[str, Any] = {"__name__": "__main__"}
-    exec(compile(inspect.getsource(sampling), "<bubblespec.sampling>", "exec"), namespace)
-    exec(compile(inspect.getsource(KeyedGumbelProcessor), "<KeyedGumbelProcessor>", "exec"), namespace)
-    return json.dumps({"callable": dill.dumps(namespace["KeyedGumbelProcessor"]).hex()})
 
 
 class SGLangEngine:
@@ -198,10 +157,12 @@ class SGLangEngine:
         self._released = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-rank{config.rank}")
         self.num_round_trips = 0
+        self._tokens_per_call = config.tokens_per_call or (1 << 30 if config.speculative else 64)
         self._proposal = ProposalSettings(
             max_draft_tokens_per_step=config.max_draft_tokens_per_step,
             adaptive_draft_length=config.adaptive_draft_length,
-            draft_alignment=config.draft_alignment,
+            # the server proposes by position on the speculative route; the replay must propose as it does
+            draft_alignment="position" if config.speculative else config.draft_alignment,
         )
 
     @classmethod
@@ -240,6 +201,9 @@ class SGLangEngine:
         command += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
         command += ["--enable-custom-logit-processor", "--disable-overlap-schedule"]
         command += ["--dtype", _LAUNCH_DTYPES[self.config.dtype], *self.config.launch_args]
+        if self.config.speculative:
+            width = self.config.max_draft_tokens_per_step + 1  # the root and up to K draft tokens
+            command += ["--speculative-algorithm", ALGORITHM, "--speculative-num-draft-tokens", str(width)]
         self._log_file = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-rank{self.config.rank}-", suffix=".log")
         self._process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT)
         self.url = url
@@ -392,6 +356,8 @@ class SGLangEngine:
 
     def _step(self, active: list[Sequence], stop, on_forward) -> bool:
         """One batched /generate round trip; returns True when ``stop`` aborted it."""
+        if self.config.speculative:
+            return self._speculative_step(active, stop, on_forward)
         drafts = [s.propose(self._proposal) for s in active]
         body = self._generate_body(active, drafts)
         replies, aborted = self._generate(body, stop)
@@ -407,7 +373,23 @@ class SGLangEngine:
                 self._generated(sequence, reply)
         return aborted
 
-    def _generate_body(self, active: list[Sequence], drafts: list[list[int]]) -> dict:
+    def _speculative_step(self, active: list[Sequence], stop, on_forward) -> bool:
+        """One /generate of whole responses, each request carrying its draft; the server verifies them in its
+        speculative steps and each reply is replayed on its sequence (stats, and a check of the server)."""
+        body = self._generate_body(active, [[] for _ in active], whole=True)
+        replies, aborted = self._generate(body, stop)
+        self.num_round_trips += 1
+        if on_forward is not None:
+            on_forward(_forward_pass(replies, [[] for _ in replies], self._vocab_size))
+        for sequence, params, reply in zip(active, body["sampling_params"], replies, strict=True):
+            tokens = reply.get("output_ids") or []
+            top = reply["meta_info"].get("output_top_logprobs") or []
+            logprobs = [self._decoded_logprob(t, c) for t, c in zip(tokens, top[: len(tokens)], strict=True)]
+            verify_count = reply["meta_info"].get("spec_verify_ct")
+            replay(sequence, tokens, logprobs, self._proposal, params["max_new_tokens"], verify_count)
+        return aborted
+
+    def _generate_body(self, active: list[Sequence], drafts: list[list[int]], whole: bool = False) -> dict:
         vocab, k = self.vocab_size, min(self.config.top_logprobs_num, self.vocab_size)
         body: dict[str, list] = {key: [] for key in ("input_ids", "sampling_params", "logprob_start_len")}
         body["top_logprobs_num"] = []
@@ -417,7 +399,9 @@ class SGLangEngine:
             seed = sequence.noise_seed
             custom = {"seed0": seed[0], "seed1": seed[1], "offset": len(sequence.tokens) + len(draft)}
             custom |= {"temperature": float(params.temperature), "top_k": params.top_k, "top_p": float(params.top_p)}
-            plain = 1 if sequence.decode_next else min(self.config.tokens_per_call, sequence.room)
+            plain = 1 if sequence.decode_next else min(self._tokens_per_call, sequence.room)
+            if whole:  # with the request's draft, for the server's speculative steps
+                custom[DRAFT] = list(sequence.request.draft.token_ids) if sequence.request.draft else []
             body["sampling_params"].append(
                 {
                     "max_new_tokens": 1 if draft else plain,

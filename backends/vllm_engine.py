@@ -64,6 +64,7 @@ VLLM_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: in-place weights, shared sequences
 }
 _PROPOSER_PATH = f"{__name__}.RequestDrafts"
+_SET_NUM_THREADS = torch._C.set_num_threads  # vLLM's CPU worker replaces torch.set_num_threads with a no-op
 
 
 class VLLMEngineConfig(BaseModel):
@@ -92,7 +93,9 @@ class VLLMEngineConfig(BaseModel):
     draft_source_options: dict[str, dict] = {}
     """Keyword arguments of each dynamic source's constructor, by source name."""
     num_threads: int | None = Field(None, ge=1)
-    """Accepted for the common settings; vLLM's CPU backend binds its own threads (VLLM_CPU_OMP_THREADS_BIND)."""
+    """torch / OpenMP threads of every call into vLLM (CPU); empty: those of the thread that builds the engine. Every
+    thread that calls the engine (Ray Serve calls from a pool of threads) runs with this count: vLLM's CPU
+    attention refuses metadata built with another thread count than its kernel runs with."""
     rank: int = Field(0, ge=0)
     """The data-parallel rank this engine serves."""
     max_model_len: int | None = Field(None, ge=1)
@@ -281,6 +284,9 @@ class VLLMEngine:
             )
         if not os.path.isfile(os.path.join(config.model_path, "config.json")):
             raise ModelLoadError(f"{config.model_path!r} is not a Hugging Face model folder (no config.json there)")
+        if config.num_threads is not None:
+            _SET_NUM_THREADS(config.num_threads)
+        self._num_threads = torch.get_num_threads()
         self._vllm = vllm
         self._engine_id = next(self._ids)
         self._policy_version = 0
@@ -347,6 +353,7 @@ class VLLMEngine:
         """Reloads the weights in place (Hugging Face names) and drops the prefix cache computed with the old."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError(f"policy version must be an int, got {version!r}")
+        self._same_threads()
         weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
@@ -371,6 +378,7 @@ class VLLMEngine:
         stop: StopSignal | None = None,
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
+        self._same_threads()
         sequences = [
             _Request.admit(i, r, self._vocab_size, self._context_length, self._eos_ids) for i, r in enumerate(requests)
         ]
@@ -396,6 +404,11 @@ class VLLMEngine:
             for request_id in live:
                 self._sequences.pop(request_id, None)
         return [s.result() for s in sequences]
+
+    def _same_threads(self) -> None:
+        """The calling thread runs vLLM with the engine's thread count (threads start with the default count)."""
+        if torch.get_num_threads() != self._num_threads:
+            _SET_NUM_THREADS(self._num_threads)
 
     def _submit(self, sequence: _Request, live: dict[str, _Request]) -> None:
         """Starts the vLLM request of a sequence: greedy over one-hot keyed rows, until our stop or its length."""

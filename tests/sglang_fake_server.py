@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from bubblespec.backends import sglang_server
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint
 
 # decode_SamplingParams' field list (sglang/api/v1/api_types.py), in its order: the unknown-field text lists it.
@@ -166,6 +167,13 @@ class FakeSGLangServer:
 
     Test hooks: ``fail_generate = "500"`` answers the next /generate with an internal error, ``"close"`` drops the
     connection without an answer; ``token_delay_s`` slows each generated token (to test aborts).
+
+    ``speculative_width=N`` is a server started with ``--speculative-algorithm BUBBLESPEC
+    --speculative-num-draft-tokens N``: after the prefill's token, every step is a verify step over N tree slots
+    laid out, keyed and checked by ``bubblespec.backends.sglang_server`` as the plugin worker does, accepted by a
+    loop version of SGLang's ``verify_tree_greedy`` (:func:`greedy_tree_walk`). The fake computes the rows of the
+    chain (root and chunk) with its model and leaves padding rows zero (SGLang computes them; the worker makes
+    padding unmatchable either way); an accepted stop token ends the response there.
     """
 
     def __init__(
@@ -175,6 +183,7 @@ class FakeSGLangServer:
         logits_dtype: torch.dtype = torch.float64,
         enable_custom_logit_processor: bool = True,
         token_delay_s: float = 0.0,
+        speculative_width: int | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.config, weights = read_checkpoint(model_path)
@@ -182,6 +191,7 @@ class FakeSGLangServer:
         self.logits_dtype = logits_dtype
         self.enable_custom_logit_processor = enable_custom_logit_processor
         self.token_delay_s = token_delay_s
+        self.speculative_width = speculative_width
         self.fail_generate: str | None = None
         self.log: list[tuple[str, str, Any]] = []
         self.weight_version = "default"
@@ -440,7 +450,25 @@ class FakeSGLangServer:
             meta |= _input_logprobs(ids, logits_TV, item["logprob_start_len"], item["top_logprobs_num"])
         output_logprobs, output_tops, finish = [], [], {"type": "length", "length": p["max_new_tokens"]}
         next_logits_V = logits_TV[-1]
+        speculative = self.speculative_width is not None and isinstance(custom, dict)
+        spec_meta = {"spec_verify_ct": 0, "spec_num_correct_drafts": 0}
         while len(req.output_ids) < p["max_new_tokens"]:
+            if speculative and req.output_ids:  # after the prefill's token: verify steps
+                if state["aborted"]:
+                    finish = dict(ABORTED)
+                    break
+                emitted, rows_logprobs = self._verify_step(item, custom, req, cache, spec_meta)
+                for token, logprobs_V in zip(emitted, rows_logprobs, strict=True):
+                    req.output_ids.append(token)
+                    output_logprobs.append([float(logprobs_V[token]), token, None])
+                    if item["top_logprobs_num"] > 0:
+                        output_tops.append(_top(logprobs_V, item["top_logprobs_num"]))
+                    if token in stop_ids:
+                        finish = {"type": "stop", "matched": token}
+                        break
+                if finish["type"] == "stop":
+                    break
+                continue
             if state["aborted"]:
                 finish = dict(ABORTED)
                 break
@@ -460,7 +488,7 @@ class FakeSGLangServer:
             if token in stop_ids:
                 finish = {"type": "stop", "matched": token}
                 break
-            if len(req.output_ids) < p["max_new_tokens"]:
+            if len(req.output_ids) < p["max_new_tokens"] and not speculative:  # verify steps feed it as the root
                 position = len(ids) + len(req.output_ids) - 1
                 with self._model_lock:
                     out = self.model.forward(torch.tensor([[token]]), torch.tensor([[position]]), cache)
@@ -480,9 +508,53 @@ class FakeSGLangServer:
             meta["output_token_logprobs_length"] = len(output_logprobs)
             if item["top_logprobs_num"] > 0:
                 meta["output_top_logprobs"] = output_tops
+        if speculative and spec_meta["spec_verify_ct"]:  # SGLang reports these only after a verify step
+            meta |= spec_meta
         meta |= {"reasoning_tokens": 0, "completion_tokens": len(req.output_ids), "cached_tokens": 0}
         meta |= {"e2e_latency": time.monotonic() - started, "response_sent_to_client_ts": time.time()}
         return {"output_ids": list(req.output_ids), "meta_info": meta}
+
+    def _verify_step(self, item: dict, custom: dict, req, cache: KVCache, spec_meta: dict):
+        """One verify step of the BUBBLESPEC algorithm: the plugin's chunk and layout, the model's rows of the chain,
+        the plugin's keyed rows, SGLang's greedy tree walk; returns the emitted tokens and their rows' logprobs."""
+        width, p = self.speculative_width, item["params"]
+        num_output = len(req.output_ids)
+        draft = custom.get(sglang_server.DRAFT) or []
+        room = p["max_new_tokens"] - num_output
+        chunk = sglang_server.next_chunk(draft, custom["offset"] + num_output, room, width - 1)
+        tokens, mask, depth, padding = sglang_server.chain_layout([chunk], [req.output_ids[-1]], width)
+        chain = len(chunk) + 1
+        start = len(item["input_ids"]) + num_output - 1  # the root's position
+        with self._model_lock:
+            out = self.model.forward(tokens[None, :chain], torch.arange(start, start + chain)[None], cache)
+        logits_WV = torch.zeros(width, self.config.vocab_size, dtype=self.logits_dtype)
+        logits_WV[:chain] = out[0].to(self.logits_dtype)
+        sglang_server.keyed_tree_rows_(logits_WV, [custom], [num_output], depth)
+        candidates = tokens.masked_fill(padding, sglang_server.UNMATCHABLE)
+        path = greedy_tree_walk(candidates, mask.view(width, width), logits_WV.argmax(-1))
+        logprobs_WV = torch.log_softmax(logits_WV, -1).clamp(min=torch.finfo(logits_WV.dtype).min)
+        spec_meta["spec_verify_ct"] += 1
+        spec_meta["spec_num_correct_drafts"] += len(path) - 1
+        if self.token_delay_s:
+            time.sleep(self.token_delay_s)
+        predict = logits_WV.argmax(-1)
+        return [int(predict[slot]) for slot in path], [logprobs_WV[slot] for slot in path]
+
+
+def greedy_tree_walk(candidates_W: torch.Tensor, mask_WW: torch.Tensor, target_W: torch.Tensor) -> list[int]:
+    """SGLang 0.5.23's ``verify_tree_greedy`` for one request, as a loop (``kernels/ops/speculative/spec_tree.py``):
+    from the root (slot 0), accept the first child, in slot order, whose candidate token equals the target
+    (argmax) of the last accepted slot; stop when none does. Returns the accepted slots, root first: each emits
+    its row's target (the accepted draft tokens, then the bonus)."""
+    width = len(candidates_W)
+    parent = [max((j for j in range(i) if mask_WW[i, j]), default=-1) for i in range(width)]
+    path = [0]
+    while True:
+        last = path[-1]
+        children = [i for i in range(width) if parent[i] == last and int(candidates_W[i]) == int(target_W[last])]
+        if not children:
+            return path
+        path.append(children[0])
 
 
 def _input_logprobs(ids: list[int], logits_TV: torch.Tensor, start: int, top_num: int) -> dict:

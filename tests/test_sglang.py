@@ -27,6 +27,7 @@ from tests.sglang_fake_server import FakeSGLangServer
 
 MODEL = ArithmeticTask.model_path()
 REAL_URL = os.environ.get("BUBBLESPEC_SGLANG_URL")
+REAL_SPECULATIVE_URL = os.environ.get("BUBBLESPEC_SGLANG_SPECULATIVE_URL")
 
 
 def _post(url: str, body) -> tuple[int, object]:
@@ -105,8 +106,8 @@ def test_the_fake_answers_with_the_0_5_23_shapes(server):
 # -- the conformance suite on the fake ------------------------------------------------------------------------------
 
 
-def _engine_on_a_fake(model_path, **settings) -> SGLangEngine:
-    fake = FakeSGLangServer(model_path).__enter__()
+def _engine_on_a_fake(model_path, fake_settings: dict | None = None, **settings) -> SGLangEngine:
+    fake = FakeSGLangServer(model_path, **(fake_settings or {})).__enter__()
     engine = SGLangEngine.from_pretrained(str(model_path), urls=[fake.url], **settings)
     close = engine.close
     engine.close = lambda: (close(), fake.stop())  # the engine's fake server goes with it
@@ -144,6 +145,144 @@ class TestSGLangEngineOnTheFakeAtARealVocabulary(RealVocabularyConformance):
 
     def make_engine(self, model_path: Path):
         return _engine_on_a_fake(model_path, dtype=self.dtype, **self.engine_settings)
+
+
+class TestSGLangEngineSpeculativeOnTheFake(EngineConformance):
+    """``speculative: true``: the fake runs the BUBBLESPEC algorithm (the plugin's chunk, layout and keyed verify
+    rows, SGLang's greedy tree walk over 9 slots), one request per response; exact (float64 fake)."""
+
+    dtype = "float64"
+    engine_settings = {"speculative": True, "max_draft_tokens_per_step": 8}
+
+    def make_engine(self, model_path: Path):
+        return _engine_on_a_fake(model_path, {"speculative_width": 9}, dtype=self.dtype, **self.engine_settings)
+
+    def test_stop_returns_within_one_forward_pass_with_partial_responses(self, engine, requests, plain):
+        """A remote engine's forward pass is its round trip, and one round trip here is every whole response: a
+        stop aborts the call in flight (set once the server has it), within one verify step."""
+        with FakeSGLangServer(MODEL, speculative_width=9, token_delay_s=0.02) as slow:
+            engine = _engine(slow, speculative=True, max_draft_tokens_per_step=8)
+            stop = threading.Event()
+
+            def stop_once_the_call_is_in_flight():  # an event, not a delay: the server has the request
+                while not slow.bodies("/generate"):
+                    time.sleep(0.005)
+                stop.set()
+
+            threading.Thread(target=stop_once_the_call_is_in_flight, daemon=True).start()
+            drafted = [_with_draft(r, plain[r.key].token_ids) for r in requests]
+            results = _by_key(engine.generate(drafted, stop=stop))
+            assert slow.bodies("/abort_request"), "the call in flight was not aborted"
+        assert any(r.finish_reason == "preempted" for r in results.values())
+        for key, result in results.items():
+            assert plain[key].token_ids[: len(result.token_ids)] == result.token_ids
+            assert len(result.logprobs) == len(result.token_ids)
+
+
+class TestSGLangEngineSpeculativeOnTheFakeAtARealVocabulary(RealVocabularyConformance):
+    """The speculative route at 32,000 tokens: every verify row keyed from full logits (no top-K)."""
+
+    backend = "sglang"
+    dtype = "float64"
+    num_prompts = 4
+    engine_settings = {"speculative": True, "max_draft_tokens_per_step": 8}
+
+    def make_engine(self, model_path: Path):
+        return _engine_on_a_fake(model_path, {"speculative_width": 9}, dtype=self.dtype, **self.engine_settings)
+
+
+def test_the_chain_layout_is_sglang_ngram_tree_layout():
+    """result.cpp's fillResult for a chain: slot 0 the root, then the chunk (parent: the slot before), then zero
+    padding hanging off the root; the mask row of a slot holds its ancestors and itself."""
+    from bubblespec.backends.sglang_server import chain_layout
+
+    tokens, mask, depth, padding = chain_layout([[7, 8], []], [5, 6], 4)
+    assert tokens.tolist() == [5, 7, 8, 0, 6, 0, 0, 0]
+    assert depth.tolist() == [0, 1, 2, 1, 0, 1, 1, 1]
+    assert padding.tolist() == [False, False, False, True, False, True, True, True]
+    first = mask.view(2, 4, 4)[0].int().tolist()
+    assert first == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    assert mask.view(2, 4, 4)[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="does not fit 4 slots"):
+        chain_layout([[1, 2, 3, 4]], [0], 4)
+
+
+def test_padding_is_never_accepted_even_where_it_equals_the_sample(server):
+    """A padding slot holds token 0, a child of the root: SGLang's greedy walk would accept it wherever the root's
+    sample is 0 and the chunk's first token is not. The worker makes padding's candidates unmatchable."""
+    from bubblespec.backends.sglang_server import UNMATCHABLE, chain_layout
+    from tests.sglang_fake_server import greedy_tree_walk
+
+    tokens, mask, _, padding = chain_layout([[3]], [9], 3)
+    target = torch.tensor([0, 4, 1])  # the root's sample is 0, the chunk's token 3 is wrong
+    assert greedy_tree_walk(tokens, mask.view(3, 3), target) == [0, 2]  # the padding slot would be accepted
+    assert greedy_tree_walk(tokens.masked_fill(padding, UNMATCHABLE), mask.view(3, 3), target) == [0]
+
+
+def test_replies_the_algorithm_did_not_make_are_caught(server, requests):
+    """A server without BUBBLESPEC decodes plainly: the same tokens (keyed sampling), but no verify steps reported,
+    and the client says so instead of reporting steps that never ran. Replies whose steps or tokens cannot be the
+    algorithm's are refused too."""
+    from bubblespec.backends.sglang_server import replay
+    from bubblespec.decoding import ProposalSettings, Sequence
+    from bubblespec.errors import EngineError
+
+    settings = ProposalSettings(max_draft_tokens_per_step=4, draft_alignment="position")
+    request = _with_draft(requests[0], [1, 2, 3, 4, 5])
+    # prefill 1; a step verifying [2, 3, 4, 5] emits 2, 3 and the sample 9; a step verifying [5] emits the sample 7
+    sequence = Sequence.admit(0, request, 19, 512, ())
+    replay(sequence, [1, 2, 3, 9, 7], [0.0] * 5, settings, 64, 2)
+    assert (sequence.stats.decode_steps, sequence.stats.verify_steps, sequence.stats.draft_tokens_accepted) == (3, 2, 2)
+    with pytest.raises(EngineError, match="the server ran 4 verify steps where the drafts need 2"):
+        replay(Sequence.admit(0, request, 19, 512, ()), [1, 2, 3, 9, 7], [0.0] * 5, settings, 64, 4)
+    with pytest.raises(EngineError, match="ends inside a verify step"):  # 2, 3 accepted, then nothing: no sample
+        replay(Sequence.admit(0, request, 19, 512, ()), [1, 2, 3], [0.0] * 3, settings, 64, None)
+    plain_server = _engine(server, speculative=True)  # the module's fake runs no speculative algorithm
+    with pytest.raises(EngineError, match="reported no speculative verify steps .* --speculative-algorithm BUBBLESPEC"):
+        plain_server.generate(requests[:2])
+
+
+def test_the_speculative_route_equals_plain_keyed_decoding_and_takes_fewer_steps(requests):
+    """The same requests on both routes of one server, with drafts from the torch engine: identical tokens and
+    logprobs; far fewer device steps with the server verifying in its speculative step."""
+    requests = _with(requests[:8], max_new_tokens=48, temperature=0.8, top_k=6)
+    expected = _by_key(TorchEngine.from_pretrained(str(MODEL), dtype="float64").generate(requests))
+    drafted = [_with_draft(r, expected[r.key].token_ids) for r in requests]
+    with FakeSGLangServer(MODEL, speculative_width=9) as fake:
+        speculative = _by_key(_engine(fake, speculative=True, max_draft_tokens_per_step=8).generate(drafted))
+        bodies = fake.bodies("/generate")
+    assert {k: r.token_ids for k, r in speculative.items()} == {k: r.token_ids for k, r in expected.items()}
+    for key, result in speculative.items():
+        assert result.logprobs == pytest.approx(expected[key].logprobs, abs=1e-9)
+    assert len(bodies) == 1 and all(p["custom_params"]["draft"] for p in bodies[0]["sampling_params"])
+    plain_steps = sum(len(r.token_ids) for r in expected.values())
+    assert sum(r.stats.decode_steps for r in speculative.values()) < 0.4 * plain_steps
+
+
+def test_the_speculative_route_refuses_adaptive_lengths_and_launches_with_the_algorithm(server, monkeypatch):
+    with pytest.raises(ConfigError, match="adaptive_draft_length must be off"):
+        SGLangEngine.from_pretrained(str(MODEL), urls=[server.url], speculative=True, adaptive_draft_length=True)
+    launched = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if SGLang were installed
+    monkeypatch.setattr("subprocess.Popen", lambda command, **_: launched.append(command) or _Exited())
+    with pytest.raises(SGLangError, match="exited"):
+        SGLangEngine.from_pretrained(str(MODEL), launch=True, dtype="float32", speculative=True)
+    flags = launched[0]
+    assert flags[flags.index("--speculative-algorithm") + 1] == "BUBBLESPEC"
+    assert flags[flags.index("--speculative-num-draft-tokens") + 1] == "17"  # the root and 16 draft tokens
+
+
+class _Exited:
+    """A launched server process that has already exited."""
+
+    def poll(self):
+        return 1
+
+    def terminate(self):
+        pass
+
+    def wait(self, timeout=None):
+        return 1
 
 
 # -- keyed sampling and verification --------------------------------------------------------------------------------
@@ -337,3 +476,26 @@ class TestSGLangEngineOnARealServer(EngineConformance):
 
     def test_a_weight_update_gives_the_new_policy(self):
         pytest.skip("one server cannot also serve the changed weights; test_real_sglang_server checks updates")
+
+
+@pytest.mark.skipif(
+    REAL_SPECULATIVE_URL is None,
+    reason="set BUBBLESPEC_SGLANG_SPECULATIVE_URL to a real SGLang 0.5.23 server running --speculative-algorithm "
+    "BUBBLESPEC --speculative-num-draft-tokens 9 (scripts/sglang_real_test.sh)",
+)
+class TestSGLangEngineSpeculativeOnARealServer(EngineConformance):
+    """The speculative route on a real server: SGLang's own NGRAM worker classes with bubblespec's drafts and keyed
+    verify rows (backends/sglang_server.py), which no test here can run."""
+
+    dtype = "float32"
+    max_mismatch_rate = 0.07
+    engine_settings = {"speculative": True, "max_draft_tokens_per_step": 8}
+
+    def make_engine(self, model_path: Path):
+        url = REAL_SPECULATIVE_URL
+        return SGLangEngine.from_pretrained(str(model_path), urls=[url], dtype=self.dtype, **self.engine_settings)
+
+    def test_a_weight_update_gives_the_new_policy(self):
+        pytest.skip("one server cannot also serve the changed weights; test_real_sglang_server checks updates")
+
+    test_stop_returns_within_one_forward_pass_with_partial_responses = None  # one round trip is every response

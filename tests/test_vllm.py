@@ -303,3 +303,34 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
     wall_weights = load_file(str(wall.latest_checkpoint() / "weights.safetensors"))
     plain_weights = load_file(str(plain.latest_checkpoint() / "weights.safetensors"))
     assert all(torch.equal(wall_weights[k], plain_weights[k]) for k in plain_weights)
+
+
+def test_calls_from_other_threads_run_with_the_engine_thread_count():
+    """Ray Serve calls a rank from a pool of threads, which need not run with the thread count the engine was built
+    with; vLLM's CPU attention refuses to run with another count than its metadata was built with. Every call uses
+    the engine's count (here 1, with the calling threads set to 2 first)."""
+    import threading
+
+    import torch
+
+    from bubblespec.backends.vllm_engine import VLLMEngine
+    from bubblespec.tasks import ArithmeticTask
+
+    engine = VLLMEngine.from_pretrained(str(ArithmeticTask.model_path()), max_batch_size=16, num_threads=1)
+    requests = _requests(num_prompts=4, samples=2)
+    expected = [r.token_ids for r in engine.generate(requests)]
+    outcomes: list = []
+
+    def call() -> None:
+        torch._C.set_num_threads(2)  # a thread with another count (vLLM made torch.set_num_threads a no-op)
+        try:
+            outcomes.append(([r.token_ids for r in engine.generate(requests)], torch.get_num_threads()))
+        except Exception as error:  # the thread's failure, for the assertion below
+            outcomes.append((error, None))
+
+    for _ in range(2):
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    engine.close()
+    assert outcomes == [(expected, 1), (expected, 1)]
