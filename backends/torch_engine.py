@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from bubblespec import sampling
 from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
 from bubblespec.config import engine_config
-from bubblespec.decoding import ProposalSettings, Sequence, link_siblings, load_proposers
+from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
@@ -107,13 +107,7 @@ class TorchEngine:
         self._policy_version = 0
         self._cache: KVCache | None = None
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
-        self._proposal = ProposalSettings(
-            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
-            adaptive_draft_length=config.adaptive_draft_length,
-            draft_alignment=config.draft_alignment,
-            draft_chain=config.draft_chain,
-            proposers=load_proposers(config.draft_chain, config.draft_source_options),
-        )
+        self._proposal = ProposalSettings.of(config)
 
     @staticmethod
     def check_model(model_path: str) -> None:

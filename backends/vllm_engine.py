@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bubblespec import sampling
 from bubblespec.config import engine_config
-from bubblespec.decoding import ProposalSettings, Sequence, link_siblings, load_proposers
+from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import EngineError, ModelLoadError
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
@@ -291,13 +291,7 @@ class VLLMEngine:
         self._engine_id = next(self._ids)
         self._policy_version = 0
         self._sequences: dict[str, _Request] = {}  # live requests, shared with the verifier in vLLM's worker
-        self._proposal = ProposalSettings(
-            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
-            adaptive_draft_length=config.adaptive_draft_length,
-            draft_alignment=config.draft_alignment,
-            draft_chain=config.draft_chain,
-            proposers=load_proposers(config.draft_chain, config.draft_source_options),
-        )
+        self._proposal = ProposalSettings.of(config)
         self.llm = self._load(vllm, config)
         _LIVE_ENGINES.append(self.llm)  # see close()
         self.engine = self.llm.llm_engine

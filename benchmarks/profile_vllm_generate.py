@@ -82,8 +82,12 @@ def main() -> None:
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.backends.torch_model import read_checkpoint
     from bubblespec.backends.vllm_engine import VLLMEngine
-    from bubblespec.cli.bench_engine_requests import RANDOM_PROMPT_LENGTHS, perturbed_weights, random_workload
-    from bubblespec.cli.bench_engine_requests import with_drafts
+    from bubblespec.cli.bench_engine_requests import (
+        RANDOM_PROMPT_LENGTHS,
+        perturbed_weights,
+        random_workload,
+        with_drafts,
+    )
 
     torch.set_num_threads(arguments.threads)
     low, high = RANDOM_PROMPT_LENGTHS

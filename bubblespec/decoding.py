@@ -43,6 +43,19 @@ class ProposalSettings:
     proposers: Mapping[str, object] = field(default_factory=dict)
     """Dynamic draft sources by name (see :func:`load_proposers`)."""
 
+    @classmethod
+    def of(cls, config) -> ProposalSettings:
+        """The settings of an engine config with the common speculation fields (``max_draft_tokens_per_step``,
+        ``adaptive_draft_length``, ``draft_alignment``, ``draft_chain``, ``draft_source_options``), the chain's
+        dynamic sources loaded."""
+        return cls(
+            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
+            adaptive_draft_length=config.adaptive_draft_length,
+            draft_alignment=config.draft_alignment,
+            draft_chain=config.draft_chain,
+            proposers=load_proposers(config.draft_chain, config.draft_source_options),
+        )
+
 
 @dataclass
 class Sequence:

@@ -451,6 +451,18 @@ class FakeSGLangServer:
         output_logprobs, output_tops, finish = [], [], {"type": "length", "length": p["max_new_tokens"]}
         next_logits_V = logits_TV[-1]
         speculative = self.speculative_width is not None and isinstance(custom, dict)
+
+        def emit(token: int, logprobs_V: torch.Tensor) -> bool:
+            """Appends a generated token and its logprobs; True when it is a stop token (the response ends)."""
+            nonlocal finish
+            req.output_ids.append(token)
+            output_logprobs.append([float(logprobs_V[token]), token, None])
+            if item["top_logprobs_num"] > 0:
+                output_tops.append(_top(logprobs_V, item["top_logprobs_num"]))
+            if token in stop_ids:
+                finish = {"type": "stop", "matched": token}
+            return token in stop_ids
+
         spec_meta = {"spec_verify_ct": 0, "spec_num_correct_drafts": 0}
         while len(req.output_ids) < p["max_new_tokens"]:
             if speculative and req.output_ids:  # after the prefill's token: verify steps
@@ -459,12 +471,7 @@ class FakeSGLangServer:
                     break
                 emitted, rows_logprobs = self._verify_step(item, custom, req, cache, spec_meta)
                 for token, logprobs_V in zip(emitted, rows_logprobs, strict=True):
-                    req.output_ids.append(token)
-                    output_logprobs.append([float(logprobs_V[token]), token, None])
-                    if item["top_logprobs_num"] > 0:
-                        output_tops.append(_top(logprobs_V, item["top_logprobs_num"]))
-                    if token in stop_ids:
-                        finish = {"type": "stop", "matched": token}
+                    if emit(token, logprobs_V):
                         break
                 if finish["type"] == "stop":
                     break
@@ -481,12 +488,7 @@ class FakeSGLangServer:
                 token = int(row_1V.argmax(-1))
             else:
                 token = _sample(scores_1V[0], top_k, p["top_p"])
-            req.output_ids.append(token)
-            output_logprobs.append([float(logprobs_V[token]), token, None])
-            if item["top_logprobs_num"] > 0:
-                output_tops.append(_top(logprobs_V, item["top_logprobs_num"]))
-            if token in stop_ids:
-                finish = {"type": "stop", "matched": token}
+            if emit(token, logprobs_V):
                 break
             if len(req.output_ids) < p["max_new_tokens"] and not speculative:  # verify steps feed it as the root
                 position = len(ids) + len(req.output_ids) - 1

@@ -279,7 +279,7 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
     def math_run(name: str, *changes: str) -> RunDirectory:
         overrides = [
             f"name={name}", f"output_dir={tmp_path}", f"model.path={chat_model}", "model.dtype=float32",
-            "rollout.backend=vllm", "num_steps=3", "eval_every=0", "checkpoint_every=3", "metrics.enabled=false",
+            "rollout.backend=vllm", "num_steps=2", "eval_every=0", "checkpoint_every=2", "metrics.enabled=false",
             "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.max_new_tokens=32",
             "task.options.reward_workers=0", "trainer.learning_rate=1e-5",
             # a random model never earns the math reward: digit_share gives the trainer a signal to train on
