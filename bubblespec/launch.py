@@ -22,10 +22,10 @@ from bubblespec.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.errors import ConfigError, ModelLoadError
 from bubblespec.interfaces import SamplingParams, acceptance_length
 from bubblespec.metrics import RunMetrics
-from bubblespec.rollout import VirtualRankPool
 from bubblespec.run_dir import RunDirectory
 from bubblespec.service import Peek, RolloutService
 from bubblespec.trainer import LearnerSpec, TrainSample
+from bubblespec.virtual_ranks import VirtualRankPool
 
 
 def model_path(config: RunConfig, task) -> str:
@@ -271,7 +271,7 @@ def run(
             if metrics is not None:
                 metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
         started = time.perf_counter()
-        if on_activity is not None and hasattr(parts.service.ranks, "on_activity"):
+        if on_activity is not None:
             parts.service.ranks.on_activity = on_activity
         controller.run(start_step=start)
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started) | placement(parts)
@@ -283,8 +283,9 @@ def placement(parts: Components) -> dict:
     """Where a Ray run's ranks and trainer workers ran at its end (node, GPUs; ranks' releases), for the summary;
     nothing on the virtual clock."""
     found = {}
-    if hasattr(parts.service.ranks, "placement"):
-        found["ranks"] = parts.service.ranks.placement()
+    ranks = parts.service.ranks.placement()
+    if ranks:
+        found["ranks"] = ranks
     if hasattr(parts.trainer, "placement"):
         found["trainer_workers"] = parts.trainer.placement()
     return {"placement": found} if found else {}

@@ -1,20 +1,17 @@
 """One step's rollout across ranks, with bubble-time drafting of the next step (docs/design.md §5).
 
 The pieces every rank pool shares live here: the requests of a step, the drafting plan, and the per-rank
-record of what happened. :class:`VirtualRankPool` runs every rank in this process on the virtual clock; the
-Ray Serve pool (:mod:`bubblespec.serve_ranks`) runs them for real.
+record of what happened. :mod:`bubblespec.scheduler` decides which rank does what with them; the virtual clock
+(:mod:`bubblespec.virtual_ranks`) and Ray Serve (:mod:`bubblespec.serve_ranks`) run its decisions.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from bubblespec.clocks import CostProfile, DeadlineStop, VirtualTimeline
 from bubblespec.interfaces import (
     Draft,
-    GenerationEngine,
     GenerationRequest,
     GenerationResult,
     Prompt,
@@ -160,82 +157,3 @@ class DraftPlan:
 
     def __bool__(self) -> bool:
         return self._next < len(self._requests)
-
-
-class VirtualRankPool:
-    """All ranks in this process on virtual time. Ranks hold identical weights, so one engine serves them all
-    in turn; each rank's timeline is advanced by the cost of the forward passes it ran."""
-
-    def __init__(self, engine: GenerationEngine, num_ranks: int, profile: CostProfile) -> None:
-        self.engine = engine
-        self.num_ranks = num_ranks
-        self.profile = profile
-
-    def update_weights(self, state_dict, version: int) -> float:
-        self.engine.update_weights(state_dict, version)
-        state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
-        return self.profile.weight_sync_seconds(state_bytes, self.num_ranks)
-
-    def release(self) -> None:
-        self.engine.release()
-
-    def resume(self) -> None:
-        self.engine.resume()
-
-    def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        return self.engine.generate(requests)
-
-    def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
-        timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
-        records = [RankRecord(rank) for rank in range(self.num_ranks)]
-        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
-        results: dict[RolloutKey, GenerationResult] = {}
-        for rank, shard in enumerate(shards):
-            shard_results = self.engine.generate(shard, on_forward=timelines[rank])
-            records[rank].add_results(shard_results, [r.draft is not None for r in shard])
-            records[rank].generation_seconds = timelines[rank].now
-            records[rank].forward_passes = timelines[rank].forward_passes
-            activity[rank].append(("generate", 0.0, timelines[rank].now))
-            results |= {r.key: r for r in shard_results}
-        barrier = max(t.now for t in timelines)
-        drafts = self._draft_in_bubbles(plan, timelines, records, activity, barrier)
-        end = max(max(t.now for t in timelines), barrier)
-        for rank, timeline in enumerate(timelines):
-            records[rank].bubble_seconds = barrier - records[rank].generation_seconds
-            records[rank].preemption_latency_seconds = max(timeline.now - barrier, 0.0)
-            if timeline.now < end:
-                activity[rank].append(("idle", timeline.now, end))
-        return RolloutOutcome(list(results.values()), drafts, records, end, barrier, activity)
-
-    def start_drafting(self, plan: DraftPlan) -> None:
-        self._training_plan = plan
-
-    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Every rank drafts the rest of the plan for the training phase's ``train_seconds``."""
-        timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
-        records = [RankRecord(rank) for rank in range(self.num_ranks)]
-        activity: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_ranks)]
-        drafts = self._draft_in_bubbles(self._training_plan, timelines, records, activity, train_seconds)
-        return RolloutOutcome([], drafts, records, train_seconds, train_seconds, activity)
-
-    def _draft_in_bubbles(self, plan, timelines, records, activity, barrier) -> list[Draft]:
-        """The earliest idle rank takes the next chunk of the plan; a chunk still running at the barrier is
-        stopped after the forward pass that crosses it, and its partial responses are kept as drafts."""
-        drafts: list[Draft] = []
-        idle = [(t.now, rank) for rank, t in enumerate(timelines) if t.now < barrier]
-        heapq.heapify(idle)
-        while idle and plan:
-            start, rank = heapq.heappop(idle)
-            chunk = plan.take()
-            timeline = timelines[rank]
-            chunk_results = self.engine.generate(chunk, stop=DeadlineStop(timeline, barrier), on_forward=timeline)
-            made = drafts_from(chunk_results, self.engine.policy_version)
-            drafts += made
-            record = records[rank]
-            record.drafting_seconds += min(timeline.now, barrier) - start
-            record.draft_requests += len(made)
-            record.draft_tokens_produced += drafted_tokens(chunk_results)
-            activity[rank].append(("draft", start, timeline.now))
-            if timeline.now < barrier:
-                heapq.heappush(idle, (timeline.now, rank))
-        return drafts

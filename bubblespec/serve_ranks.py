@@ -18,11 +18,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from bubblespec import fault_gates
 from bubblespec.interfaces import GenerationRequest, GenerationResult
-from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
+from bubblespec.rollout import DraftPlan, RolloutOutcome
+from bubblespec.scheduler import (
+    ActivityListener,
+    DraftChunk,
+    Generate,
+    PhaseScheduler,
+    RetryPolicy,
+    StopDrafting,
+    ignore_activity,
+)
 from bubblespec.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
@@ -157,18 +165,21 @@ def _why_a_rank_failed_to_start(num_ranks: int, backend: str) -> str | None:
 
 
 class ServeRankPool:
-    """All ranks for real, in wall-clock time."""
+    """All ranks for real, in wall-clock time: a driver of :class:`~bubblespec.scheduler.PhaseScheduler` whose calls
+    are DeploymentHandle calls, reported as they return."""
 
-    def __init__(self, handles: Sequence) -> None:
+    def __init__(self, handles: Sequence, retry: RetryPolicy | None = None) -> None:
         self.handles = list(handles)
         self.num_ranks = len(self.handles)
+        self.retry = retry or RetryPolicy()
         self.version = 0
         self._step = 0
-        self.on_activity: ActivityListener = _ignore
+        self._weights = None
+        self.clock: Callable[[], float] = time.perf_counter
+        """Seconds on the wall clock; the scheduler's times are differences of two readings."""
+        self.on_activity: ActivityListener = ignore_activity
         """Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
 
-    max_retries = 3
-    """Times a rank's shard is retried after its replica died (Serve starts a new one)."""
     restore_timeout_s = 120.0
 
     def update_weights(self, state_dict, version: int) -> float:
@@ -200,12 +211,13 @@ class ServeRankPool:
 
     async def _resilient(self, rank: int, call):
         """``call(handle)`` on a rank; if the rank's replica died, wait for Serve's replacement, give it the current
-        policy and call again. Keyed sampling makes the retried shard's tokens those of the lost one."""
-        for attempt in range(self.max_retries + 1):
+        policy and call again, as :attr:`retry` says."""
+        attempt = 0
+        while True:
             try:
                 return await call(self.handles[rank])
             except _replica_lost_errors() as error:
-                if attempt == self.max_retries:
+                if not self.retry.retry(attempt):
                     from bubblespec.errors import EngineError
 
                     raise EngineError(f"rank {rank}: its replica died {attempt + 1} times ({error})") from error
@@ -213,12 +225,13 @@ class ServeRankPool:
                     "rank %d lost its replica (%s); restoring policy version %d and retrying", rank, error, self.version
                 )
                 await self._restore(rank)
+                attempt += 1
 
     async def _restore(self, rank: int) -> None:
         deadline = time.perf_counter() + self.restore_timeout_s
         while True:
             try:
-                if getattr(self, "_weights", None) is not None:
+                if self._weights is not None:
                     await self.handles[rank].update_weights.remote(self._weights, self.version)
                 else:  # version 0: a new replica loads the initial weights itself
                     await self.handles[rank].stop.remote(-1)  # waits until the rank has a replica again
@@ -248,143 +261,97 @@ class ServeRankPool:
 
     def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
         self._step += 1
-        return asyncio.run(self._rollout(shards, plan, self._step))
+        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, shards, self.on_activity)
+        return asyncio.run(self._run(scheduler, self._step, self.clock()))
 
     def start_drafting(self, plan: DraftPlan) -> None:
         """Ranks draft the rest of ``plan`` in the background (a thread with its own event loop) until
         :meth:`stop_drafting`."""
         self._step += 1
-        self._training = RolloutOutcome([], [], [RankRecord(rank) for rank in range(self.num_ranks)], 0.0)
-        self._training.timelines = [[] for _ in range(self.num_ranks)]
-        self._training_started = time.perf_counter()
-        self._stop_requested = threading.Event()
-        self._drafting_error: Exception | None = None
-        self._drafter = threading.Thread(target=self._draft_in_background, args=(plan, self._step))
+        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity)
+        self._loop = asyncio.new_event_loop()
+        self._trainer_done = asyncio.Event()
+        self._drafting: RolloutOutcome | Exception | None = None
+        started = self.clock()
+
+        def draft() -> None:
+            try:
+                self._drafting = self._loop.run_until_complete(
+                    self._run(scheduler, self._step, started, until=self._trainer_done)
+                )
+            except Exception as error:  # raised in the caller's thread by stop_drafting
+                self._drafting = error
+            finally:
+                self._loop.close()
+
+        self._drafter = threading.Thread(target=draft, name="bubblespec-drafting")
         self._drafter.start()
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         """Stops the drafting; raises the error of a rank whose engine failed meanwhile (every rank was stopped
         then already)."""
-        self._stop_requested.set()
-        asyncio.run(self._stop_all(self._step))
+        try:
+            self._loop.call_soon_threadsafe(self._trainer_done.set)
+        except RuntimeError:  # the loop is closed: drafting ended on an error
+            pass
         self._drafter.join()
-        if self._drafting_error is not None:
-            raise self._drafting_error
-        self._training.seconds = self._training.barrier_seconds = time.perf_counter() - self._training_started
-        return self._training
+        if isinstance(self._drafting, Exception):
+            raise self._drafting
+        return self._drafting
 
-    def _draft_in_background(self, plan: DraftPlan, step: int) -> None:
-        try:
-            asyncio.run(self._draft_until_stopped(plan, step))
-        except Exception as error:  # raised in the caller's thread by stop_drafting
-            self._drafting_error = error
+    async def _run(
+        self, scheduler: PhaseScheduler, step: int, started: float, until: asyncio.Event | None = None
+    ) -> RolloutOutcome:
+        """Runs a phase: starts the calls ``scheduler`` asks for and reports each as it returns; ``until``: the
+        trainer's end (drafting while training), reported to the scheduler as its stop."""
+        running: dict[asyncio.Future, Generate | DraftChunk] = {}
+        trainer_done = None if until is None else asyncio.ensure_future(until.wait())
 
-    async def _draft_until_stopped(self, plan: DraftPlan, step: int) -> None:
-        running: dict[asyncio.Future, tuple[int, float]] = {}
-
-        def hand_out(rank: int) -> None:
-            chunk = plan.take()
-            self.on_activity(rank, "draft", _chunk_detail(chunk, "while training"))
-            future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step, self.version)))
-            running[future] = (rank, time.perf_counter() - self._training_started)
-
-        for rank in range(self.num_ranks):
-            if plan:
-                hand_out(rank)
-        try:
-            while running:
-                done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
-                now = time.perf_counter() - self._training_started
-                for future in done:
-                    rank, began = running.pop(future)
-                    chunk_results = _drafts_or_nothing(future, rank)
-                    made = drafts_from(chunk_results, policy_version=self.version)
-                    self._training.drafts += made
-                    record = self._training.ranks[rank]
-                    record.drafting_seconds += now - began
-                    record.draft_requests += len(made)
-                    record.draft_tokens_produced += drafted_tokens(chunk_results)
-                    self._training.timelines[rank].append(("draft", began, now))
-                    if plan and not self._stop_requested.is_set():
-                        hand_out(rank)
-                    else:
-                        self.on_activity(rank, "idle", "")
-        except Exception as error:
-            await self._abandon(step, set(running), shard_calls=set())
-            raise _engine_error(error) from None
-
-    async def _rollout(self, shards, plan: DraftPlan, step: int) -> RolloutOutcome:
-        phase = self._start_shards(shards)
-        pending = set(phase.generating)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                now = time.perf_counter() - phase.start
-                for future in done:
-                    if future in phase.generating:
-                        rank = self._shard_done(phase, future, shards, now)
-                    else:
-                        rank = self._bubble_draft_done(phase, future, now)
-                    still_generating = any(f in phase.generating for f in pending)
-                    if phase.barrier is None and still_generating and plan:  # a rank fell idle before the barrier
-                        pending |= self._draft_in_bubble(phase, rank, plan, step, now)
-                if phase.barrier is None and not any(f in phase.generating for f in pending):
-                    phase.barrier = now  # when the last shard came back
+        async def run(commands) -> None:
+            for command in commands:
+                if isinstance(command, StopDrafting):
                     await self._stop_all(step)
+                elif isinstance(command, Generate):
+                    shard = list(command.requests)
+                    call = self._resilient(command.rank, lambda h, shard=shard: h.generate.remote(shard, self.version))
+                    running[asyncio.ensure_future(call)] = command
+                else:
+                    call = self.handles[command.rank].draft.remote(list(command.requests), step, self.version)
+                    running[asyncio.ensure_future(_awaited(call))] = command
+
+        try:
+            await run(scheduler.start())
+            while running or (trainer_done is not None and not trainer_done.done()):
+                waiting = set(running) if trainer_done is None or trainer_done.done() else {*running, trainer_done}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                now = self.clock() - started
+                if trainer_done in done:
+                    await run(scheduler.stop(now))
+                # calls that came back together: shards first, so that the barrier comes before a chunk's end
+                for future in sorted(done - {trainer_done}, key=lambda f: isinstance(running[f], DraftChunk)):
+                    command = running.pop(future)
+                    if isinstance(command, Generate):
+                        results, passes = future.result()
+                        await run(scheduler.shard_done(command.rank, now, results, passes))
+                        continue
+                    try:
+                        results = future.result()
+                    except _replica_lost_errors() as error:
+                        logger.warning(
+                            "rank %d lost its replica while drafting (%s); its chunk's drafts are dropped",
+                            command.rank, error,
+                        )  # fmt: skip
+                        await run(scheduler.chunk_lost(command.rank, now, error))
+                    else:
+                        await run(scheduler.chunk_done(command.rank, now, results))
         except Exception as error:
-            await self._abandon(step, pending, shard_calls=set(phase.generating))
+            shard_calls = {future for future, command in running.items() if isinstance(command, Generate)}
+            await self._abandon(step, set(running), shard_calls)
             raise _engine_error(error) from None
-        end = time.perf_counter() - phase.start
-        for record in phase.records:
-            record.bubble_seconds = phase.barrier - record.generation_seconds
-        return RolloutOutcome(phase.results, phase.drafts, phase.records, end, phase.barrier, phase.activity)
-
-    def _start_shards(self, shards) -> _RolloutPhase:
-        phase = _RolloutPhase(time.perf_counter(), self.num_ranks)
-        for rank, shard in enumerate(shards):
-            call = self._resilient(rank, lambda handle, shard=shard: handle.generate.remote(list(shard), self.version))
-            phase.generating[asyncio.ensure_future(call)] = rank
-            with_draft = sum(r.draft is not None for r in shard)
-            self.on_activity(rank, "generate", f"{len(shard)} requests, {with_draft} with a draft")
-        return phase
-
-    def _shard_done(self, phase: _RolloutPhase, future: asyncio.Future, shards, now: float) -> int:
-        rank = phase.generating[future]
-        shard_results, passes = future.result()
-        phase.results += shard_results
-        record = phase.records[rank]
-        record.add_results(shard_results, [r.draft is not None for r in shards[rank]])
-        record.generation_seconds = now
-        record.forward_passes = passes
-        phase.activity[rank].append(("generate", 0.0, now))
-        tokens = sum(len(r.token_ids) for r in shard_results)
-        self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {passes} passes")
-        return rank
-
-    def _bubble_draft_done(self, phase: _RolloutPhase, future: asyncio.Future, now: float) -> int:
-        rank, began = phase.drafting.pop(future)
-        chunk_results = _drafts_or_nothing(future, rank)
-        made = drafts_from(chunk_results, policy_version=self.version)
-        phase.drafts += made
-        record = phase.records[rank]
-        record.draft_requests += len(made)
-        record.draft_tokens_produced += drafted_tokens(chunk_results)
-        record.drafting_seconds += (now if phase.barrier is None else min(now, phase.barrier)) - began
-        phase.activity[rank].append(("draft", began, now))
-        if phase.barrier is not None:
-            record.preemption_latency_seconds = now - phase.barrier
-        self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(chunk_results)} tokens")
-        return rank
-
-    def _draft_in_bubble(self, phase: _RolloutPhase, rank: int, plan: DraftPlan, step: int, now: float) -> set:
-        """Hands the next chunk of ``plan`` to ``rank``, idle in the bubble; returns the call (none if no chunk)."""
-        chunk = plan.take()
-        if not chunk:
-            return set()
-        self.on_activity(rank, "draft", _chunk_detail(chunk, "in the bubble"))
-        future = asyncio.ensure_future(_awaited(self.handles[rank].draft.remote(chunk, step, self.version)))
-        phase.drafting[future] = (rank, now)
-        return {future}
+        finally:
+            if trainer_done is not None:
+                trainer_done.cancel()
+        return scheduler.outcome(self.clock() - started)
 
     async def _abandon(self, step: int, in_flight: set, shard_calls: set) -> None:
         """After a rank's engine failed: every rank stops drafting for ``step`` (its drafting call returns after the
@@ -401,27 +368,6 @@ class ServeRankPool:
                 )
 
 
-@dataclass
-class _RolloutPhase:
-    """One rollout phase's calls in flight and what came back, for :meth:`ServeRankPool._rollout`."""
-
-    start: float
-    num_ranks: int
-    generating: dict[asyncio.Future, int] = field(default_factory=dict)
-    """Shard calls and their ranks."""
-    drafting: dict[asyncio.Future, tuple[int, float]] = field(default_factory=dict)
-    """Drafting calls in the bubble, with their rank and start (seconds from the phase start)."""
-    results: list[GenerationResult] = field(default_factory=list)
-    drafts: list = field(default_factory=list)
-    barrier: float | None = None
-    records: list[RankRecord] = field(init=False)
-    activity: list[list[tuple[str, float, float]]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.records = [RankRecord(rank) for rank in range(self.num_ranks)]
-        self.activity = [[] for _ in range(self.num_ranks)]
-
-
 def _engine_error(error: Exception) -> Exception:
     """The replica's own exception, where Ray wrapped it in a RayTaskError (whose message is a whole traceback)."""
     cause = getattr(error, "cause", None)
@@ -430,19 +376,6 @@ def _engine_error(error: Exception) -> Exception:
 
 async def _awaited(response):
     return await response
-
-
-ActivityListener = Callable[[int, str, str], None]
-
-
-def _drafts_or_nothing(future: asyncio.Future, rank: int) -> list[GenerationResult]:
-    """A draft chunk's results; a replica that died while drafting costs its drafts only (the rank's next shard
-    call restores it)."""
-    try:
-        return future.result()
-    except _replica_lost_errors() as error:
-        logger.warning("rank %d lost its replica while drafting (%s); its chunk's drafts are dropped", rank, error)
-        return []
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:
@@ -458,16 +391,4 @@ def _replica_lost_errors() -> tuple[type[BaseException], ...]:
         ReplicaUnavailableError,
         DeploymentUnavailableError,
         StalePolicy,
-    )
-
-
-def _ignore(rank: int, activity: str, detail: str) -> None:
-    pass
-
-
-def _chunk_detail(chunk: Sequence[GenerationRequest], when: str) -> str:
-    steps = sorted({r.key.step for r in chunk})
-    going_on = sum(r.draft is not None for r in chunk)
-    return f"{len(chunk)} keys of step {', '.join(map(str, steps))} {when}" + (
-        f" ({going_on} going on from a draft)" if going_on else ""
     )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from bubblespec.config import RolloutConfig, SpeculationConfig
 from bubblespec.draft_sources import HistoryDrafts
@@ -38,40 +37,9 @@ from bubblespec.interfaces import (
 )
 from bubblespec.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+from bubblespec.scheduler import RankPool
 
 logger = logging.getLogger(__name__)
-
-
-class RankPool(Protocol):
-    num_ranks: int
-
-    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome: ...
-
-    def update_weights(self, state_dict, version: int) -> float:
-        """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
-        ...
-
-    def start_drafting(self, plan: DraftPlan) -> None:
-        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
-        ...
-
-    def release(self) -> None:
-        """Every rank's engine frees its generation memory (``GenerationEngine.release``): the trainer shares the
-        hardware."""
-        ...
-
-    def resume(self) -> None:
-        """Undo :meth:`release`."""
-        ...
-
-    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
-        per-rank records and timelines (seconds from the start of training) and no results."""
-        ...
-
-    def evaluate(self, requests) -> list[GenerationResult]:
-        """Generates held-out requests with the current weights (no drafts, not timed)."""
-        ...
 
 
 Peek = Callable[[int], Sequence[Prompt] | None]
@@ -81,14 +49,14 @@ Peek = Callable[[int], Sequence[Prompt] | None]
 class RolloutService:
     """Rollout ranks plus everything bubble drafting needs, behind generate / update_weights.
 
-    ``ranks`` is a rank pool (:class:`bubblespec.rollout.VirtualRankPool` on the virtual clock,
+    ``ranks`` is a rank pool (:class:`bubblespec.virtual_ranks.VirtualRankPool` on the virtual clock,
     :class:`bubblespec.serve_ranks.ServeRankPool` on Ray Serve); ``peek`` says which prompts later steps will
     ask for, with ``samples_per_prompt`` samples each (a step's own count is given to :meth:`generate`).
     """
 
     def __init__(
         self,
-        ranks,
+        ranks: RankPool,
         store: DraftStore,
         bubble_policy: BubblePolicy,
         sharding_policy,
@@ -123,7 +91,7 @@ class RolloutService:
     @classmethod
     def build(
         cls,
-        ranks,
+        ranks: RankPool,
         vocab_size: int,
         speculation: SpeculationConfig,
         rollout: RolloutConfig,

@@ -7,8 +7,9 @@ import pytest
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.clocks import PROFILES
 from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.rollout import DraftPlan, VirtualRankPool, drafted_tokens, drafts_from, step_requests
+from bubblespec.rollout import DraftPlan, drafted_tokens, drafts_from, step_requests
 from bubblespec.tasks import ArithmeticTask
+from bubblespec.virtual_ranks import VirtualRankPool
 
 from .conftest import write_checkpoint
 

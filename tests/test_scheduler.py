@@ -1,0 +1,285 @@
+"""The bubble scheduler: its rules, and both clocks' drivers making the same decisions from the same durations.
+
+No Ray here: the Ray Serve driver runs against stand-ins for its DeploymentHandles whose calls take scripted
+simulated time, resolved one at a time in the order the virtual clock would report them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from dataclasses import replace
+
+import pytest
+
+from bubblespec.clocks import CostProfile
+from bubblespec.interfaces import (
+    ForwardPass,
+    GenerationRequest,
+    GenerationResult,
+    RequestStats,
+    RolloutKey,
+    SamplingParams,
+)
+from bubblespec.rollout import DraftPlan
+from bubblespec.scheduler import DraftChunk, Generate, PhaseScheduler, RetryPolicy, StopDrafting
+from bubblespec.serve_ranks import ServeRankPool
+from bubblespec.virtual_ranks import VirtualRankPool
+
+ONE_SECOND_A_PASS = CostProfile(
+    name="one-second", description="every forward pass takes one second", fixed_s=1.0, weight_bytes=0.0,
+    kv_bytes_per_context_token=0.0, flops_per_token=0.0, attention_flops_per_pair=0.0, bandwidth_bytes_per_s=1.0,
+    flops_per_s=1.0, train_flops_per_token=0.0, train_fixed_s=0.0, weight_sync_fixed_s=0.0,
+    weight_sync_put_bytes_per_s=1.0, weight_sync_load_bytes_per_s=1.0,
+)  # fmt: skip
+
+
+class ScriptedEngine:
+    """One token per request per forward pass until the request's scripted length; tokens follow from the key."""
+
+    def __init__(self, lengths: dict[str, int]) -> None:
+        self.lengths = lengths
+        self.policy_version = 0
+
+    def length(self, key: RolloutKey) -> int:
+        return self.lengths[f"{key.step}/{key.prompt_uid}"]
+
+    def generate(self, requests, stop=None, on_forward=None) -> list[GenerationResult]:
+        tokens: list[list[int]] = [[] for _ in requests]
+        while True:
+            active = [i for i, r in enumerate(requests) if len(tokens[i]) < self.length(r.key)]
+            if not active or (stop is not None and stop.is_set()):
+                break
+            for i in active:
+                tokens[i].append(1 + (len(tokens[i]) + sum(map(ord, requests[i].key.prompt_uid))) % 50)
+            if on_forward is not None:
+                on_forward(ForwardPass(len(active), len(active), 0, 0))
+        return [
+            GenerationResult(
+                r.key,
+                t,
+                [0.0] * len(t),
+                "length" if len(t) == self.length(r.key) else "preempted",
+                RequestStats(decode_steps=len(t)),
+            )  # fmt: skip
+            for r, t in zip(requests, tokens, strict=True)
+        ]
+
+    def passes(self, requests) -> int:
+        return max((self.length(r.key) for r in requests), default=0)
+
+
+class _PassesThenStop:
+    def __init__(self, passes: int) -> None:
+        self.left = passes
+
+    def is_set(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+class _Call:
+    def __init__(self, rank: int, start: float, requests, step: int | None, engine: ScriptedEngine) -> None:
+        self.rank, self.start, self.requests, self.step, self.engine = rank, start, list(requests), step, engine
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.passes = engine.passes(self.requests)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.passes
+
+    def stop_at(self, t: float) -> None:
+        """Stopped at ``t``: runs the passes that began before ``t``, as a rank checks its stop before each pass."""
+        self.passes = min(self.passes, max(0, math.ceil(t - self.start)))
+
+    def resolve(self) -> None:
+        results = self.engine.generate(self.requests, stop=_PassesThenStop(self.passes))
+        self.future.set_result(results if self.step is not None else (results, self.passes))
+
+
+class SimulatedRanks:
+    """Stand-ins for the ranks' DeploymentHandles: a call takes one simulated second per forward pass, and the
+    calls in flight return one at a time, earliest first (shards before chunks, then by rank), each once the
+    driver has settled. ``trainer_ends``: the simulated time at which the test's thread calls ``stop_drafting``."""
+
+    def __init__(self, engine: ScriptedEngine, num_ranks: int, trainer_ends: float | None = None) -> None:
+        self.engine, self.now, self.trainer_ends = engine, 0.0, trainer_ends
+        self.calls: list[_Call] = []
+        self.trainer_end_reached = threading.Event()
+        self.stopped = False
+        self.handles = [_Handle(self, rank) for rank in range(num_ranks)]
+        self._coordinator: asyncio.Task | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+    def call(self, rank: int, requests, step: int | None) -> asyncio.Future:
+        call = _Call(rank, self.now, requests, step, self.engine)
+        self.calls.append(call)
+        if self._coordinator is None or self._coordinator.done():
+            self._coordinator = asyncio.ensure_future(self._resolve_in_order())
+        return call.future
+
+    def stop(self, rank: int, step: int) -> None:
+        self.stopped = True
+        for call in self.calls:
+            if call.rank == rank and call.step == step:
+                call.stop_at(self.now)
+
+    async def _settle(self) -> None:
+        for _ in range(50):
+            await asyncio.sleep(0)
+
+    async def _resolve_in_order(self) -> None:
+        while True:
+            await self._settle()
+            if not self.calls:
+                return
+            call = min(self.calls, key=lambda c: (c.end, c.step is not None, c.rank))
+            if self.trainer_ends is not None and not self.stopped and call.end >= self.trainer_ends:
+                self.now = self.trainer_ends
+                self.trainer_end_reached.set()
+                while not self.stopped:  # until the test's thread has called stop_drafting
+                    await asyncio.sleep(0.001)
+                continue
+            self.calls.remove(call)
+            self.now = call.end
+            call.resolve()
+
+
+class _Method:
+    def __init__(self, function) -> None:
+        self.remote = function
+
+
+class _Handle:
+    def __init__(self, ranks: SimulatedRanks, rank: int) -> None:
+        self.generate = _Method(lambda shard, version: ranks.call(rank, shard, None))
+        self.draft = _Method(lambda chunk, step, version: ranks.call(rank, chunk, step))
+        self.stop = _Method(lambda step: _done(ranks.stop(rank, step)))
+
+
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+NUM_RANKS = 3
+SHARD_LENGTHS = {"0/a": 4, "0/b": 9, "0/c": 2, "0/d": 13, "0/e": 3, "0/f": 6}
+PLAN_LENGTHS = {f"1/p{i}": n for i, n in enumerate([5, 1, 8, 3, 12, 2, 7, 4, 9, 6, 3, 11])}
+
+
+def _requests(lengths: dict[str, int]) -> list[GenerationRequest]:
+    return [
+        GenerationRequest((1, 2), RolloutKey(0, int(name.split("/")[0]), name.split("/")[1], 0), SamplingParams())
+        for name in lengths
+    ]
+
+
+def _shards() -> list[list[GenerationRequest]]:
+    requests = _requests(SHARD_LENGTHS)
+    return [requests[rank::NUM_RANKS] for rank in range(NUM_RANKS)]
+
+
+def _plan() -> DraftPlan:
+    return DraftPlan(_requests(PLAN_LENGTHS), num_ranks=NUM_RANKS, max_batch_size=2)
+
+
+def _decisions(outcome, activity) -> dict:
+    return {
+        "activity": activity,
+        "records": [record.as_dict() for record in outcome.ranks],
+        "timelines": outcome.timelines,
+        "drafts": outcome.drafts,
+        "results": sorted((r.key, tuple(r.token_ids)) for r in outcome.results),
+        "seconds": (outcome.seconds, outcome.barrier_seconds),
+    }
+
+
+def _virtual(phase: str):
+    pool = VirtualRankPool(ScriptedEngine(SHARD_LENGTHS | PLAN_LENGTHS), NUM_RANKS, ONE_SECOND_A_PASS)
+    activity: list = []
+    pool.on_activity = lambda *event: activity.append(event)
+    if phase == "rollout":
+        return _decisions(pool.rollout(_shards(), _plan()), activity)
+    pool.start_drafting(_plan())
+    return _decisions(pool.stop_drafting(train_seconds=7.0), activity)
+
+
+def _serve(phase: str):
+    ranks = SimulatedRanks(ScriptedEngine(SHARD_LENGTHS | PLAN_LENGTHS), NUM_RANKS,
+                           trainer_ends=None if phase == "rollout" else 7.0)  # fmt: skip
+    pool = ServeRankPool(ranks.handles)
+    pool.clock = ranks.clock
+    activity: list = []
+    pool.on_activity = lambda *event: activity.append(event)
+    if phase == "rollout":
+        return _decisions(pool.rollout(_shards(), _plan()), activity)
+    pool.start_drafting(_plan())
+    assert ranks.trainer_end_reached.wait(timeout=60), "the simulated ranks never reached the trainer's end"
+    return _decisions(pool.stop_drafting(train_seconds=7.0), activity)
+
+
+@pytest.mark.parametrize("phase", ["rollout", "training"])
+def test_both_clocks_make_the_same_decisions_from_the_same_durations(phase):
+    virtual, serve = _virtual(phase), _serve(phase)
+    assert [event[:2] for event in virtual["activity"]] == [event[:2] for event in serve["activity"]]
+    for part in virtual:
+        assert virtual[part] == serve[part], part
+    drafted = {d.key.prompt_uid for d in virtual["drafts"]}
+    assert drafted and len(drafted) < len(PLAN_LENGTHS)  # the stop cut the plan off: the decisions mattered
+
+
+def test_the_rollout_decisions_follow_the_rules():
+    """Shards end at 13, 9 and 6 s (ranks 0, 1, 2). Rank 2 idles first and takes the first chunk, rank 1 the next;
+    the barrier at 13 s stops the chunks in flight."""
+    outcome = _virtual("rollout")
+    generation = [r["generation_seconds"] for r in outcome["records"]]
+    assert generation == [13.0, 9.0, 6.0] and outcome["seconds"] == (13.0, 13.0)
+    hand_outs = [(rank, detail) for rank, activity, detail in outcome["activity"] if activity == "draft"]
+    assert [rank for rank, _ in hand_outs][:2] == [2, 1]
+    assert all(rank != 0 for rank, _ in hand_outs)  # the last rank to finish drafts nothing: it is the barrier
+    records = outcome["records"]
+    assert records[0]["bubble_seconds"] == 0 and records[2]["bubble_seconds"] == 7.0
+    # drafting time counts up to the barrier; what runs past it is preemption latency
+    assert all(r["drafting_seconds"] <= r["bubble_seconds"] for r in records)
+    assert all(end <= 13.0 + 1.0 for timeline in outcome["timelines"] for _, _, end in timeline)
+
+
+def test_no_chunk_is_handed_out_at_the_barrier_and_a_lost_chunk_costs_its_drafts_only():
+    shards = [_requests({"0/x": 1}), _requests({"0/y": 1})]
+    scheduler = PhaseScheduler(2, _plan(), policy_version=4, shards=shards)
+    assert scheduler.start() == [Generate(0, tuple(shards[0])), Generate(1, tuple(shards[1]))]
+    engine = ScriptedEngine({"0/x": 1, "0/y": 1} | PLAN_LENGTHS)
+    first = scheduler.shard_done(0, 1.0, engine.generate(shards[0]), 1)
+    assert [type(c) for c in first] == [DraftChunk]
+    assert scheduler.shard_done(1, 1.0, engine.generate(shards[1]), 1) == [StopDrafting(1.0)]  # the barrier
+    assert scheduler.chunk_lost(0, 2.0, RuntimeError("replica died")) == []
+    outcome = scheduler.outcome(2.0)
+    assert outcome.drafts == [] and outcome.ranks[0].draft_requests == 0
+    assert outcome.timelines[0] == [("generate", 0.0, 1.0), ("draft", 1.0, 2.0)]
+
+
+def test_drafts_come_back_in_the_order_their_chunks_were_handed_out():
+    scheduler = PhaseScheduler(2, _plan(), policy_version=2)
+    first, second = scheduler.start()
+    engine = ScriptedEngine(PLAN_LENGTHS)
+    (third,) = scheduler.chunk_done(1, 3.0, engine.generate(second.requests))  # the later chunk returns first
+    assert scheduler.stop(3.5) == [StopDrafting(3.5)] and scheduler.stop(3.6) == []
+    assert scheduler.chunk_done(0, 4.0, engine.generate(first.requests)) == []  # nothing after the stop
+    assert scheduler.chunk_done(1, 4.0, engine.generate(third.requests, stop=_PassesThenStop(1))) == []
+    outcome = scheduler.outcome(4.0)
+    keys = [r.key for r in first.requests + second.requests + third.requests]
+    assert [d.key for d in outcome.drafts] == keys and {d.policy_version for d in outcome.drafts} == {2}
+    assert [d.finished for d in outcome.drafts[-len(third.requests) :]] == [False] * len(third.requests)
+    assert outcome.seconds == 3.5 and outcome.ranks[0].preemption_latency_seconds == 0.5
+    assert outcome.ranks[0].drafting_seconds == 3.5  # counted up to the stop
+    assert outcome.ranks[1].drafting_seconds == 3.5 and outcome.timelines[1][-1] == ("draft", 3.0, 4.0)
+
+
+def test_a_retry_policy_allows_its_number_of_retries():
+    policy = RetryPolicy(max_retries=2)
+    assert [policy.retry(attempt) for attempt in range(4)] == [True, True, False, False]
+    assert replace(policy, max_retries=0).retry(0) is False
