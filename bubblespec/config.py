@@ -131,7 +131,8 @@ class SpeculationConfig(Section):
     or ``none``. A request carries the draft of the first static source (bubble, history) that has one; dynamic
     sources (group, ngram) propose whenever that draft has nothing to propose (none, used up, diverged)."""
     draft_source_options: dict[str, dict[str, Any]] = {}
-    """Constructor arguments of dynamic sources by name, e.g. ``{ngram: {max_n: 4, min_n: 2, num_tokens: 8}}``."""
+    """Constructor arguments of sources by name, e.g. ``{ngram: {max_n: 4, min_n: 2, num_tokens: 8}}`` (the
+    ``bubble`` source takes none: it reads the draft store)."""
 
     @field_validator("draft_store")
     @classmethod
@@ -143,8 +144,11 @@ class SpeculationConfig(Section):
     def _sources_installed_once(cls, names: list[str]) -> list[str]:
         if not names:
             raise ValueError("name at least one draft source (none for plain decoding)")
+        from bubblespec.draft_sources import source_class
+
         for name in names:
             _installed("draft_sources", name)
+            source_class(name)
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"draft source(s) {', '.join(map(repr, repeated))} named more than once in {names}")
@@ -160,6 +164,17 @@ class SpeculationConfig(Section):
                 f"draft_source_options for {unused} but draft_sources is {self.draft_sources}; options are only "
                 "for sources in use"
             )
+        from bubblespec.draft_sources import BubbleDrafts, NoDrafts, source_class
+
+        for name in self.draft_sources:  # a source's options must suit its constructor
+            source = source_class(name)
+            if issubclass(source, BubbleDrafts | NoDrafts):
+                continue
+            options = self.draft_source_options.get(name, {})
+            try:
+                source(**options)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"draft_source_options.{name} {options}: {error}") from None
         return self
 
     @property

@@ -22,8 +22,7 @@ from typing import Literal
 
 import torch
 
-from bubblespec import plugins
-from bubblespec.draft_sources import REQUEST_DRAFT, ProposalContext
+from bubblespec.draft_sources import REQUEST_DRAFT, DynamicDraftSource, ProposalContext, source_class
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import FinishReason, GenerationRequest, GenerationResult, RequestStats
@@ -274,8 +273,8 @@ def load_proposers(chain: Seq[str], options: Mapping[str, dict]) -> dict[str, ob
 
 
 def _load_proposer(name: str, options: dict):
-    source = plugins.load("draft_sources", name)
-    if getattr(source, "kind", None) != "dynamic":
+    source = source_class(name)
+    if not issubclass(source, DynamicDraftSource):
         raise RequestError(
             f"draft source {name!r} is not a dynamic source and cannot propose inside the engine; only the "
             f"request's own draft ({REQUEST_DRAFT!r}) and dynamic sources belong in draft_chain"

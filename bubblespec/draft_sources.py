@@ -1,19 +1,22 @@
 """Draft sources: where speculative proposals come from. Verification is the same for all of them, so a source
 can only change the speed of a rollout, never its tokens.
 
-Two kinds (``kind`` on the class):
+Two kinds, each a base class that declares what a source of its kind implements:
 
-* **static** sources give a request one :class:`~bubblespec.interfaces.Draft` before generation starts:
-  ``bubble`` (ours: the next step's responses drafted in the bubble by the previous policy with the same keys)
-  and ``history`` (the response to the same prompt and sample index from the last step that used this prompt,
-  SPEC-RL / HistoSpec style). The first static source in the configured order that has a draft for a key wins.
-* **dynamic** sources propose tokens inside the engine, per sequence and per forward pass, whenever the
-  request's own draft has nothing to propose (none, used up, or diverged with no re-alignment): ``ngram``
-  (prompt lookup, as in vLLM and SGLang) and ``group`` (siblings of the same prompt in the same engine call,
-  Seer style). They see a :class:`ProposalContext` and return token ids.
+* **static** sources (:class:`StaticDraftSource`) give a request one :class:`~bubblespec.interfaces.Draft` before
+  generation starts: ``bubble`` (ours: the next step's responses drafted in the bubble by the previous policy with
+  the same keys) and ``history`` (the response to the same prompt and sample index from the last step that used
+  this prompt, SPEC-RL / HistoSpec style). The first static source in the configured order with a draft for a key
+  wins.
+* **dynamic** sources (:class:`DynamicDraftSource`) propose tokens inside the engine, per sequence and per forward
+  pass, whenever the request's own draft has nothing to propose (none, used up, or diverged with no
+  re-alignment): ``ngram`` (prompt lookup, as in vLLM and SGLang) and ``group`` (siblings of the same prompt in the
+  same engine call, Seer style). They see a :class:`ProposalContext` and return token ids.
 
 ``none`` proposes nothing: plain decoding with speculation's bookkeeping. Sources are plugins (entry point
-group ``bubblespec.draft_sources``); ``speculation.draft_sources`` names them in priority order.
+group ``bubblespec.draft_sources``); ``speculation.draft_sources`` names them in priority order and
+``speculation.draft_source_options`` gives each its constructor's arguments. A third-party source subclasses one of
+the two bases; anything else is refused by name when the config is validated.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from bubblespec.interfaces import Draft, GenerationResult, RolloutKey
+from bubblespec.interfaces import Draft, DraftStore, GenerationResult, RolloutKey
+
+SourceKind = Literal["none", "static", "dynamic"]
 
 REQUEST_DRAFT = "request"
 """In an engine's draft chain, the place of the request's own (static) draft among the dynamic sources."""
@@ -58,25 +63,66 @@ def lookup_continuation(
     return []
 
 
-class NoDrafts:
+class DraftSource:
+    """What every draft source declares: its kind."""
+
+    kind: ClassVar[SourceKind] = "none"
+
+
+class StaticDraftSource(DraftSource):
+    """A source that gives a request its draft before generation starts (the rollout service asks it).
+
+    ``drafts`` is the one method a source must implement. ``observe`` sees every step's responses (in request
+    order) after the step; ``snapshot`` / ``restore`` carry what the source remembers through a checkpoint (only the
+    ``history`` source's state is saved in checkpoints today; another source starts empty after a resume).
+    """
+
+    kind: ClassVar[SourceKind] = "static"
+
+    def drafts(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
+        """Drafts for those of ``keys`` the source has one for."""
+        raise NotImplementedError
+
+    def observe(self, results: Sequence[GenerationResult]) -> None:
+        """A step's responses, once the step is done."""
+
+    def snapshot(self) -> list[Draft]:
+        """What the source remembers, for a checkpoint."""
+        return []
+
+    def restore(self, remembered: Sequence[Draft]) -> None:
+        """Back to a :meth:`snapshot`."""
+
+
+class DynamicDraftSource(DraftSource):
+    """A source that proposes inside the engine, per sequence and forward pass (a draft chain entry)."""
+
+    kind: ClassVar[SourceKind] = "dynamic"
+
+    def propose(self, context: ProposalContext, limit: int) -> list[int]:
+        """Up to ``limit`` token ids to propose after ``context.tokens``; [] for none."""
+        raise NotImplementedError
+
+
+class NoDrafts(DraftSource):
     """Proposes nothing: plain decoding."""
 
-    kind: ClassVar[Literal["none", "static", "dynamic"]] = "none"
 
-
-class BubbleDrafts:
+class BubbleDrafts(StaticDraftSource):
     """Ours: drafts of the next step's keys made in the bubble by the policy one step older (same keys, so the
-    keyed noise is shared). Served by the draft store; the controller attaches them to requests."""
+    keyed noise is shared). They live in the draft store, which the rollout service hands to this source."""
 
-    kind: ClassVar[Literal["none", "static", "dynamic"]] = "static"
+    def __init__(self, store: DraftStore | None = None) -> None:
+        self.store = store
+
+    def drafts(self, keys: Sequence[RolloutKey]) -> dict[RolloutKey, Draft]:
+        return {} if self.store is None else self.store.get(keys)
 
 
-class NGramProposer:
+class NGramProposer(DynamicDraftSource):
     """Prompt lookup decoding (vLLM ``ngram``, SGLang's n-gram speculation): match the last ``max_n`` ..
     ``min_n`` tokens against prompt + response so far, latest occurrence first, and propose up to
     ``num_tokens`` of the tokens that followed it."""
-
-    kind: ClassVar[Literal["none", "static", "dynamic"]] = "dynamic"
 
     def __init__(self, max_n: int = 4, min_n: int = 2, num_tokens: int = 8) -> None:
         if not 1 <= min_n <= max_n:
@@ -93,13 +139,11 @@ class NGramProposer:
         )
 
 
-class GroupProposer:
+class GroupProposer(DynamicDraftSource):
     """Seer-style group drafting: the sibling samples of the same prompt are the draft. A sibling's tokens at
     the same response positions are proposed when the two responses agree on the last ``match_tokens``
     tokens there; otherwise the sibling's latest occurrence of our last ``max_n`` .. ``min_n`` tokens is
     re-aligned to. The sibling with the longest proposal wins (a finished sibling usually)."""
-
-    kind: ClassVar[Literal["none", "static", "dynamic"]] = "dynamic"
 
     def __init__(self, max_n: int = 8, min_n: int = 3, match_tokens: int = 2) -> None:
         if not 1 <= min_n <= max_n:
@@ -126,12 +170,10 @@ class GroupProposer:
         return list(sibling[position : position + limit])
 
 
-class HistoryDrafts:
+class HistoryDrafts(StaticDraftSource):
     """SPEC-RL / HistoSpec style: the response to the same prompt (and sample index) from the last step that
     used this prompt is the draft. Prompts repeat once per epoch; the old response was sampled with another
     key (another step) by a policy an epoch older, so it agrees with the new one less than a bubble draft."""
-
-    kind: ClassVar[Literal["none", "static", "dynamic"]] = "static"
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
@@ -167,13 +209,26 @@ class HistoryDrafts:
 def draft_chain(sources: Sequence[str]) -> tuple[str, ...]:
     """The engine's proposal order for configured sources: static sources become one :data:`REQUEST_DRAFT`
     entry (at the first one's place, since a request carries a single draft); ``none`` becomes nothing."""
-    from bubblespec import plugins
 
     chain: list[str] = []
     for name in sources:
-        kind = plugins.load("draft_sources", name).kind
+        kind = source_class(name).kind
         if kind == "dynamic":
             chain.append(name)
         elif kind == "static" and REQUEST_DRAFT not in chain:
             chain.append(REQUEST_DRAFT)
     return tuple(chain)
+
+
+def source_class(name: str) -> type[DraftSource]:
+    """The class of draft source plugin ``name``; refused by name unless it subclasses one of the bases here."""
+    from bubblespec import plugins
+
+    found = plugins.load("draft_sources", name)
+    if not (isinstance(found, type) and issubclass(found, DraftSource)):
+        raise ValueError(
+            f"draft source {name!r} ({found!r}) is not a draft source class: a draft source subclasses "
+            "bubblespec.draft_sources.StaticDraftSource (a draft per request, before generation) or "
+            "DynamicDraftSource (proposals inside the engine)"
+        )
+    return found

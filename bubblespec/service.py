@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from bubblespec.config import RolloutConfig, SpeculationConfig
-from bubblespec.draft_sources import HistoryDrafts
+from bubblespec.draft_sources import BubbleDrafts, HistoryDrafts, StaticDraftSource, source_class
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import (
     BubblePolicy,
@@ -66,7 +66,7 @@ class RolloutService:
         max_batch_size: int,
         peek: Peek | None = None,
         samples_per_prompt: int = 1,
-        history: HistoryDrafts | None = None,
+        static_sources: Sequence[tuple[str, StaticDraftSource]] = (),
         colocated: bool = False,
     ) -> None:
         self.ranks = ranks
@@ -79,7 +79,10 @@ class RolloutService:
         self.max_batch_size = max_batch_size
         self.peek = peek or (lambda step: None)
         self.samples_per_prompt = samples_per_prompt
-        self.history = history
+        self.static_sources = list(static_sources)
+        """The static draft sources in priority order, by name; the first with a key's draft gives it."""
+        self.history = next((s for _, s in self.static_sources if isinstance(s, HistoryDrafts)), None)
+        """The ``history`` source, whose memory checkpoints keep."""
         self.colocated = colocated
         """Ranks share the trainer's hardware: they release their memory while it trains."""
         self.response_lengths = ResponseLengths()
@@ -115,9 +118,10 @@ class RolloutService:
                 f"speculation.draft_store_options {speculation.draft_store_options} do not suit the "
                 f"{speculation.draft_store!r} draft store: {error}"
             ) from None
+        store = TolerantDraftStore(store)
         return cls(
             ranks,
-            TolerantDraftStore(store),
+            store,
             plugins.load("policies", speculation.bubble_policy)(),
             plugins.load("policies", speculation.sharding_policy)(),
             sampling,
@@ -126,7 +130,7 @@ class RolloutService:
             rollout.max_batch_size,
             peek,
             samples_per_prompt,
-            HistoryDrafts() if "history" in speculation.draft_sources else None,
+            static_sources(speculation, store),
             colocated,
         )
 
@@ -156,8 +160,8 @@ class RolloutService:
         self._plan = plan
         by_key = {result.key: result for result in outcome.results}
         outcome.results = [by_key[r.key] for r in requests]
-        if self.history is not None:
-            self.history.observe(outcome.results)
+        for _, source in self.static_sources:
+            source.observe(outcome.results)
         self.response_lengths.observe(outcome.results)
         return outcome
 
@@ -229,14 +233,8 @@ class RolloutService:
         drafts: dict = {}
         if not self.speculation.enabled:
             return drafts
-        for name in self.speculation.draft_sources:
-            if name == "bubble":
-                found = self.store.get(keys)
-            elif name == "history" and self.history is not None:
-                found = self.history.drafts(keys)
-            else:
-                continue
-            drafts = found | drafts  # earlier sources win
+        for _, source in self.static_sources:
+            drafts = source.drafts(keys) | drafts  # earlier sources win
         return drafts
 
     def _next_plan(self, step: int) -> DraftPlan:
@@ -276,3 +274,22 @@ class RolloutService:
         self.store.put(
             [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
         )
+
+
+def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tuple[str, StaticDraftSource]]:
+    """The static draft sources ``speculation.draft_sources`` names, in its order, built with their
+    ``draft_source_options``; the ``bubble`` source reads ``store``."""
+    built = []
+    for name in speculation.draft_sources:
+        source = source_class(name)
+        if not issubclass(source, StaticDraftSource):
+            continue  # dynamic ones run inside the engine
+        if issubclass(source, BubbleDrafts):
+            built.append((name, source(store)))
+            continue
+        options = speculation.draft_source_options.get(name, {})
+        try:
+            built.append((name, source(**options)))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"speculation.draft_source_options.{name} {options}: {error}") from None
+    return built

@@ -187,6 +187,66 @@ def test_draft_source_config_errors(sources, message):
         validate({"speculation": {"draft_sources": sources}})
 
 
+THIRD_PARTY_SOURCES = """
+from bubblespec.draft_sources import StaticDraftSource
+from bubblespec.interfaces import Draft
+
+
+class LastResponse(StaticDraftSource):
+    \"\"\"The last response to the same prompt, whatever its sample index, cut to max_tokens.\"\"\"
+
+    def __init__(self, max_tokens):
+        self.max_tokens, self.seen = max_tokens, {}
+
+    def observe(self, results):
+        for result in results:
+            self.seen[result.key.prompt_uid] = (result.key.step, tuple(result.token_ids[: self.max_tokens]))
+
+    def drafts(self, keys):
+        found = {k: self.seen.get(k.prompt_uid) for k in keys}
+        return {k: Draft(k, seen[1], seen[0]) for k, seen in found.items() if seen and seen[1] and seen[0] < k.step}
+
+
+def not_a_source():
+    return None
+"""
+
+
+@pytest.fixture
+def third_party_sources(tmp_path, monkeypatch):
+    """A package installed beside bubblespec (its module and dist-info on sys.path) that registers a static draft
+    source and a function under the draft source entry point group."""
+    package = tmp_path / "third_party"
+    package.mkdir()
+    (package / "thirdparty_sources.py").write_text(THIRD_PARTY_SOURCES)
+    info = package / "thirdparty_sources-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-sources\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[bubblespec.draft_sources]\n"
+        "last-response = thirdparty_sources:LastResponse\n"
+        "not-a-source = thirdparty_sources:not_a_source\n"
+    )
+    monkeypatch.syspath_prepend(str(package))
+
+
+def test_a_third_party_static_draft_source_is_used_with_its_options(tmp_path, third_party_sources):
+    task = {"options": {"dataset_size": 8}}  # step 2 repeats step 0's prompts
+    plain_steps, plain_weights = _run(tmp_path, "plain", task=task, speculation={"enabled": False})
+    speculation = {"draft_sources": ["last-response"], "draft_source_options": {"last-response": {"max_tokens": 5}}}
+    steps, weights = _run(tmp_path, "third-party", task=task, speculation=speculation)
+    assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
+    assert [s["draft_coverage"] for s in steps] == [0.0, 0.0, 1.0]
+    assert steps[2]["draft_tokens_accepted"] > 0
+
+
+def test_a_draft_source_that_is_no_draft_source_class_is_refused_by_name(third_party_sources):
+    with pytest.raises(ConfigError, match="draft source 'not-a-source' .* is not a draft source class"):
+        validate({"speculation": {"draft_sources": ["not-a-source"]}})
+    with pytest.raises(ConfigError, match="draft_source_options.last-response {}: .*max_tokens"):
+        validate({"speculation": {"draft_sources": ["last-response"]}})
+
+
 def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):
     from bubblespec.launch import load_backend
 
