@@ -4,7 +4,7 @@ Every forward pass feeds each active sequence one chunk: a new sequence its prom
 sampled token; either followed by up to ``max_draft_tokens_per_step`` draft tokens at the positions they
 propose. The keyed samples at the chunk's last prompt/last token and at every draft position decide how many
 draft tokens are accepted (:mod:`bubblespec.decoding`); the rest are rolled back for free,
-because the cache is addressed by absolute position (see :mod:`bubblespec.backends.torch_model`). Finished
+because the cache is addressed by absolute position (see :mod:`bubblespec.decoder`). Finished
 sequences leave the batch at once and queued requests take their slots (continuous batching), so a shard's
 long tail does not hold short requests hostage. Drafts align by position: after a mismatch the next step
 proposes the draft's tokens at the following positions.
@@ -21,8 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bubblespec import sampling
-from bubblespec.backends.torch_model import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
 from bubblespec.config import engine_config
+from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import RequestError

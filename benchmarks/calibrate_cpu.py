@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bubblespec import sampling
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.backends.torch_model import KVCache
 from bubblespec.config import TrainerConfig
+from bubblespec.decoder import KVCache
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.trainer import GRPOLearner, TrainSample
 

@@ -13,6 +13,7 @@ there, and the process's peak resident memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
@@ -35,13 +36,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    from bubblespec.assembly import build_parts
     from bubblespec.config import validate
     from bubblespec.controller import Controller
-    from bubblespec.launch import build_virtual
     from bubblespec.run_dir import RunDirectory
 
     rows = []
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         config = validate(
             {
                 "name": "load",
@@ -59,7 +60,7 @@ def main() -> None:
                 "metrics": {"enabled": False},
             }
         )
-        parts = build_virtual(config)
+        parts = stack.enter_context(build_parts(config))
         run_dir = RunDirectory(config.run_dir)
         run_dir.create(config)
         controller = Controller(config, parts, run_dir)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bubblespec.backends.torch_model import DecoderModel, read_checkpoint
+from bubblespec.decoder import DecoderModel, read_checkpoint
 from bubblespec.random_checkpoints import write_random_checkpoint
 from tests.test_model_families import (
     CASES,

@@ -80,7 +80,6 @@ def main() -> None:
     import torch
 
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.backends.torch_model import read_checkpoint
     from bubblespec.backends.vllm_engine import VLLMEngine
     from bubblespec.cli.bench_engine_requests import (
         RANDOM_PROMPT_LENGTHS,
@@ -88,6 +87,7 @@ def main() -> None:
         random_workload,
         with_drafts,
     )
+    from bubblespec.decoder import read_checkpoint
 
     torch.set_num_threads(arguments.threads)
     low, high = RANDOM_PROMPT_LENGTHS

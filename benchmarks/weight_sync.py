@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import load_file
 
 import bubblespec.serve_ranks as serve_ranks_module
+from bubblespec.assembly import engine_settings, load_backend
 from bubblespec.config import ServiceConfig
-from bubblespec.launch import load_backend
 from bubblespec.random_checkpoints import write_random_checkpoint
 from bubblespec.ray_cluster import local_cluster, ray_session, serve_ranks
 from bubblespec.weights import PackedWeights
@@ -66,7 +66,8 @@ def measure(path: Path, ranks: int, repeats: int) -> dict:
     state = load_file(str(path / "model.safetensors"))
     gigabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
     seconds: dict[str, list[float]] = {"packed": [], "pickled": []}
-    with serve_ranks(config, str(path), load_backend(config)) as pool:
+    backend = load_backend(config)
+    with serve_ranks(config, str(path), backend, engine_settings(config, str(path))) as pool:
         nodes = len({where["node"] for where in pool.placement()})
         pool.update_weights(state, version=1)  # untimed: first calls warm Serve's handles
         for repeat in range(repeats):

@@ -360,7 +360,7 @@ class MetricsConfig(Section):
 
 
 class ServiceConfig(Section):
-    """The sections a rollout service needs (:func:`bubblespec.launch.start_service`): a run config's, or those of
+    """The sections a rollout service needs (:func:`bubblespec.assembly.start_service`): a run config's, or those of
     a trainer of another framework that calls the service (``bubblespec.integrations``)."""
 
     seed: int = 0

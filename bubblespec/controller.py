@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import RunConfig
+from bubblespec.decoder import DTYPES
 from bubblespec.errors import TrainerRestarted
 from bubblespec.interfaces import (
     GenerationResult,

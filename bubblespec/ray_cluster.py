@@ -4,7 +4,6 @@ on Ray Train, and everything torn down again at the end."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -12,7 +11,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from bubblespec.config import RunConfig
-from bubblespec.controller import Components
 from bubblespec.errors import BubblespecError, ConfigError
 
 if TYPE_CHECKING:
@@ -73,19 +71,19 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_ranks(config, path: str, backend, extra_cpus: int = 0, check=lambda: None) -> Iterator[ServeRankPool]:
-    """``rollout.num_ranks`` Ray Serve rank deployments of ``backend`` on the model folder ``path``, on
-    ``ray.address`` or a local Ray with room for ``extra_cpus`` more (trainer workers); removed on exit.
-    ``config``: a run's or a service's config (``rollout``, ``model``, ``speculation``, ``ray``). ``check`` runs
-    once Ray is up, on a local Ray this call started."""
+def serve_ranks(
+    config, path: str, backend, settings: dict, extra_cpus: int = 0, check=lambda: None
+) -> Iterator[ServeRankPool]:
+    """``rollout.num_ranks`` Ray Serve rank deployments of ``backend`` with engine ``settings`` on the model folder
+    ``path``, on ``ray.address`` or a local Ray with room for ``extra_cpus`` more (trainer workers); removed on
+    exit. ``config``: a run's or a service's config (``rollout``, ``ray``). ``check`` runs once Ray is up, on a
+    local Ray this call started."""
     from ray import serve
 
     from bubblespec.config import engine_config
-    from bubblespec.launch import engine_settings
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
 
     rollout = config.rollout
-    settings = engine_settings(config, path)
     if hasattr(backend, "config_class"):  # bad engine settings: an error before Ray starts, not a failed deployment
         engine_config(rollout.backend, backend.config_class, settings)
     if hasattr(backend, "check_model"):  # an architecture the engine cannot run: the same
@@ -135,31 +133,6 @@ def check_nodes(selector: dict[str, str], key: str) -> None:
             f"{key} {selector} matches no node of the Ray cluster (its nodes' labels: {', '.join(seen) or 'none'}); "
             "start nodes with `ray start --labels key=value` or leave it empty for any node"
         )
-
-
-@contextlib.contextmanager
-def build_on_ray(config: RunConfig) -> Iterator[Components]:
-    from bubblespec.launch import load_backend, make_tasks, model_path, read_vocab_size, run_service
-    from bubblespec.ray_train import RayTrainer
-    from bubblespec.trainer import LearnerSpec
-
-    task, eval_task = make_tasks(config)
-    path = model_path(config, task)
-    backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
-    check = functools.partial(check_local_gpus, config)
-    with serve_ranks(config, path, backend, extra_cpus=config.trainer.num_workers, check=check) as ranks:
-        trainer = RayTrainer(
-            LearnerSpec.of_run(config, path),
-            config.run_dir / "ray_train",
-            cpus_per_worker=1.0,
-            gpus_per_worker=config.trainer.worker_gpus,
-            nodes=config.ray.trainer_nodes,
-        )
-        try:
-            service = run_service(config, task, ranks, read_vocab_size(path))
-            yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
-        finally:
-            trainer.close()
 
 
 def check_local_gpus(config: RunConfig) -> None:

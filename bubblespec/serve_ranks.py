@@ -97,7 +97,7 @@ class RankReplica:
     def update_weights(self, weights: PackedWeights, version: int) -> int:
         """``weights``: tensors by Hugging Face name, in any dtype (views of the node's object store); the engine
         gets them in its own."""
-        from bubblespec.backends.torch_model import DTYPES
+        from bubblespec.decoder import DTYPES
 
         dtype = DTYPES.get(self.dtype)  # an engine-specific dtype name ("auto") takes the tensors as they are
         state = weights.tensors()

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from bubblespec.advantages import compute_advantages
-from bubblespec.backends.torch_model import DTYPES
 from bubblespec.config import TrainerConfig
+from bubblespec.decoder import DTYPES
 from bubblespec.errors import NonFiniteError
 from bubblespec.logprobs import padded_tokens, placed, response_logprobs, response_mask
 from bubblespec.policy_loss import LossSettings, aggregation_normaliser, kl_divergence, policy_loss

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from bubblespec.backends.torch_model import DecoderModel, check_weight_names, read_checkpoint
 from bubblespec.config import LoraSettings, TrainerConfig
+from bubblespec.decoder import DecoderModel, check_weight_names, read_checkpoint
 from bubblespec.errors import ModelLoadError
 
 

@@ -229,7 +229,7 @@ def _next_policy(settings: EngineBenchSettings, shipped: bool, drafter) -> tuple
     """pi_t+1's weights (float32, Hugging Face names) and how they were made."""
     if shipped:
         return policy_gradient_step(drafter, settings)
-    from bubblespec.backends.torch_model import read_checkpoint
+    from bubblespec.decoder import read_checkpoint
 
     _, weights = read_checkpoint(settings.model_path)
     return perturbed_weights(weights, settings.weight_noise, settings.seed)

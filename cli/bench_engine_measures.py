@@ -108,7 +108,7 @@ def exactness_table(settings, engines: dict, new_state: dict, requests: list[Gen
 def keyed_sampling_share(model, batch_size: int, context_tokens: int, repeats: int) -> dict:
     """Median seconds of one decode forward pass of ``model`` (a ``DecoderModel``) and of keyed sampling on its
     logits, and their ratio."""
-    from bubblespec.backends.torch_model import KVCache
+    from bubblespec.decoder import KVCache
     from bubblespec.sampling import keyed_sample
 
     device, vocab_size = model.device, model.config.vocab_size

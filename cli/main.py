@@ -60,8 +60,8 @@ def validate(
     built too, so a dataset, tokenizer or reward that does not load is reported here."""
     import yaml
 
+    from bubblespec.assembly import close_tasks, make_tasks
     from bubblespec.config import load_config
-    from bubblespec.launch import close_tasks, make_tasks
 
     config = load_config(config_path, overrides or [])
     close_tasks(*make_tasks(config))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from bubblespec import decoding, sampling
-from bubblespec.backends.torch_model import DTYPES, DecoderModel, read_checkpoint
+from bubblespec.decoder import DTYPES, DecoderModel, read_checkpoint
 from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 

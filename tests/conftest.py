@@ -46,7 +46,7 @@ def write_checkpoint(
     distributions are neither flat nor one-hot, which makes sampling and verification non-trivial."""
     from safetensors.torch import save_file
 
-    from bubblespec.backends.torch_model import DecoderConfig
+    from bubblespec.decoder import DecoderConfig
 
     hf_config = {
         "model_type": model_type,

@@ -248,7 +248,7 @@ def test_a_draft_source_that_is_no_draft_source_class_is_refused_by_name(third_p
 
 
 def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):
-    from bubblespec.launch import load_backend
+    from bubblespec.assembly import load_backend
 
     speculation = {"enabled": True, "draft_sources": ["bubble", "ngram"]}
     config = _config(tmp_path, "sglang", speculation=speculation, rollout={"backend": "sglang"})
@@ -378,7 +378,7 @@ def test_config_errors_name_the_field_and_the_choices(tmp_path):
 
 
 def test_task_options_reach_the_task_and_bad_ones_are_config_errors():
-    from bubblespec.launch import make_task
+    from bubblespec.assembly import make_task
 
     config = validate({"task": {"options": {"reward": "digits", "max_digits": 5}}, "eval_prompts": 7})
     task, held_out = make_task(config), make_task(config, held_out=True)

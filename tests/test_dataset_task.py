@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from bubblespec.assembly import make_task, make_tasks
 from bubblespec.config import load_config, validate
 from bubblespec.errors import ConfigError
-from bubblespec.launch import make_task, make_tasks, run
+from bubblespec.launch import run
 from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
 from bubblespec.run_dir import RunDirectory
 from bubblespec.tasks.arithmetic import ArithmeticTask

@@ -20,7 +20,7 @@ import torch
 
 from bubblespec import sampling
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.backends.torch_model import DecoderConfig, DecoderModel, KVCache, read_checkpoint
+from bubblespec.decoder import DecoderConfig, DecoderModel, KVCache, read_checkpoint
 from bubblespec.errors import ModelLoadError
 from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
 
@@ -194,7 +194,7 @@ def test_llama3_inverse_frequencies_are_those_of_transformers(checkpoints):
     """All three llama3 regimes (kept, interpolated, divided by the factor) occur and match transformers."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from bubblespec.backends.torch_model import rope_inverse_frequency
+    from bubblespec.decoder import rope_inverse_frequency
 
     config, _ = read_checkpoint(checkpoints["llama3"])
     ours_d = rope_inverse_frequency(config.head_dim, config.rope_theta, config.rope_llama3)

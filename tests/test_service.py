@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from bubblespec.assembly import start_service
 from bubblespec.config import ServiceConfig, validate
-from bubblespec.launch import start_service
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.trainer import GRPOLearner, TrainSample
 

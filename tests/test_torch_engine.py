@@ -12,7 +12,7 @@ import torch
 
 from bubblespec import sampling_reference as reference
 from bubblespec.backends.torch_engine import TorchEngine, TorchEngineConfig
-from bubblespec.backends.torch_model import KVCache
+from bubblespec.decoder import KVCache
 from bubblespec.errors import DraftError, ModelLoadError, RequestError
 from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
 

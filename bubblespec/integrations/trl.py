@@ -201,7 +201,7 @@ class BubblespecRollout:
     # -- setup ------------------------------------------------------------------------------------------------------
 
     def _start(self, trainer) -> None:
-        from bubblespec.launch import start_service
+        from bubblespec.assembly import start_service
 
         args = trainer.args
         check_grpo_args(args)
@@ -313,7 +313,7 @@ class BubblespecRollout:
         """The trainer's weights to every rank by Hugging Face name, a LoRA adapter merged into its base weight."""
         import torch
 
-        from bubblespec.backends.torch_model import DTYPES
+        from bubblespec.decoder import DTYPES
         from bubblespec.trainer_models import merged_weights
 
         dtype = DTYPES[self.config.model.dtype]

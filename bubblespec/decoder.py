@@ -1,4 +1,5 @@
-"""A Llama/Qwen2/Qwen3/Mistral decoder in plain torch, with a slotted KV cache, for the built-in engine.
+"""A Llama/Qwen2/Qwen3/Mistral decoder in plain torch, with a slotted KV cache: the built-in engine generates with
+it and the trainer's built-in model trains it (one model, in core; engines import it, it imports no engine).
 
 Weights keep their Hugging Face names, so a checkpoint folder (``config.json`` + ``*.safetensors``) loads as it
 is and a trainer's ``state_dict`` can be applied by name. The cache is addressed by absolute position, which is
@@ -27,6 +28,7 @@ from bubblespec.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+"""The dtypes of ``model.dtype``, by name."""
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 
