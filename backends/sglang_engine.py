@@ -57,7 +57,7 @@ from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payloa
 from bubblespec.config import engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
-from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult
+from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _POLL_S = 0.005
@@ -135,7 +135,7 @@ class SGLangEngineConfig(BaseModel):
         return self
 
 
-class SGLangEngine:
+class SGLangEngine(Engine):
     """A :class:`bubblespec.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
 
     config_class = SGLangEngineConfig

@@ -26,7 +26,7 @@ from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, r
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import RequestError
-from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 
 class TorchEngineConfig(BaseModel):
@@ -87,7 +87,7 @@ class _Slot(Sequence):
     cache_length: int = 0  # positions [0, cache_length) of this slot hold valid keys and values
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     """A :class:`bubblespec.interfaces.GenerationEngine` on a Llama/Qwen2-family checkpoint, CPU or CUDA."""
 
     config_class = TorchEngineConfig
@@ -109,8 +109,8 @@ class TorchEngine:
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
         self._proposal = ProposalSettings.of(config)
 
-    @staticmethod
-    def check_model(model_path: str) -> None:
+    @classmethod
+    def check_model(cls, model_path: str) -> None:
         """Raises the error this engine would raise for the folder's architecture, without loading weights."""
         read_model_config(model_path)
 

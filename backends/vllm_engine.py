@@ -55,7 +55,7 @@ from bubblespec.config import engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import EngineError, ModelLoadError
-from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 TESTED_VLLM_VERSION = "0.32.0"
 """The release the private names this backend uses were read from; any 0.32.x is accepted."""
@@ -255,7 +255,7 @@ def _install_verifier(worker, sequences: dict[str, _Request], proposal: Proposal
         drafter.verifier = verifier
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """A :class:`bubblespec.interfaces.GenerationEngine` on vLLM's engine core (one engine per rank)."""
 
     config_class = VLLMEngineConfig

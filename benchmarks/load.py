@@ -76,7 +76,7 @@ def main() -> None:
                 "host_seconds": seconds,
                 "seconds_per_1k_tokens": 1000 * seconds / max(record["generated_tokens"], 1),
                 "draft_store_drafts": len(parts.service.store),
-                "draft_store_tokens": parts.service.store.num_tokens,
+                "draft_store_tokens": parts.service.store.stats()["tokens"],
                 "drafts_evicted": record["drafts_evicted"],
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }

@@ -22,7 +22,7 @@ from bubblespec.config import RunConfig, ServiceConfig, format_validation_error
 from bubblespec.controller import Components, task_peek
 from bubblespec.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.errors import ConfigError, ModelLoadError
-from bubblespec.interfaces import SamplingParams
+from bubblespec.interfaces import Engine, SamplingParams, Task
 from bubblespec.scheduler import RankPool
 from bubblespec.service import Peek, RolloutService
 from bubblespec.trainer import LearnerSpec, TrainSample
@@ -38,10 +38,10 @@ def model_path(config: RunConfig, task) -> str:
                 f"model.path {config.model.path!r} is not a Hugging Face model folder (no config.json there)"
             )
         return str(folder)
-    shipped = getattr(task, "model_path", None)
+    shipped = task.model_path()
     if shipped is None:
         raise ConfigError(f"task {config.task.name!r} ships no model; set model.path to a Hugging Face model folder")
-    return str(shipped())
+    return str(shipped)
 
 
 def make_task(config: RunConfig, held_out: bool = False):
@@ -50,7 +50,7 @@ def make_task(config: RunConfig, held_out: bool = False):
     A task whose constructor takes ``split`` holds out its own prompts (``split="eval"``, same seed); any other gets
     another seed (disjoint prompts of a procedural task). A constructor that takes ``model_path`` gets the model
     folder (its tokenizer, context length and generation config)."""
-    task_class = plugins.load("tasks", config.task.name)
+    task_class = plugins.load_subclass("tasks", config.task.name, Task)
     parameters = inspect.signature(task_class).parameters
     prompts_per_step = config.eval_prompts if held_out else config.task.prompts_per_step
     options = dict(config.task.options)
@@ -85,9 +85,8 @@ def make_tasks(config: RunConfig) -> tuple[object, object | None]:
 def close_tasks(*tasks) -> None:
     """Stops what tasks started (a reward worker pool)."""
     for task in tasks:
-        close = getattr(task, "close", None)
-        if close is not None:
-            close()
+        if task is not None:
+            task.close()
 
 
 def sampling_params(config: RunConfig, task) -> SamplingParams:
@@ -97,7 +96,7 @@ def sampling_params(config: RunConfig, task) -> SamplingParams:
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         max_new_tokens=sampling.max_new_tokens or task.max_new_tokens,
-        stop_token_ids=tuple(getattr(task, "stop_token_ids", ())),
+        stop_token_ids=tuple(task.stop_token_ids),
     )
 
 
@@ -127,10 +126,10 @@ def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0)
 
 def load_backend(config: RunConfig | ServiceConfig):
     """The configured backend's engine class, after checking it can run the configured draft sources."""
-    backend = plugins.load("backends", config.rollout.backend)
+    backend = plugins.load_subclass("backends", config.rollout.backend, Engine)
     speculation = config.speculation
     dynamic = [n for n in draft_chain(speculation.draft_sources) if n != REQUEST_DRAFT] if speculation.enabled else []
-    if dynamic and not getattr(backend, "supports_draft_chain", False):
+    if dynamic and not backend.supports_draft_chain:
         able = [name for name in plugins.available("backends") if _runs_draft_chain(name)]
         raise ConfigError(
             f"speculation.draft_sources {dynamic} run inside the engine, and rollout.backend "
@@ -142,7 +141,7 @@ def load_backend(config: RunConfig | ServiceConfig):
 
 def _runs_draft_chain(name: str) -> bool:
     try:
-        return bool(getattr(plugins.load("backends", name), "supports_draft_chain", False))
+        return plugins.load_subclass("backends", name, Engine).supports_draft_chain
     except Exception:  # a backend whose engine is not installed cannot run anything here
         return False
 
@@ -172,6 +171,9 @@ class LocalTrainer:
     def reset(self) -> dict:
         self.learner = self.spec.build()
         return self.learner.state_dict()
+
+    def placement(self) -> list[dict]:
+        return []
 
 
 @contextlib.contextmanager

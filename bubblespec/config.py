@@ -26,7 +26,9 @@ def _installed(kind: str, name: str, role: str | None = None) -> str:
 
     found = plugins.available(kind)
     if role is not None:
-        found = {n: ep for n, ep in found.items() if getattr(plugins.load(kind, n), "role", None) == role}
+        from bubblespec.interfaces import Policy
+
+        found = {n: ep for n, ep in found.items() if plugins.load_subclass(kind, n, Policy).role == role}
     if name not in found:
         label = f"{role} policy" if role else kind.rstrip("s").replace("_", " ")
         raise ValueError(f"unknown {label} {name!r}; available: {', '.join(found) or 'none installed'}")

@@ -22,11 +22,7 @@ from typing import Protocol
 from bubblespec.config import RunConfig
 from bubblespec.decoder import DTYPES
 from bubblespec.errors import TrainerRestarted
-from bubblespec.interfaces import (
-    GenerationResult,
-    Prompt,
-    acceptance_length,
-)
+from bubblespec.interfaces import GenerationResult, Prompt, Task, acceptance_length
 from bubblespec.rollout import RolloutOutcome
 from bubblespec.run_dir import RunDirectory
 from bubblespec.service import RolloutService
@@ -35,12 +31,9 @@ from bubblespec.trainer import TrainSample
 logger = logging.getLogger(__name__)
 
 
-def score_responses(task, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
-    """The task's rewards of responses to prompts: its batched ``score`` where it has one, else one call each."""
-    score = getattr(task, "score", None)
-    if score is not None:
-        return [float(reward) for reward in score(prompts, responses)]
-    return [float(task(prompt, response)) for prompt, response in zip(prompts, responses, strict=True)]
+def score_responses(task: Task, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
+    """The task's rewards of responses to prompts (:meth:`Task.score`)."""
+    return [float(reward) for reward in task.score(prompts, responses)]
 
 
 class Trainer(Protocol):
@@ -61,15 +54,20 @@ class Trainer(Protocol):
         """Back to the initial model and a fresh optimizer; returns the initial weights."""
         ...
 
+    def placement(self) -> list[dict]:
+        """Where each worker runs (node, GPUs), for the run's summary; [] for a trainer in this process."""
+        ...
+
 
 @dataclass
 class Components:
     """What the controller drives; built by :mod:`bubblespec.launch` for the configured clock and cluster."""
 
-    task: object  # PromptSource + RewardFn
+    task: Task
     service: RolloutService
     trainer: Trainer
-    eval_task: object = None  # the task with a held-out seed, for RunConfig.eval_every
+    eval_task: Task | None = None
+    """The task's held-out version, for RunConfig.eval_every."""
 
 
 def task_peek(task, num_steps: int):
@@ -181,11 +179,10 @@ class Controller:
                 rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced
             record["training_timelines"] = training.timelines
         record["rollout_digest"] = rollout_digest(results)
-        store = parts.service.store.stats() if hasattr(parts.service.store, "stats") else {}
-        if store:
-            record["draft_store"] = store
-            record["drafts_evicted"] = store["evicted"] - self._evicted
-            self._evicted = store["evicted"]
+        store = parts.service.store.stats()
+        record["draft_store"] = store
+        record["drafts_evicted"] = store["evicted"] - self._evicted
+        self._evicted = store["evicted"]
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
             record["eval_reward"] = self._evaluate()
         if initial_eval is not None:
@@ -211,10 +208,7 @@ class Controller:
 
     def _reward_failures(self, step: int) -> dict:
         """The step's reward calls that timed out or raised (scored 0), for tasks that run rewards in a pool."""
-        take = getattr(self.parts.task, "take_reward_failures", None)
-        if take is None:
-            return {}
-        failures = take()
+        failures = self.parts.task.take_reward_failures()
         if failures.timeouts or failures.errors:
             logger.warning(
                 "step %d: %d reward calls timed out and %d raised, each scored 0; the first: %s",

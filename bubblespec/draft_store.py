@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 from bubblespec.drafts import validate_draft
 from bubblespec.errors import BubblespecError
-from bubblespec.interfaces import Draft, RolloutKey
+from bubblespec.interfaces import Draft, DraftStoreBase, RolloutKey
 
 logger = logging.getLogger(__name__)
 
 
-class InMemoryDraftStore:
+class InMemoryDraftStore(DraftStoreBase):
     """A dict of drafts in this process, capped at ``max_tokens`` draft tokens in all."""
 
     def __init__(self, vocab_size: int, max_tokens: int = 50_000_000) -> None:
@@ -73,7 +73,7 @@ class InMemoryDraftStore:
             self._num_tokens -= len(draft.token_ids)
 
 
-class RayDraftStore:
+class RayDraftStore(DraftStoreBase):
     """The same store inside a Ray actor; this object is a thin, picklable client that any node can use."""
 
     def __init__(self, vocab_size: int, max_tokens: int = 50_000_000, label_selector: dict | None = None) -> None:
@@ -111,12 +111,12 @@ class RayDraftStore:
         return ray.get(getattr(self._actor, method).remote(*args))
 
 
-class TolerantDraftStore:
+class TolerantDraftStore(DraftStoreBase):
     """Wraps the configured store so that losing it (a dead actor, a lost node) only costs speed: the first failure
     is logged, and from then on the run goes on without drafts, which changes no result. Refused drafts
     (a :class:`~bubblespec.errors.BubblespecError`) still raise: they are a bug, not a loss."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store: DraftStoreBase) -> None:
         self.store = store
         self.lost: str | None = None
 
@@ -135,14 +135,8 @@ class TolerantDraftStore:
     def __len__(self) -> int:
         return self._call("__len__", default=0)
 
-    @property
-    def num_tokens(self) -> int:
-        return 0 if self.lost else getattr(self.store, "num_tokens", 0)
-
     def stats(self) -> dict[str, int]:
-        """The store's :meth:`InMemoryDraftStore.stats`; empty for a store that keeps none, zeros once lost."""
-        if not hasattr(self.store, "stats"):
-            return {}
+        """The store's :meth:`DraftStoreBase.stats`; zeros once lost."""
         return self._call("stats", default={"drafts": 0, "tokens": 0, "evicted": 0})
 
     def _call(self, method: str, *args, default):

@@ -1,9 +1,11 @@
 """The contracts between bubblespec's parts, and the data they exchange.
 
-Everything a plugin author implements is declared here as a ``typing.Protocol``: an engine backend
-(:class:`GenerationEngine`), a draft store (:class:`DraftStore`), a bubble policy (:class:`BubblePolicy`), a
-prompt source (:class:`PromptSource`) and a reward function (:class:`RewardFn`). Plugins are found through
-entry points (see :mod:`bubblespec.plugins`); nothing here imports an engine.
+Everything a plugin author implements is declared here. What every part of a kind must do is a ``typing.Protocol``
+(:class:`GenerationEngine`, :class:`DraftStore`, :class:`BubblePolicy`, :class:`PromptSource`, :class:`RewardFn`);
+a plugin subclasses the base class of its kind (:class:`Engine`, :class:`DraftStoreBase`, :class:`Task`), which
+declares every optional ability with its default, so that callers never probe for one by name. Plugins are found
+through entry points (see :mod:`bubblespec.plugins`); nothing here imports an engine. Draft sources have their
+bases in :mod:`bubblespec.draft_sources`, rank pools in :mod:`bubblespec.scheduler`.
 
 Engine lifecycle (one rollout rank). A backend plugin is a class with a ``from_pretrained(model_path=...,
 **settings)`` classmethod; the settings are those of the run config's ``rollout`` section (dtype,
@@ -24,7 +26,8 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "preempted"]
 
@@ -208,6 +211,37 @@ class GenerationEngine(Protocol):
     def close(self) -> None: ...
 
 
+class Engine:
+    """The base class of engine backends (plugin group ``bubblespec.backends``): a :class:`GenerationEngine` with
+    every optional ability declared and its default. A backend overrides what it has."""
+
+    config_class: ClassVar[type | None] = None
+    """The pydantic model of the backend's settings (``from_pretrained``'s keyword arguments): a run checks them
+    before it starts anything. None: the backend checks its settings itself."""
+    supports_draft_chain: ClassVar[bool] = False
+    """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
+    ``draft_source_options`` settings)."""
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, **settings: Any) -> Engine:
+        """An engine on the Hugging Face model folder ``model_path`` (weights loaded), with the run's settings."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_model(cls, model_path: str) -> None:
+        """Raises the error loading ``model_path`` would raise for its architecture, without loading weights; the
+        default checks nothing."""
+
+    def release(self) -> None:
+        """Free memory held for generation (KV cache) while weights stay loaded; the default frees nothing."""
+
+    def resume(self) -> None:
+        """Undo ``release``."""
+
+    def close(self) -> None:
+        """Free everything; the default holds nothing to free."""
+
+
 @runtime_checkable
 class DraftStore(Protocol):
     """Keeps drafts by rollout key. Refuses malformed drafts (ids outside the vocabulary) with ``ValueError``."""
@@ -223,11 +257,53 @@ class DraftStore(Protocol):
     def __len__(self) -> int: ...
 
 
+class DraftStoreBase:
+    """The base class of draft stores (plugin group ``bubblespec.draft_stores``): a :class:`DraftStore` with its
+    optional abilities declared. Built as ``Store(vocab_size=..., max_tokens=..., **draft_store_options)``."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        """``{"drafts", "tokens", "evicted"}``: the store's size and the drafts evicted so far, for each step's
+        record and the metrics. The default knows only the number of drafts."""
+        return {"drafts": len(self), "tokens": 0, "evicted": 0}
+
+
 @runtime_checkable
 class BubblePolicy(Protocol):
     """Orders the keys a rank drafts in its bubble; keys first in the list are drafted first."""
 
     def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]: ...
+
+
+class Policy:
+    """The base class of policies (plugin group ``bubblespec.policies``): a :class:`BubblePolicyBase` or a
+    :class:`ShardingPolicyBase`, told apart by ``role``."""
+
+    role: ClassVar[Literal["bubble", "sharding"]]
+
+
+class BubblePolicyBase(Policy):
+    """A :class:`BubblePolicy`: which keys idle ranks draft first."""
+
+    role: ClassVar[Literal["bubble", "sharding"]] = "bubble"
+
+    def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]:
+        raise NotImplementedError
+
+
+class ShardingPolicyBase(Policy):
+    """How a step's requests are split across ranks (speed only: keyed sampling makes any split give the same
+    tokens)."""
+
+    role: ClassVar[Literal["bubble", "sharding"]] = "sharding"
+
+    def shard(
+        self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
+    ) -> list[list[GenerationRequest]]:
+        """One list of requests per rank."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,3 +333,59 @@ class RewardFn(Protocol):
     """Scores one response to one prompt."""
 
     def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float: ...
+
+
+class Task:
+    """The base class of tasks (plugin group ``bubblespec.tasks``): a :class:`PromptSource` and its
+    :class:`RewardFn`, with every optional ability declared and its default.
+
+    Built as ``Task(seed=..., prompts_per_step=..., **task.options)``, plus ``split="train"/"eval"`` if the
+    constructor takes ``split`` (the task holds out its own prompts) and ``model_path=...`` if it takes that.
+    A subclass implements :meth:`batch`, :meth:`__call__` and :attr:`max_new_tokens`.
+    """
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response besides the model's end of sequence."""
+
+    @classmethod
+    def model_path(cls) -> Path | None:
+        """The model folder the task ships (its tokenizer and a trained model), or None: ``model.path`` is needed."""
+        return None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Response length limit when ``rollout.sampling.max_new_tokens`` is unset."""
+        raise NotImplementedError
+
+    def batch(self, step: int) -> list[Prompt]:
+        """The prompts of ``step``: a pure function of the task's seed and ``step``."""
+        raise NotImplementedError
+
+    def peek(self, step: int) -> list[Prompt] | None:
+        """The prompts of a later step, known in advance (the bubble drafts them); None if they cannot be known.
+        The default: :meth:`batch`, which is deterministic."""
+        return self.batch(step)
+
+    def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float:
+        """The reward of one response."""
+        raise NotImplementedError
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
+        """The rewards of a step's responses; the default calls :meth:`__call__` on each."""
+        return [float(self(prompt, response)) for prompt, response in zip(prompts, responses, strict=True)]
+
+    def take_reward_failures(self) -> RewardFailures:
+        """Reward calls that timed out or raised (each scored 0) since the last call; the default has none."""
+        return RewardFailures()
+
+    def close(self) -> None:
+        """Stop what the task started (a reward worker pool)."""
+
+
+@dataclass(slots=True)
+class RewardFailures:
+    """Calls that scored 0 because they timed out or raised, since the last :meth:`Task.take_reward_failures`."""
+
+    timeouts: int = 0
+    errors: int = 0
+    first_error: str | None = None

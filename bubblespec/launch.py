@@ -67,8 +67,9 @@ def placement(parts: Components) -> dict:
     ranks = parts.service.ranks.placement()
     if ranks:
         found["ranks"] = ranks
-    if hasattr(parts.trainer, "placement"):
-        found["trainer_workers"] = parts.trainer.placement()
+    workers = parts.trainer.placement()
+    if workers:
+        found["trainer_workers"] = workers
     return {"placement": found} if found else {}
 
 

@@ -57,6 +57,18 @@ def load(kind: str, name: str) -> object:
         ) from error
 
 
+def load_subclass(kind: str, name: str, base: type) -> type:
+    """:func:`load`, refusing by name a plugin that is not a subclass of ``base`` (the base class of its kind, which
+    declares what a plugin of the kind may implement and the defaults of the rest)."""
+    found = load(kind, name)
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise PluginNotFoundError(
+            f"{kind} plugin {name!r} ({available(kind)[name].value}) is not a subclass of "
+            f"{base.__module__}.{base.__qualname__}, the base class of {kind}; subclass it (see docs/plugins.md)"
+        )
+    return found
+
+
 def _group(kind: str) -> str:
     if kind not in KINDS:
         raise PluginNotFoundError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")

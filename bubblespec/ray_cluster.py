@@ -84,10 +84,9 @@ def serve_ranks(
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
 
     rollout = config.rollout
-    if hasattr(backend, "config_class"):  # bad engine settings: an error before Ray starts, not a failed deployment
+    if backend.config_class is not None:  # bad engine settings: an error before Ray starts, not a failed deployment
         engine_config(rollout.backend, backend.config_class, settings)
-    if hasattr(backend, "check_model"):  # an architecture the engine cannot run: the same
-        backend.check_model(path)
+    backend.check_model(path)  # an architecture the engine cannot run: the same
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = rollout.num_ranks * rollout.threads_per_rank + extra_cpus
     with ray_session(config, num_cpus=max(os.cpu_count() or 1, needed)) as owns_ray:

@@ -33,6 +33,7 @@ from typing import Any
 
 from bubblespec import plugins
 from bubblespec.errors import ConfigError, PluginNotFoundError, RewardError
+from bubblespec.interfaces import RewardFailures
 
 BUILT_IN = ("exact", "math", "format")
 """The built-in rewards, registered as plugins of the entry point group ``bubblespec.rewards`` like any other."""
@@ -172,15 +173,6 @@ class RewardItem:
     prompt: Any
     response: str
     columns: Mapping[str, Any]
-
-
-@dataclass
-class RewardFailures:
-    """Calls that scored 0 because they timed out or raised, since the last :meth:`RewardScorer.take_failures`."""
-
-    timeouts: int = 0
-    errors: int = 0
-    first_error: str | None = None
 
 
 class _Timeout(BaseException):

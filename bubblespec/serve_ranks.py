@@ -58,10 +58,10 @@ class RankReplica:
 
     def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int]:
         self._check_version(version)
-        passes = getattr(self.engine, "num_forward_passes", 0)
+        passes = _Count()
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
-        results = self._engine_call(self.engine.generate, requests, **({} if hold is None else {"stop": hold}))
-        return results, getattr(self.engine, "num_forward_passes", 0) - passes
+        results = self._engine_call(self.engine.generate, requests, on_forward=passes, stop=hold)
+        return results, passes.count
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
         self._check_version(version)
@@ -120,6 +120,16 @@ class RankReplica:
         context = ray.get_runtime_context()
         return {"node": context.get_node_id(), "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
                 "releases": self.releases}  # fmt: skip
+
+
+class _Count:
+    """An ``on_forward`` listener that counts the forward passes (remote engines: round trips) of a call."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, forward) -> None:
+        self.count += 1
 
 
 class _StepStop:

@@ -28,12 +28,15 @@ from bubblespec.draft_sources import BubbleDrafts, HistoryDrafts, StaticDraftSou
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import (
     BubblePolicy,
+    BubblePolicyBase,
     Draft,
     DraftStore,
+    DraftStoreBase,
     GenerationRequest,
     GenerationResult,
     Prompt,
     SamplingParams,
+    ShardingPolicyBase,
 )
 from bubblespec.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout import DraftPlan, RolloutOutcome, attach_drafts, step_requests
@@ -59,7 +62,7 @@ class RolloutService:
         ranks: RankPool,
         store: DraftStore,
         bubble_policy: BubblePolicy,
-        sharding_policy,
+        sharding_policy: ShardingPolicyBase,
         sampling: SamplingParams,
         speculation: SpeculationConfig,
         seed: int,
@@ -109,7 +112,7 @@ class RolloutService:
         from bubblespec import plugins
         from bubblespec.draft_store import TolerantDraftStore
 
-        store_class = plugins.load("draft_stores", speculation.draft_store)
+        store_class = plugins.load_subclass("draft_stores", speculation.draft_store, DraftStoreBase)
         try:
             store = store_class(vocab_size=vocab_size, max_tokens=speculation.draft_store_max_tokens,
                                 **speculation.draft_store_options)  # fmt: skip
@@ -122,8 +125,8 @@ class RolloutService:
         return cls(
             ranks,
             store,
-            plugins.load("policies", speculation.bubble_policy)(),
-            plugins.load("policies", speculation.sharding_policy)(),
+            plugins.load_subclass("policies", speculation.bubble_policy, BubblePolicyBase)(),
+            plugins.load_subclass("policies", speculation.sharding_policy, ShardingPolicyBase)(),
             sampling,
             speculation,
             seed,

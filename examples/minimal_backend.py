@@ -31,10 +31,10 @@ import torch
 
 from bubblespec import decoding, sampling
 from bubblespec.decoder import DTYPES, DecoderModel, read_checkpoint
-from bubblespec.interfaces import ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 
-class MinimalEngine:
+class MinimalEngine(Engine):
     def __init__(self, model_path: str, dtype: str = "float32", max_draft_tokens_per_step: int = 8) -> None:
         self.model_config, weights = read_checkpoint(model_path)
         self.model = DecoderModel(self.model_config, weights, DTYPES[dtype], "cpu")

@@ -8,30 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from bubblespec.interfaces import RolloutKey
+from bubblespec.interfaces import BubblePolicyBase, RolloutKey
 
 
-class CoverageFirst:
+class CoverageFirst(BubblePolicyBase):
     """One sample of every prompt before a second sample of any: the most prompts get a draft soonest.
 
     Samples of one prompt differ (their keys differ), but a draft for sample 0 still shows how long the
     responses to that prompt are, which length-balanced sharding uses."""
-
-    role = "bubble"
 
     def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]:
         position = {key: i for i, key in enumerate(keys)}
         return sorted(keys, key=lambda k: (k.sample_index, position[k]))
 
 
-class LongestFirst:
+class LongestFirst(BubblePolicyBase):
     """The longest predicted responses first: they are the ones that make the next step's tail, so drafting
     them saves the most time on the critical path. Keys without a prediction come last, coverage-first.
 
     The controller predicts from a key's draft (an unfinished one is a lower bound) or from the responses to
     the same prompt the last time it was sampled (:mod:`bubblespec.predictions`)."""
-
-    role = "bubble"
 
     def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]:
         position = {key: i for i, key in enumerate(keys)}

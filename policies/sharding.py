@@ -6,13 +6,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from bubblespec.interfaces import GenerationRequest, RolloutKey
+from bubblespec.interfaces import GenerationRequest, RolloutKey, ShardingPolicyBase
 
 
-class RoundRobin:
+class RoundRobin(ShardingPolicyBase):
     """Request i goes to rank i mod num_ranks: the baseline of most RL frameworks."""
-
-    role = "sharding"
 
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
@@ -20,12 +18,10 @@ class RoundRobin:
         return [list(requests[rank::num_ranks]) for rank in range(num_ranks)]
 
 
-class LengthBalanced:
+class LengthBalanced(ShardingPolicyBase):
     """Longest-processing-time-first by predicted response length: the longest request goes to the least
     loaded rank, and so on. Drafts predict lengths well (a draft is a response of a policy one step older);
     requests without a prediction count as the mean of the predicted ones."""
-
-    role = "sharding"
 
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
@@ -43,12 +39,10 @@ class LengthBalanced:
         return shards
 
 
-class PromptGrouped:
+class PromptGrouped(ShardingPolicyBase):
     """Keeps every sample of a prompt on one rank (what group drafting needs: siblings propose for each other
     only within an engine), whole groups placed longest-predicted-first on the least loaded rank. A group's
     predicted length is the sum of its samples' (the mean of the known ones for samples without)."""
-
-    role = "sharding"
 
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]

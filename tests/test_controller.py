@@ -226,6 +226,10 @@ def third_party_sources(tmp_path, monkeypatch):
         "[bubblespec.draft_sources]\n"
         "last-response = thirdparty_sources:LastResponse\n"
         "not-a-source = thirdparty_sources:not_a_source\n"
+        "[bubblespec.tasks]\n"
+        "not-a-task = thirdparty_sources:not_a_source\n"
+        "[bubblespec.backends]\n"
+        "not-an-engine = thirdparty_sources:LastResponse\n"
     )
     monkeypatch.syspath_prepend(str(package))
 
@@ -245,6 +249,16 @@ def test_a_draft_source_that_is_no_draft_source_class_is_refused_by_name(third_p
         validate({"speculation": {"draft_sources": ["not-a-source"]}})
     with pytest.raises(ConfigError, match="draft_source_options.last-response {}: .*max_tokens"):
         validate({"speculation": {"draft_sources": ["last-response"]}})
+
+
+def test_plugins_that_do_not_subclass_their_kinds_base_are_refused_by_name(tmp_path, third_party_sources):
+    from bubblespec.assembly import load_backend, make_task
+
+    with pytest.raises(BubblespecError, match=r"tasks plugin 'not-a-task' \(thirdparty_sources:not_a_source\) is not a "
+                       r"subclass of bubblespec.interfaces.Task"):  # fmt: skip
+        make_task(_config(tmp_path, "task", task={"name": "not-a-task"}))
+    with pytest.raises(BubblespecError, match="backends plugin 'not-an-engine' .* bubblespec.interfaces.Engine"):
+        load_backend(_config(tmp_path, "engine", rollout={"backend": "not-an-engine"}))
 
 
 def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from bubblespec.interfaces import Prompt
+from bubblespec.interfaces import Prompt, Task
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
@@ -151,7 +151,7 @@ REWARDS = ("answer", "digits")
 """The task's reward functions, see :class:`ArithmeticTask`."""
 
 
-class ArithmeticTask:
+class ArithmeticTask(Task):
     """Prompts of long additions, and the reward for answering them.
 
     ``batch(step)`` is a pure function of ``(seed, step)`` (and the options), so the source is peekable.

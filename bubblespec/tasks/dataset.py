@@ -32,7 +32,7 @@ from pydantic import Field, model_validator
 
 from bubblespec.config import Section
 from bubblespec.errors import ConfigError
-from bubblespec.interfaces import Prompt
+from bubblespec.interfaces import Prompt, Task
 from bubblespec.rewards import RewardItem, RewardScorer, parse_specs
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class DatasetOptions(PromptOptions):
         return self
 
 
-class RowsTask:
+class RowsTask(Task):
     """Prompt source and reward function over rows held in memory: prompts rendered with the model folder's
     tokenizer, seeded epochs, rewards in a pool (see the module docstring). A subclass says where the rows come
     from (:meth:`_rows`) and which columns hold the prompt and the answer."""
@@ -159,7 +159,7 @@ class RowsTask:
         return self.scorer([self._reward_item(p, ids) for p, ids in zip(prompts, responses, strict=True)])
 
     def take_reward_failures(self):
-        """Reward calls that timed out or raised since the last call (:class:`bubblespec.rewards.RewardFailures`)."""
+        """Reward calls that timed out or raised since the last call (:class:`bubblespec.interfaces.RewardFailures`)."""
         return self.scorer.take_failures()
 
     def close(self) -> None:
