@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payload, replay
-from bubblespec.config import engine_config
+from bubblespec.config import EngineSettings, engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
 from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
@@ -67,10 +67,8 @@ class SGLangError(BubblespecError, RuntimeError):
     """An SGLang server failed, refused a call or went away; the message names the rank, URL and endpoint."""
 
 
-class SGLangEngineConfig(BaseModel):
-    """Settings of the SGLang backend (``rollout.engine_options`` plus the common rollout settings)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+class SGLangEngineConfig(EngineSettings):
+    """Settings of the SGLang backend: the common ones (narrowed where SGLang cannot follow) and its own."""
 
     model_path: str
     """A local Hugging Face model folder; the client reads its config.json (vocabulary, EOS, context length)."""
@@ -101,33 +99,23 @@ class SGLangEngineConfig(BaseModel):
     weight_update_session: bool = True
     """Bracket the disk update with /begin_weight_update and /end_weight_update."""
     dtype: Literal["float32", "bfloat16", "float64"] = "bfloat16"
-    """The launched server's --dtype; with ``urls``, how the servers were started (not checked)."""
-    max_batch_size: int = Field(64, ge=1)
-    """Sequences sent in one /generate call."""
-    max_draft_tokens_per_step: int = Field(16, ge=0)
-    """Draft tokens one verify call scores (0 turns speculation off)."""
-    verification: Literal["coupled", "one_hot"] = "coupled"
-    """Only "coupled" (keyed noise): verification happens on the client with the key's noise."""
-    adaptive_draft_length: bool = False
-    """Shrink proposals to what the last verify call accepted (+1); grow again after full acceptance."""
-    draft_alignment: Literal["position", "suffix"] = "suffix"
-    """After a rejected draft token: keep the position, or re-align by suffix match (as the torch engine)."""
+    """The launched server's --dtype; with ``urls``, how the servers were started (not checked).
+    ``max_batch_size`` is the sequences sent in one /generate call."""
+    verification: Literal["coupled"] = "coupled"
+    """Only "coupled" (keyed noise): the keyed samples are the key's noise, on the client or in the server's
+    verify step."""
     speculative: bool = False
     """Verify drafts inside SGLang's own speculative step: the servers run bubblespec's speculative algorithm
-    (``--speculative-algorithm BUBBLESPEC``, see backends/sglang_speculative.py; ``launch: true`` adds the flags),
+    (``--speculative-algorithm BUBBLESPEC``, see backends/sglang_server.py; ``launch: true`` adds the flags),
     each response is one request carrying its draft, drafts align by position. Off: drafts are verified on this
     client from prefill-scored top-K logprobs."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads of the client (noise for verification); None leaves torch's setting alone."""
-    rank: int = Field(0, ge=0)
-    """The data-parallel rank: picks the server."""
 
     @model_validator(mode="after")
     def _check(self) -> SGLangEngineConfig:
         if self.launch == bool(self.urls):
             raise ValueError("give either urls (running servers) or launch: true, exactly one of them")
-        if self.verification != "coupled":
-            raise ValueError("the sglang backend verifies with keyed noise only: verification must be 'coupled'")
         if self.speculative and self.adaptive_draft_length:
             raise ValueError("speculative: true verifies with SGLang's fixed width: adaptive_draft_length must be off")
         if self.launch and self.dtype not in _LAUNCH_DTYPES:

@@ -18,24 +18,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import field_validator
 
 from bubblespec import sampling
-from bubblespec.config import engine_config
+from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
-from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 
-class TorchEngineConfig(BaseModel):
-    """Settings of the built-in torch engine (``rollout.engine`` in a run config)."""
+class TorchEngineConfig(EngineSettings, DraftChainSettings):
+    """Settings of the built-in torch engine: the common ones and its device."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model_path: str
-    """A local Hugging Face model folder (config.json + *.safetensors) of a Llama, Qwen2 or Mistral model."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Weights and activations; float64 makes speculation bit-identical to plain decoding."""
     device: str = "cpu"
@@ -50,33 +45,6 @@ class TorchEngineConfig(BaseModel):
         except RuntimeError:
             raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N") from None
         return device
-
-    max_batch_size: int = Field(64, ge=1)
-    """Sequences decoded together in one forward pass; more requests wait for a free slot."""
-    max_draft_tokens_per_step: int = Field(16, ge=0)
-    """Draft tokens a sequence may verify in one forward pass (0 turns speculation off)."""
-    verification: Literal["coupled", "one_hot"] = "coupled"
-    """"coupled": keyed sampling, drafts made with the same noise. "one_hot": every policy version samples with
-    its own independent counter-based noise stream of the key (``sampling.stream_seeds``), so a draft of an older
-    version agrees only as often as two independent samples do, as with an engine that cannot take keyed noise;
-    outputs stay a pure function of (weights, key, version), reproducible and resumable."""
-    adaptive_draft_length: bool = False
-    """Shrink a sequence's proposals to what its last verify step accepted (+1) and grow them again after full
-    acceptance. Worth it where a forward pass costs in proportion to its tokens (this CPU engine)."""
-    draft_alignment: Literal["position", "suffix"] = "suffix"
-    """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first
-    re-align it by matching the response's latest tokens ("suffix", falling back to position)."""
-    draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
-    """Where proposals come from, in priority order: ``"request"`` (the request's own draft) and dynamic draft
-    sources (entry point group ``bubblespec.draft_sources``, e.g. ``"group"``, ``"ngram"``). Each forward pass
-    a sequence takes the first non-empty proposal; the request's draft has none when it is missing, used up or
-    diverged with no suffix re-alignment (see :mod:`bubblespec.draft_sources`)."""
-    draft_source_options: dict[str, dict] = {}
-    """Keyword arguments of each dynamic source's constructor, by source name."""
-    rank: int = Field(0, ge=0)
-    """The data-parallel rank this engine serves (remote backends pick a server by it)."""
-    num_threads: int | None = Field(None, ge=1)
-    """torch intra-op threads; None leaves torch's setting alone."""
 
 
 @dataclass

@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from bubblespec import sampling
-from bubblespec.config import engine_config
+from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
-from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import EngineError, ModelLoadError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
@@ -67,37 +66,20 @@ _PROPOSER_PATH = f"{__name__}.RequestDrafts"
 _SET_NUM_THREADS = torch._C.set_num_threads  # vLLM's CPU worker replaces torch.set_num_threads with a no-op
 
 
-class VLLMEngineConfig(BaseModel):
-    """Settings of the vLLM backend (the common rollout settings, plus ``rollout.engine_options``)."""
+class VLLMEngineConfig(EngineSettings, DraftChainSettings):
+    """Settings of the vLLM backend: the common ones, narrowed where vLLM cannot follow, and vLLM's own."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model_path: str
-    """A local Hugging Face model folder."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """vLLM's dtype; float64 does not exist there (use the torch backend for bit-identical float64 runs)."""
-    max_batch_size: int = Field(64, ge=1)
-    """vLLM's ``max_num_seqs``."""
     max_draft_tokens_per_step: int = Field(16, ge=0, le=128)
     """Draft tokens a sequence may verify in one step: vLLM's ``num_speculative_tokens`` (at most 128, vLLM's
-    limit); 0 turns speculation off."""
+    limit); 0 turns speculation off. ``max_batch_size`` is vLLM's ``max_num_seqs``."""
     verification: Literal["coupled"] = "coupled"
-    """Only coupled verification (keyed sampling) is implemented for vLLM."""
-    adaptive_draft_length: bool = False
-    """Shrink a sequence's proposals to what its last verify step accepted (+1), grow them after full acceptance."""
-    draft_alignment: Literal["position", "suffix"] = "suffix"
-    """After a rejected draft token: keep the position, or re-align by suffix match (as the torch engine)."""
-    draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
-    """Where proposals come from, in priority order: ``"request"`` and dynamic draft sources (``"group"``,
-    ``"ngram"``, plugins), as in the torch engine."""
-    draft_source_options: dict[str, dict] = {}
-    """Keyword arguments of each dynamic source's constructor, by source name."""
+    """Only coupled verification (keyed sampling inside vLLM's speculative step) is implemented for vLLM."""
     num_threads: int | None = Field(None, ge=1)
     """torch / OpenMP threads of every call into vLLM (CPU); empty: those of the thread that builds the engine. Every
     thread that calls the engine (Ray Serve calls from a pool of threads) runs with this count: vLLM's CPU
     attention refuses metadata built with another thread count than its kernel runs with."""
-    rank: int = Field(0, ge=0)
-    """The data-parallel rank this engine serves."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length; empty uses the model's ``max_position_embeddings``."""
     max_num_batched_tokens: int | None = Field(None, ge=1)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import ConfigError
 
 
@@ -85,8 +86,8 @@ class RolloutConfig(Section):
     trainer worker of 0.5 when ``ray.colocated``); 0 on CPU engines."""
     max_batch_size: int = Field(64, ge=1)
     """Sequences one engine decodes together."""
-    max_draft_tokens_per_step: int = Field(16, ge=1)
-    """Draft tokens one sequence verifies per forward pass."""
+    max_draft_tokens_per_step: int = Field(16, ge=0)
+    """Draft tokens one sequence verifies per forward pass (0: none)."""
     adaptive_draft_length: bool = False
     """Shrink a sequence's draft proposals after a rejection and grow them after full acceptance; worth it when
     a forward pass costs in proportion to its tokens (CPU engines), not on memory-bound GPUs."""
@@ -485,6 +486,49 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
         lines.append(f"  {where}: {problem['msg']}{shown}")
     return "\n".join(lines)
+
+
+class EngineSettings(BaseModel):
+    """The settings every engine backend takes (:func:`bubblespec.assembly.engine_settings` fills them from the run
+    config). A backend's ``config_class`` subclasses this, adds its own settings and may narrow these (a dtype it
+    cannot run, a verification it cannot do)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True)
+
+    model_path: str
+    """A local Hugging Face model folder (config.json + *.safetensors)."""
+    dtype: str = "float32"
+    """Weights and activations (``model.dtype``)."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences decoded together; more requests wait for a free slot (``rollout.max_batch_size``)."""
+    max_draft_tokens_per_step: int = Field(16, ge=0)
+    """Draft tokens a sequence may verify in one forward pass; 0: none (``rollout.max_draft_tokens_per_step``)."""
+    verification: Literal["coupled", "one_hot"] = "coupled"
+    """"coupled": keyed sampling, drafts made with the same noise. "one_hot": every policy version samples with its
+    own independent noise stream of the key, so a draft of an older version agrees only as often as two
+    independent samples do (``rollout.verification``)."""
+    adaptive_draft_length: bool = False
+    """Shrink a sequence's proposals to what its last verify step accepted (+1) and grow them again after full
+    acceptance (``rollout.adaptive_draft_length``)."""
+    draft_alignment: Literal["position", "suffix"] = "suffix"
+    """After a rejected draft token: keep proposing the draft at the next positions ("position"), or first re-align
+    it by matching the response's latest tokens ("suffix", falling back to position)."""
+    rank: int = Field(0, ge=0)
+    """The data-parallel rank this engine serves (remote backends pick a server by it)."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (``rollout.threads_per_rank``); None leaves torch's setting alone."""
+
+
+class DraftChainSettings(BaseModel):
+    """The settings of an engine that runs dynamic draft sources (``supports_draft_chain``); mixed into its
+    ``config_class`` beside :class:`EngineSettings`."""
+
+    draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
+    """Where proposals come from, in priority order: ``"request"`` (the request's own draft) and dynamic draft
+    sources (entry point group ``bubblespec.draft_sources``, e.g. ``"group"``, ``"ngram"``). Each forward pass a
+    sequence takes the first non-empty proposal (see :mod:`bubblespec.draft_sources`)."""
+    draft_source_options: dict[str, dict] = {}
+    """Keyword arguments of each dynamic source's constructor, by source name."""
 
 
 def engine_config(backend: str, model: type[BaseModel], settings: dict[str, Any]) -> BaseModel:

@@ -412,7 +412,7 @@ def test_settings_are_checked_with_clear_errors(server):
         SGLangEngine.from_pretrained(str(MODEL), urls=[server.url], colour="blue")
     with pytest.raises(ConfigError, match="exactly one of them"):
         SGLangEngine.from_pretrained(str(MODEL))
-    with pytest.raises(ConfigError, match="must be 'coupled'"):
+    with pytest.raises(ConfigError, match="verification: Input should be 'coupled'"):
         SGLangEngine.from_pretrained(str(MODEL), urls=[server.url], verification="one_hot")
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(ConfigError, match=r"pip install 'bubblespec\[sglang\]'"):
