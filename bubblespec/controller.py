@@ -207,7 +207,7 @@ class Controller:
         )
 
     def _reward_failures(self, step: int) -> dict:
-        """The step's reward calls that timed out or raised (scored 0), for tasks that run rewards in a pool."""
+        """The step's reward calls that timed out or raised (each scored 0)."""
         failures = self.parts.task.take_reward_failures()
         if failures.timeouts or failures.errors:
             logger.warning(

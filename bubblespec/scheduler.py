@@ -110,12 +110,10 @@ class PhaseScheduler:
         self.stopped_at: float | None = None
         """The barrier (rollout) or the stop (training): when the ranks were told to stop drafting."""
         self._generating = set() if shards is None else set(range(num_ranks))
-        self._drafting: dict[int, float] = {}
-        """Ranks drafting a chunk, with its start."""
+        self._drafting: dict[int, tuple[float, int]] = {}
+        """Ranks drafting a chunk: its start and its place in :attr:`_chunks`."""
         self._chunks: list[list[Draft]] = []
         """The drafts of each chunk, in the order the chunks were handed out."""
-        self._chunk_of: dict[int, int] = {}
-        self._busy_until = [0.0] * num_ranks
 
     @property
     def is_rollout(self) -> bool:
@@ -147,7 +145,6 @@ class PhaseScheduler:
         record.generation_seconds = now
         record.forward_passes = forward_passes
         self.timelines[rank].append(("generate", 0.0, now))
-        self._busy_until[rank] = now
         tokens = sum(len(r.token_ids) for r in results)
         self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {forward_passes} passes")
         if not self._generating:
@@ -156,9 +153,9 @@ class PhaseScheduler:
 
     def chunk_done(self, rank: int, now: float, results: Sequence[GenerationResult]) -> list[Command]:
         """``rank`` returned its drafting chunk at ``now`` (unfinished responses where the stop cut them off)."""
-        began = self._drafting.pop(rank)
+        began, chunk = self._drafting.pop(rank)
         made = drafts_from(results, self.policy_version)
-        self._chunks[self._chunk_of.pop(rank)] = made
+        self._chunks[chunk] = made
         record = self.records[rank]
         record.draft_requests += len(made)
         record.draft_tokens_produced += drafted_tokens(results)
@@ -166,17 +163,14 @@ class PhaseScheduler:
         if self.stopped_at is not None and now > self.stopped_at:
             record.preemption_latency_seconds = now - self.stopped_at
         self.timelines[rank].append(("draft", began, now))
-        self._busy_until[rank] = now
         self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(results)} tokens")
         return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
 
     def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:
         """``rank``'s replica died while drafting: its chunk's drafts are lost, and the rank drafts no more in this
         phase (its next shard call restores it)."""
-        began = self._drafting.pop(rank)
-        self._chunk_of.pop(rank)
+        began, _ = self._drafting.pop(rank)
         self.timelines[rank].append(("draft", began, now))
-        self._busy_until[rank] = now
         self.on_activity(rank, "idle", f"lost its replica while drafting: {type(error).__name__}")
         return []
 
@@ -194,10 +188,11 @@ class PhaseScheduler:
         if not self.is_rollout:
             end = barrier
         else:
-            for rank, record in enumerate(self.records):
+            for record, timeline in zip(self.records, self.timelines, strict=True):
                 record.bubble_seconds = barrier - record.generation_seconds
-                if self._busy_until[rank] < end:
-                    self.timelines[rank].append(("idle", self._busy_until[rank], end))
+                busy_until = timeline[-1][2] if timeline else 0.0
+                if busy_until < end:
+                    timeline.append(("idle", busy_until, end))
         drafts = [draft for chunk in self._chunks for draft in chunk]
         return RolloutOutcome(list(self.results.values()), drafts, self.records, end, barrier, self.timelines)
 
@@ -217,8 +212,7 @@ class PhaseScheduler:
             return []
         chunk = self.plan.take()
         self.on_activity(rank, "draft", _chunk_detail(chunk, when))
-        self._drafting[rank] = now
-        self._chunk_of[rank] = len(self._chunks)
+        self._drafting[rank] = (now, len(self._chunks))
         self._chunks.append([])
         return [DraftChunk(rank, tuple(chunk))]
 

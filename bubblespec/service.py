@@ -290,9 +290,5 @@ def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tu
         if issubclass(source, BubbleDrafts):
             built.append((name, source(store)))
             continue
-        options = speculation.draft_source_options.get(name, {})
-        try:
-            built.append((name, source(**options)))
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"speculation.draft_source_options.{name} {options}: {error}") from None
+        built.append((name, source(**speculation.draft_source_options.get(name, {}))))  # options checked by the config
     return built

@@ -266,10 +266,6 @@ class ArithmeticTask(Task):
             for i in range(self.prompts_per_step)
         ]
 
-    def peek(self, step: int) -> list[Prompt]:
-        """Same as :meth:`batch`: the prompts of any step are known in advance."""
-        return self.batch(step)
-
     def make_prompt(self, a: int, b: int, uid: str) -> Prompt:
         """The prompt for ``a + b``, its ids starting with ``<bos>``."""
         text = prompt_text(a, b)

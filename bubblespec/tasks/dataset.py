@@ -138,9 +138,6 @@ class RowsTask(Task):
         start = index * self.prompts_per_step
         return [self.prompts[i] for i in order[start : start + self.prompts_per_step]]
 
-    def peek(self, step: int) -> list[Prompt]:
-        return self.batch(step)
-
     def _epoch_order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s permutation of the rows; the two latest are kept (a step and the one it peeks at)."""
         if epoch not in self._orders:
