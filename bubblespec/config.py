@@ -8,10 +8,19 @@ the resolved config or every error with its field path.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from bubblespec.draft_sources import REQUEST_DRAFT
 from bubblespec.errors import ConfigError
@@ -207,40 +216,60 @@ class LoraSettings(Section):
     """Names of the linear layers that get adapters."""
 
 
-class TrainerConfig(Section):
+class ConstantSchedule(Section):
+    kind: Literal["constant"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    """RL steps of linear warm-up from learning_rate / warmup_steps to learning_rate, then constant. The schedule
+    counts RL steps (as verl's does), not optimizer steps: every optimizer step of an RL step (ppo_epochs x
+    mini-batches) has that step's learning rate, and a step that trains nothing (no reward signal) counts too."""
+
+
+class CosineSchedule(Section):
+    kind: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    """RL steps of linear warm-up, as with the constant schedule; then a cosine decay."""
+    decay_steps: int = Field(ge=1)
+    """RL step at which the learning rate reaches 0 (typically num_steps), above warmup_steps."""
+
+    @model_validator(mode="after")
+    def _decays_after_warmup(self) -> CosineSchedule:
+        if self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps {self.decay_steps} must be above warmup_steps {self.warmup_steps}")
+        return self
+
+
+def _kind_or(default: str, *others: str) -> Discriminator:
+    """Discriminator of a union by ``kind``, which may be left out (then ``default``)."""
+
+    def kind(value: Any) -> str | None:
+        return value.get("kind", default) if isinstance(value, dict) else getattr(value, "kind", None)
+
+    allowed = ", ".join((default, *others))
+    return Discriminator(kind, custom_error_type="kind", custom_error_message=f"kind must be one of {allowed}")
+
+
+Schedule = Annotated[
+    Annotated[ConstantSchedule, Tag("constant")] | Annotated[CosineSchedule, Tag("cosine")],
+    _kind_or("constant", "cosine"),
+]
+
+
+class OptimizerConfig(Section):
     learning_rate: float = Field(3e-4, gt=0)
     """AdamW learning rate (the peak, with a schedule)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator (``bubblespec/advantages.py``): GRPO's group-normalised rewards, Dr. GRPO's without the
-    std, RLOO's leave-one-out baseline, or REINFORCE++'s batch-normalised one."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """GRPO only: divide by the group's reward std, the batch's, or nothing."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After the warm-up: a constant learning rate, or a cosine decay to 0 at ``decay_steps``."""
-    warmup_steps: int = Field(0, ge=0)
-    """RL steps of linear warm-up from learning_rate / warmup_steps to learning_rate. The schedule counts RL steps
-    (as verl's does), not optimizer steps: every optimizer step of an RL step (ppo_epochs x mini-batches) has that
-    step's learning rate, and a step that trains nothing (no reward signal) counts too."""
-    decay_steps: int | None = Field(None, ge=1)
-    """RL step at which the cosine schedule reaches 0 (required by it; typically num_steps)."""
-    model: Literal["builtin", "transformers"] = "builtin"
-    """What the trainer trains: bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), or the
-    folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to run
-    the architecture: weights travel by Hugging Face name)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory (``trainer.model: transformers``)."""
-    micro_batch_size: int | None = Field(None, ge=1)
-    """Samples per forward/backward pass, gradients accumulated over a step's micro-batches; empty: all at once."""
-    lora: LoraSettings | None = None
-    """Train LoRA adapters (peft) instead of the weights; engines get the merged weights
-    (``trainer.model: transformers``)."""
-    num_workers: int = Field(1, ge=1)
-    """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
-    policy_loss: Literal["clip", "cispo"] = "clip"
-    """PPO's clipped surrogate, or CISPO's clipped importance weight on every token's log-probability gradient
-    (``bubblespec/policy_loss.py``)."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Gradient-norm clipping; empty disables it."""
+    schedule: Schedule = ConstantSchedule()
+    """The learning rate over RL steps: ``kind: constant`` (after an optional warm-up) or ``kind: cosine``
+    (warm-up, then a cosine decay to 0 at ``decay_steps``)."""
+
+
+class ClipLoss(Section):
+    """PPO's clipped surrogate (``bubblespec/policy_loss.py``)."""
+
+    kind: Literal["clip"] = "clip"
     importance_ratio: Literal["token", "sequence"] = "token"
     """The ratio pi / pi_old per token, or per response as the geometric mean of its tokens' (GSPO)."""
     clip_epsilon: float = Field(0.2, gt=0)
@@ -248,17 +277,44 @@ class TrainerConfig(Section):
     clip_ratio_low: float | None = Field(None, gt=0, lt=1)
     """The clip's lower side, 1 - this; empty: clip_epsilon."""
     clip_ratio_high: float | None = Field(None, gt=0)
-    """The clip's upper side, 1 + this (DAPO's clip-higher: 0.28 with a low side of 0.2; CISPO's weight cap);
-    empty: clip_epsilon."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """The clip's upper side, 1 + this (DAPO's clip-higher: 0.28 with a low side of 0.2); empty: clip_epsilon."""
+
+    @property
+    def low(self) -> float:
+        return self.clip_epsilon if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def high(self) -> float:
+        return self.clip_epsilon if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+class CispoLoss(Section):
+    """CISPO: every token's log-probability gradient weighted by its clipped, detached importance ratio; the
+    ratio is per token."""
+
+    kind: Literal["cispo"] = "cispo"
+    clip_ratio_high: float = Field(0.2, gt=0)
+    """The weight's cap, 1 + this."""
+
+
+PolicyLoss = Annotated[Annotated[ClipLoss, Tag("clip")] | Annotated[CispoLoss, Tag("cispo")], _kind_or("clip", "cispo")]
+
+
+class LossConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator (``bubblespec/advantages.py``): GRPO's group-normalised rewards, Dr. GRPO's without the
+    std, RLOO's leave-one-out baseline, or REINFORCE++'s batch-normalised one."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO only: divide by the group's reward std, the batch's, or nothing."""
+    policy: PolicyLoss = ClipLoss()
+    """The policy-gradient surrogate: ``kind: clip`` (PPO) or ``kind: cispo``, each with its own settings."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """How per-token losses become a mini-batch's loss: the mean over all its tokens (DAPO), the mean over
     responses of each response's token mean (GRPO), or of its token sum over a constant (Dr. GRPO)."""
-    loss_norm_tokens: int | None = Field(None, ge=1)
+    norm_tokens: int | None = Field(None, ge=1)
     """The constant of seq-mean-token-sum-norm; empty: the rollout's max_new_tokens."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over each step's batch; with more than one (or several mini-batches) the ratio and clip act."""
-    mini_batch_size: int | None = Field(None, ge=1)
-    """Samples per optimizer step (several optimizer steps per RL step); empty: the whole batch, one step."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef times the mean per-token entropy."""
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     """The old policy's log-probabilities: recomputed by the trainer before the first update, or the rollout
     engine's as sampled (no extra forward pass; the ratio then also corrects engine-trainer mismatch)."""
@@ -271,30 +327,120 @@ class TrainerConfig(Section):
     itself always stays in (the engine's filter kept it): once the policy has moved (a second epoch, a later
     mini-batch) it may fall outside the current top-k, and it keeps a finite log-probability instead of -inf. Off:
     temperature only, as TRL and verl do."""
-    kl_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _old_logprobs_once(self) -> LossConfig:
+        if self.tis_cap is not None and self.old_logprobs == "engine":
+            raise ValueError("tis_cap corrects trainer old logprobs toward the engine's; with old_logprobs: engine "
+                             "the ratio already is pi / pi_engine: leave tis_cap empty")  # fmt: skip
+        return self
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0)
     """Weight of KL(pi || pi_ref) to the initial policy (a frozen copy); 0: no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator: log ratio (k1), half its square (k2), or exp(-log ratio) + log ratio - 1 (k3)."""
-    kl_penalty: Literal["loss", "reward"] = "loss"
+    penalty: Literal["loss", "reward"] = "loss"
     """Where the KL acts: a term of the loss (GRPO), or subtracted from each response's reward before advantages
     (PPO/RLHF style; the old policy's KL, summed over the response's tokens)."""
-    entropy_coef: float = 0.0
-    """Entropy bonus: the loss minus entropy_coef times the mean per-token entropy."""
+
+
+class DapoConfig(Section):
+    """DAPO's (Yu et al. 2025) changes to what a step trains on."""
+
     mask_truncated: bool = False
-    """Responses that reached max_new_tokens without stopping are left out of the loss (DAPO)."""
+    """Responses that reached max_new_tokens without stopping are left out of the loss."""
     overlong_buffer: int = Field(0, ge=0)
-    """DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer loses up to
+    """Soft overlong punishment: a response longer than max_new_tokens - overlong_buffer loses up to
     overlong_penalty of reward, in proportion to how far into the buffer it went; 0: off."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The reward a response of max_new_tokens loses under overlong_buffer."""
     filter_groups: bool = False
-    """DAPO's dynamic sampling: train only on groups whose rewards are not all equal (they carry no signal), at
-    most ``train_prompts`` of them, in prompt order. Over-provision ``task.prompts_per_step`` above train_prompts:
+    """Dynamic sampling: train only on groups whose rewards are not all equal (they carry no signal), at most
+    ``train_prompts`` of them, in prompt order. Over-provision ``task.prompts_per_step`` above train_prompts:
     every prompt is generated (no extra rounds), so the next step's prompts stay known for bubble drafting."""
     train_prompts: int | None = Field(None, ge=1)
     """With filter_groups: the most groups a step trains on; empty: every group with signal."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    """Gradient-norm clipping; empty disables it."""
+
+    @model_validator(mode="after")
+    def _train_prompts_with_filter(self) -> DapoConfig:
+        if self.train_prompts is not None and not self.filter_groups:
+            raise ValueError("train_prompts caps the groups filter_groups keeps: set filter_groups: true")
+        return self
+
+
+class BuiltinModel(Section):
+    """bubblespec's built-in decoder (Llama, Llama 3.x, Qwen2, Qwen3, Mistral), the one the torch engine runs."""
+
+    kind: Literal["builtin"] = "builtin"
+
+
+class TransformersModel(Section):
+    """The folder's model as transformers' ``AutoModelForCausalLM`` loads it (any causal LM; engines still need to
+    run the architecture: weights travel by Hugging Face name)."""
+
+    kind: Literal["transformers"] = "transformers"
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters (peft) instead of the weights; engines get the merged weights."""
+
+
+TrainerModel = Annotated[
+    Annotated[BuiltinModel, Tag("builtin")] | Annotated[TransformersModel, Tag("transformers")],
+    _kind_or("builtin", "transformers"),
+]
+
+MOVED_TRAINER_KEYS = {
+    "learning_rate": "optimizer.learning_rate",
+    "weight_decay": "optimizer.weight_decay",
+    "max_grad_norm": "optimizer.max_grad_norm",
+    "lr_schedule": "optimizer.schedule.kind",
+    "warmup_steps": "optimizer.schedule.warmup_steps",
+    "decay_steps": "optimizer.schedule.decay_steps",
+    "advantage": "loss.advantage",
+    "scale_rewards": "loss.scale_rewards",
+    "policy_loss": "loss.policy.kind",
+    "importance_ratio": "loss.policy.importance_ratio",
+    "clip_epsilon": "loss.policy.clip_epsilon",
+    "clip_ratio_low": "loss.policy.clip_ratio_low",
+    "clip_ratio_high": "loss.policy.clip_ratio_high",
+    "loss_aggregation": "loss.aggregation",
+    "loss_norm_tokens": "loss.norm_tokens",
+    "entropy_coef": "loss.entropy_coef",
+    "old_logprobs": "loss.old_logprobs",
+    "tis_cap": "loss.tis_cap",
+    "sampling_filters": "loss.sampling_filters",
+    "kl_coef": "kl.coef",
+    "kl_estimator": "kl.estimator",
+    "kl_penalty": "kl.penalty",
+    "mask_truncated": "dapo.mask_truncated",
+    "overlong_buffer": "dapo.overlong_buffer",
+    "overlong_penalty": "dapo.overlong_penalty",
+    "filter_groups": "dapo.filter_groups",
+    "train_prompts": "dapo.train_prompts",
+    "gradient_checkpointing": "model.gradient_checkpointing (with model.kind: transformers)",
+    "lora": "model.lora (with model.kind: transformers)",
+}
+"""Flat trainer keys of earlier versions and where each lives now."""
+
+
+class TrainerConfig(Section):
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss: LossConfig = LossConfig()
+    kl: KLConfig = KLConfig()
+    dapo: DapoConfig = DapoConfig()
+    model: TrainerModel = BuiltinModel()
+    """What the trainer trains: ``kind: builtin`` (the engine's own decoder) or ``kind: transformers``."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each step's batch; with more than one (or several mini-batches) the ratio and clip act."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step (several optimizer steps per RL step); empty: the whole batch, one step."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward pass, gradients accumulated over a step's micro-batches; empty: all at once."""
+    num_workers: int = Field(1, ge=1)
+    """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer runs."""
     gpus_per_worker: float | None = Field(None, ge=0)
@@ -303,23 +449,28 @@ class TrainerConfig(Section):
     """Wall clock: how often Ray Train may restart a failed worker group; each restart rewinds the run to its
     last checkpoint (or its start) and replays the steps since, with identical results."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = [f"trainer.{key} is now trainer.{MOVED_TRAINER_KEYS[key]}" for key in data if key in MOVED_TRAINER_KEYS]
+        if isinstance(data.get("model"), str):
+            moved.append(f"trainer.model is a section now: trainer.model.kind: {data['model']}")
+        if moved:
+            raise ValueError("; ".join(moved))
+        return data
+
     @model_validator(mode="after")
-    def _transformers_features(self) -> TrainerConfig:
-        if self.lr_schedule == "cosine" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
-            raise ValueError("lr_schedule cosine needs decay_steps (the step it reaches 0) above warmup_steps")
-        if self.tis_cap is not None and self.old_logprobs == "engine":
-            raise ValueError("tis_cap corrects trainer old logprobs toward the engine's; with old_logprobs: engine "
-                             "the ratio already is pi / pi_engine: leave tis_cap empty")  # fmt: skip
-        if self.train_prompts is not None and not self.filter_groups:
-            raise ValueError("train_prompts caps the groups filter_groups keeps: set filter_groups: true")
-        if self.policy_loss == "cispo" and self.importance_ratio == "sequence":
-            raise ValueError("policy_loss cispo weights each token by its own ratio: use importance_ratio token")
+    def _across_subsections(self) -> TrainerConfig:
         if self.device == "cuda" and self.gpus_per_worker == 0:
             raise ValueError("trainer.device cuda needs a GPU per worker: gpus_per_worker above 0 (or empty: 1)")
-        needing = [name for name in ("gradient_checkpointing", "lora") if getattr(self, name)]
-        if needing and self.model != "transformers":
-            raise ValueError(f"{' and '.join(needing)} need trainer.model: transformers")
         return self
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """The LoRA settings of a transformers model, None otherwise."""
+        return self.model.lora if isinstance(self.model, TransformersModel) else None
 
     @property
     def worker_gpus(self) -> float:
@@ -367,7 +518,7 @@ class ServiceConfig(Section):
     a trainer of another framework that calls the service (``bubblespec.integrations``)."""
 
     seed: int = 0
-    """Part of every rollout key."""
+    """Run seed: part of every rollout key, so it fixes every sample."""
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     speculation: SpeculationConfig = SpeculationConfig()
@@ -377,29 +528,26 @@ class ServiceConfig(Section):
 
     @model_validator(mode="after")
     def _training_hardware(self) -> ServiceConfig:
-        _check_hardware(self.speculation, self.ray)
+        if self.ray.colocated and self.speculation.draft_during_training:
+            raise ValueError(
+                "speculation.draft_during_training needs ranks on hardware of their own; with ray.colocated the "
+                "engines release their memory to the trainer while it trains: turn one of the two off"
+            )
         return self
 
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:
+        """The service's sections of a run config."""
         return cls(**{name: getattr(config, name) for name in cls.model_fields})
 
 
-def _check_hardware(speculation: SpeculationConfig, ray: RayConfig) -> None:
-    if ray.colocated and speculation.draft_during_training:
-        raise ValueError(
-            "speculation.draft_during_training needs ranks on hardware of their own; with ray.colocated the "
-            "engines release their memory to the trainer while it trains: turn one of the two off"
-        )
+class RunConfig(ServiceConfig):
+    """A whole run: the service's sections, and the task, the trainer and the run's own settings."""
 
-
-class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of the run; its directory is ``output_dir/name``."""
     output_dir: str = "runs"
     """Parent folder of run directories."""
-    seed: int = 0
-    """Run seed: part of every rollout key, so it fixes every sample."""
     num_steps: int = Field(10, ge=1)
     """Synchronous RL steps."""
     checkpoint_every: int = Field(5, ge=1)
@@ -410,20 +558,13 @@ class RunConfig(Section):
     eval_prompts: int = Field(128, ge=1)
     """Held-out prompts (from the task with another seed), one keyed sample each, the same keys every time."""
     task: TaskConfig = TaskConfig()
-    model: ModelConfig = ModelConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    speculation: SpeculationConfig = SpeculationConfig()
     trainer: TrainerConfig = TrainerConfig()
-    clock: ClockConfig = ClockConfig()
-    ray: RayConfig = RayConfig()
-    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _across_sections(self) -> RunConfig:
-        _check_hardware(self.speculation, self.ray)
-        if self.trainer.filter_groups and self.task.samples_per_prompt < 2:
+        if self.trainer.dapo.filter_groups and self.task.samples_per_prompt < 2:
             raise ValueError(
-                "trainer.filter_groups keeps groups whose rewards differ: it needs task.samples_per_prompt >= 2 "
+                "trainer.dapo.filter_groups keeps groups whose rewards differ: it needs task.samples_per_prompt >= 2 "
                 f"(got {self.task.samples_per_prompt}), or every step trains nothing"
             )
         return self

@@ -57,7 +57,7 @@ TRAIN_GAUGES = {
     "bubblespec_train_grad_norm": ("grad_norm", "Gradient norm before clipping (mean over the step's updates)."),
     "bubblespec_train_learning_rate": ("learning_rate", "Learning rate of the last trained step's first update."),
     "bubblespec_train_entropy": ("entropy", "Mean per-token entropy of the policy on the trained responses."),
-    "bubblespec_train_kl": ("kl", "Mean per-token KL estimate to the reference model (with trainer.kl_coef)."),
+    "bubblespec_train_kl": ("kl", "Mean per-token KL estimate to the reference model (with trainer.kl.coef)."),
     "bubblespec_train_ratio_mean": ("ratio_mean", "Mean importance ratio pi / pi_old over trained tokens."),
     "bubblespec_train_ratio_max": ("ratio_max", "Largest importance ratio of a trained token."),
     "bubblespec_train_ratio_min": ("ratio_min", "Smallest importance ratio of a trained token."),

@@ -43,7 +43,7 @@ def sample_advantages(
 def check_samples(samples: Sequence[TrainSample], config: TrainerConfig) -> None:
     """Refuses a batch the updates cannot use, naming the sample: a reward that is not a finite number, engine
     logprobs that are not one per response token, none where ``old_logprobs: engine`` or ``tis_cap`` needs them."""
-    needs_engine = config.old_logprobs == "engine" or config.tis_cap is not None
+    needs_engine = config.loss.old_logprobs == "engine" or config.loss.tis_cap is not None
     for index, sample in enumerate(samples):
         length, engine = len(sample.response_token_ids), sample.engine_logprobs
         if not math.isfinite(sample.reward):
@@ -63,14 +63,15 @@ def check_samples(samples: Sequence[TrainSample], config: TrainerConfig) -> None
 def shaped_rewards(samples: Sequence[TrainSample], config: TrainerConfig) -> list[float]:
     """The task's rewards plus DAPO's soft overlong punishment (Yu et al. 2025): a response longer than
     ``max_response_tokens - overlong_buffer`` loses ``overlong_penalty`` times the share of the buffer it used."""
-    if not config.overlong_buffer:
+    dapo = config.dapo
+    if not dapo.overlong_buffer:
         return [s.reward for s in samples]
     rewards = []
     for sample in samples:
         if sample.max_response_tokens is None:
             raise ValueError("overlong_buffer needs each sample's max_response_tokens (the limit it was sampled with)")
-        excess = len(sample.response_token_ids) - (sample.max_response_tokens - config.overlong_buffer)
-        rewards.append(sample.reward - config.overlong_penalty * max(excess, 0) / config.overlong_buffer)
+        excess = len(sample.response_token_ids) - (sample.max_response_tokens - dapo.overlong_buffer)
+        rewards.append(sample.reward - dapo.overlong_penalty * max(excess, 0) / dapo.overlong_buffer)
     return rewards
 
 

@@ -7,8 +7,8 @@ One RL step (:meth:`GRPOLearner.step`)::
 
     check       the batch's inputs (finite rewards, one engine logprob per response token): every worker gets the
                 whole batch, so all of them refuse a bad one alike, before any work or exchange
-    rewards     task rewards, plus DAPO's overlong shaping and, with kl_penalty "reward", - kl_coef * KL(old || ref)
-    filter      with filter_groups (DAPO's dynamic sampling): only groups whose task rewards differ, train_prompts at
+    rewards     task rewards, plus DAPO's overlong shaping and, with kl.penalty "reward", - kl.coef * KL(old || ref)
+    filter      with dapo.filter_groups (dynamic sampling): only groups whose task rewards differ, train_prompts at
                 most (on accuracy, not on the length-shaped rewards)
     advantages  from the whole batch's rewards; a batch whose loss has no gradient (no reward signal, no KL or
                 entropy term) takes no step
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from bubblespec.advantages import compute_advantages
-from bubblespec.config import TrainerConfig
+from bubblespec.config import ClipLoss, ConstantSchedule, TrainerConfig
 from bubblespec.decoder import DTYPES
 from bubblespec.errors import NonFiniteError
 from bubblespec.logprobs import padded_tokens, placed, response_logprobs, response_mask
@@ -62,15 +62,17 @@ __all__ = [
 
 
 def loss_settings(config: TrainerConfig) -> LossSettings:
+    loss, policy, kl = config.loss, config.loss.policy, config.kl
+    clip = isinstance(policy, ClipLoss)
     return LossSettings(
-        policy_loss=config.policy_loss,
-        importance_ratio=config.importance_ratio,
-        clip_low=config.clip_epsilon if config.clip_ratio_low is None else config.clip_ratio_low,
-        clip_high=config.clip_epsilon if config.clip_ratio_high is None else config.clip_ratio_high,
-        aggregation=config.loss_aggregation,
-        kl_coef=config.kl_coef if config.kl_penalty == "loss" else 0.0,
-        kl_estimator=config.kl_estimator,
-        entropy_coef=config.entropy_coef,
+        policy_loss=policy.kind,
+        importance_ratio=policy.importance_ratio if clip else "token",
+        clip_low=policy.low if clip else LossSettings.clip_low,
+        clip_high=policy.high if clip else policy.clip_ratio_high,
+        aggregation=loss.aggregation,
+        kl_coef=kl.coef if kl.penalty == "loss" else 0.0,
+        kl_estimator=kl.estimator,
+        entropy_coef=loss.entropy_coef,
     )
 
 
@@ -79,11 +81,12 @@ def lr_factor(config: TrainerConfig, rl_steps: int) -> float:
     ``learning_rate``: a linear warm-up over ``warmup_steps``, then constant, or a cosine decay to 0 at
     ``decay_steps``. Steps without an update (no reward signal) count too, so that ``decay_steps: num_steps`` ends
     the decay with the run."""
-    if rl_steps < config.warmup_steps:
-        return (rl_steps + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
+    schedule = config.optimizer.schedule
+    if rl_steps < schedule.warmup_steps:
+        return (rl_steps + 1) / schedule.warmup_steps
+    if isinstance(schedule, ConstantSchedule):
         return 1.0
-    progress = min(1.0, (rl_steps - config.warmup_steps) / max(config.decay_steps - config.warmup_steps, 1))
+    progress = min(1.0, (rl_steps - schedule.warmup_steps) / max(schedule.decay_steps - schedule.warmup_steps, 1))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -147,7 +150,7 @@ class _Before:
 
 
 class GRPOLearner:
-    """Holds the policy being trained, its optimizer and (with ``kl_coef``) a frozen reference model; one
+    """Holds the policy being trained, its optimizer and (with ``kl.coef``) a frozen reference model; one
     :meth:`step` per RL step.
 
     Precision. Adam updates *master weights* of dtype ``promote(dtype, float32)`` and keeps its state in that
@@ -173,26 +176,32 @@ class GRPOLearner:
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)
         # LoRA: the base stays in the run's dtype and frozen, the adapters train in float32 (no copy needed).
         single = self.master_dtype == self.dtype or config.lora is not None
-        self.master = load_trainer_model(model_path, self.dtype if config.lora else self.master_dtype, config)
+        self.master = load_trainer_model(
+            model_path, self.dtype if config.lora else self.master_dtype, config.model, config.device
+        )
         self.device = torch.device(self.master.device)
         self.parameters = self.master.trainable_parameters()
         if single:
             self.model, self._model_parameters = self.master, self.parameters
         else:
-            self.model = load_trainer_model(model_path, self.dtype, config)
+            self.model = load_trainer_model(model_path, self.dtype, config.model, config.device)
             self._model_parameters = self.model.trainable_parameters()
             assert [p.shape for p in self._model_parameters] == [p.shape for p in self.parameters]
         # The reference: the initial policy, frozen (no LoRA: the folder's weights are the initial policy).
         self.reference = None
-        if config.kl_coef:
-            self.reference = load_trainer_model(model_path, self.dtype, config.model_copy(update={"lora": None}))
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+        if config.kl.coef:
+            plain = config.model.model_copy(update={"lora": None}) if config.lora else config.model
+            self.reference = load_trainer_model(model_path, self.dtype, plain, config.device)
+        optimizer = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=optimizer.learning_rate, weight_decay=optimizer.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, config))
         self.config = config
         self.settings = loss_settings(config)
         self.temperature = temperature if temperature > 0 else 1.0
-        # The rollout's filters, applied to the trainer's distribution with trainer.sampling_filters (not greedy).
-        filtered = config.sampling_filters and temperature > 0 and (top_k > 0 or top_p < 1.0)
+        # The rollout's filters, applied to the trainer's distribution with trainer.loss.sampling_filters (not greedy).
+        filtered = config.loss.sampling_filters and temperature > 0 and (top_k > 0 or top_p < 1.0)
         self.filters = (top_k, top_p) if filtered else None
         self.all_reduce = all_reduce
 
@@ -211,14 +220,14 @@ class GRPOLearner:
         check_samples(samples, config)
         rewards = shaped_rewards(samples, config)
         kept = {}
-        if config.filter_groups:
-            samples, rewards, groups_kept, groups_dropped = filter_groups(samples, rewards, config.train_prompts)
+        if config.dapo.filter_groups:
+            samples, rewards, groups_kept, groups_dropped = filter_groups(samples, rewards, config.dapo.train_prompts)
             kept = {"groups_kept": groups_kept, "groups_dropped": groups_dropped}
         size = config.mini_batch_size or max(len(samples), 1)
         batches = [list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size)]
         shares = [batch[rank::world] for batch in batches]
         owned = sorted(i for share in shares for i in share)
-        penalised = bool(config.kl_coef) and config.kl_penalty == "reward"
+        penalised = bool(config.kl.coef) and config.kl.penalty == "reward"
         advantages = self._advantages(samples, rewards)
         if not samples or not (penalised or self._has_gradient(advantages)):
             # The loss is 0 with a zero gradient, and an Adam step would still move the weights by its momentum.
@@ -229,7 +238,7 @@ class GRPOLearner:
         if penalised:
             if self.all_reduce is not None:  # every worker has agreed that none failed: this cannot hang
                 self.all_reduce(before.penalties)
-            rewards = [r - config.kl_coef * p for r, p in zip(rewards, before.penalties.tolist(), strict=True)]
+            rewards = [r - config.kl.coef * p for r, p in zip(rewards, before.penalties.tolist(), strict=True)]
             advantages = self._advantages(samples, rewards)
             if not self._has_gradient(advantages):
                 return self._skipped() | kept
@@ -255,7 +264,7 @@ class GRPOLearner:
     def _has_gradient(self, advantages: Sequence[float]) -> bool:
         """Whether the loss can have a gradient: some advantage is not 0 (advantages of groups whose rewards are all
         equal are exactly 0), or a KL term in the loss or an entropy bonus pulls the policy regardless."""
-        return any(advantages) or bool(self.settings.kl_coef) or bool(self.config.entropy_coef)
+        return any(advantages) or bool(self.settings.kl_coef) or bool(self.config.loss.entropy_coef)
 
     def _skipped(self) -> dict[str, float]:
         with warnings.catch_warnings():  # torch warns when a schedule moves before any optimizer step: here it must
@@ -265,7 +274,7 @@ class GRPOLearner:
 
     def _advantages(self, samples: Sequence[TrainSample], rewards: Sequence[float]) -> list[float]:
         groups = [s.group for s in samples]
-        return compute_advantages(rewards, groups, self.config.advantage, self.config.scale_rewards)
+        return compute_advantages(rewards, groups, self.config.loss.advantage, self.config.loss.scale_rewards)
 
     def _metrics(self, samples, advantages, sums, maxima, grad_norms, learning_rate) -> dict[str, float]:
         """The step's metrics from the statistics summed (and maximised) over every worker's share."""
@@ -326,8 +335,8 @@ class GRPOLearner:
         penalty), the reference model's when there is a KL term, the KL reward penalties, and the engine-trainer
         logprob difference when there is more than one update (with one, its own pass measures it)."""
         config = self.config
-        needs_old = config.old_logprobs == "trainer" and (
-            num_updates > 1 or config.tis_cap is not None or config.kl_penalty == "reward"
+        needs_old = config.loss.old_logprobs == "trainer" and (
+            num_updates > 1 or config.loss.tis_cap is not None or config.kl.penalty == "reward"
         )
         measure = num_updates > 1 and any(samples[i].engine_logprobs for i in owned)
         before = _Before({}, {})
@@ -344,7 +353,7 @@ class GRPOLearner:
             before.old = current if needs_old else {}
             if num_updates > 1:
                 before.difference = self._logprob_difference(samples, owned, current)
-        if config.kl_coef and config.kl_penalty == "reward":
+        if config.kl.coef and config.kl.penalty == "reward":
             before.penalties = self._kl_penalties(samples, before)
         return before
 
@@ -360,12 +369,12 @@ class GRPOLearner:
             old = before.old.get(i)
             if old is None:  # old_logprobs "engine"
                 old = self._engine_logprobs(samples[i])
-            penalties[i] = kl_divergence(old, ref, self.config.kl_estimator).sum()
+            penalties[i] = kl_divergence(old, ref, self.config.kl.estimator).sum()
         return penalties
 
     def _lengths(self, samples: Sequence[TrainSample], indices) -> list[int]:
         """Trained response tokens per sample: 0 for a truncated one under ``mask_truncated``."""
-        masked = self.config.mask_truncated
+        masked = self.config.dapo.mask_truncated
         return [0 if masked and samples[i].truncated else len(samples[i].response_token_ids) for i in indices]
 
     def compute_gradients(
@@ -388,13 +397,13 @@ class GRPOLearner:
         batch = list(range(len(samples))) if batch is None else list(batch)
         share = batch if share is None else list(share)
         lengths = self._lengths(samples, batch)
-        normaliser = aggregation_normaliser(config.loss_aggregation, lengths)
+        normaliser = aggregation_normaliser(config.loss.aggregation, lengths)
         token_normaliser = float(max(sum(lengths), 1))
         norm_tokens = None
-        if config.loss_aggregation == "seq-mean-token-sum-norm":
-            norm_tokens = config.loss_norm_tokens or max(samples[i].max_response_tokens or 0 for i in batch)
+        if config.loss.aggregation == "seq-mean-token-sum-norm":
+            norm_tokens = config.loss.norm_tokens or max(samples[i].max_response_tokens or 0 for i in batch)
             if not norm_tokens:
-                raise ValueError("seq-mean-token-sum-norm needs trainer.loss_norm_tokens or the samples' token limit")
+                raise ValueError("seq-mean-token-sum-norm needs trainer.loss.norm_tokens or the samples' token limit")
         self._copy_master_to_model()
         self.optimizer.zero_grad(set_to_none=False)
         size = config.micro_batch_size or max(len(share), 1)
@@ -415,14 +424,14 @@ class GRPOLearner:
     def _backward(self, samples, rows, advantages, before, normaliser, token_normaliser, norm_tokens, measure, where):
         """Back-propagates one micro-batch's share of the loss; returns its statistics."""
         part = [samples[i] for i in rows]
-        wants_entropy_gradient = bool(self.config.entropy_coef)
+        wants_entropy_gradient = bool(self.config.loss.entropy_coef)
         logprobs_BR, entropy_BR = self._response_logprobs(self.model, part, wants_entropy_gradient)
         mask_BR = response_mask(self._lengths(samples, rows), logprobs_BR.shape[1], self.master_dtype, self.device)
         advantages_B = torch.tensor([advantages[i] for i in rows], dtype=self.master_dtype, device=self.device)
         engine_BR = None
-        if self.config.old_logprobs == "engine" or self.config.tis_cap is not None:
+        if self.config.loss.old_logprobs == "engine" or self.config.loss.tis_cap is not None:
             engine_BR = placed([self._engine_logprobs(s) for s in part], logprobs_BR)
-        if self.config.old_logprobs == "engine":
+        if self.config.loss.old_logprobs == "engine":
             old_BR = engine_BR
         elif before.old:
             old_BR = placed([before.old[i] for i in rows], logprobs_BR)
@@ -430,8 +439,8 @@ class GRPOLearner:
             old_BR = logprobs_BR.detach()  # one update per step: the old policy is the current one
         ref_BR = placed([before.ref[i] for i in rows], logprobs_BR) if before.ref else None
         is_weights_BR = None
-        if self.config.tis_cap is not None:
-            is_weights_BR = torch.exp(old_BR - engine_BR).clamp(max=self.config.tis_cap) * mask_BR
+        if self.config.loss.tis_cap is not None:
+            is_weights_BR = torch.exp(old_BR - engine_BR).clamp(max=self.config.loss.tis_cap) * mask_BR
         loss, stats = policy_loss(logprobs_BR, old_BR, advantages_B, mask_BR, self.settings, normaliser,
                                   token_normaliser, norm_tokens, ref_BR, is_weights_BR, entropy_BR)  # fmt: skip
         if not torch.isfinite(loss):
@@ -505,7 +514,9 @@ class GRPOLearner:
         return self._agreed(lambda: self._optimizer_step(where))
 
     def _optimizer_step(self, where: str) -> float:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm or float("inf")))
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.config.optimizer.max_grad_norm or float("inf"))
+        )
         if not math.isfinite(grad_norm):
             raise NonFiniteError(
                 f"{where}: the gradient norm is {grad_norm} (not a finite number); no optimizer step was taken with it"

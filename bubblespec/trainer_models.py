@@ -18,17 +18,18 @@ from collections.abc import Mapping
 
 import torch
 
-from bubblespec.config import LoraSettings, TrainerConfig
+from bubblespec.config import BuiltinModel, LoraSettings
+from bubblespec.config import TransformersModel as TransformersSettings
 from bubblespec.decoder import DecoderModel, check_weight_names, read_checkpoint
 from bubblespec.errors import ModelLoadError
 
 
-def load_trainer_model(model_path: str, dtype: torch.dtype, config: TrainerConfig):
-    """The model ``config.model`` names, in ``dtype`` on ``config.device``."""
-    if config.model == "builtin":
+def load_trainer_model(model_path: str, dtype: torch.dtype, settings: BuiltinModel | TransformersSettings, device: str):
+    """The model ``settings`` (``trainer.model``) names, in ``dtype`` on ``device``."""
+    if isinstance(settings, BuiltinModel):
         model_config, weights = read_checkpoint(model_path)
-        return DecoderModel(model_config, weights, dtype, config.device)
-    return TransformersModel(model_path, dtype, config.device, config.gradient_checkpointing, config.lora)
+        return DecoderModel(model_config, weights, dtype, device)
+    return TransformersModel(model_path, dtype, device, settings.gradient_checkpointing, settings.lora)
 
 
 class TransformersModel:

@@ -52,7 +52,7 @@ def test_unknown_bench_target_is_a_clear_error():
 def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("num_steps: 3\nrollout:\n  num_ranks: 4\n")
-    result = runner.invoke(app, ["validate", str(good), "--set", "trainer.learning_rate=0.001"])
+    result = runner.invoke(app, ["validate", str(good), "--set", "trainer.optimizer.learning_rate=0.001"])
     assert result.exit_code == 0, result.output
     assert "num_ranks: 4" in result.output and "learning_rate: 0.001" in result.output
     assert "bubble_policy: coverage-first" in result.output  # defaults are filled in

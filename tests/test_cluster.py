@@ -63,7 +63,7 @@ def _small_run(tmp_path, name: str, **changes) -> dict:
         "model": {"dtype": "float64"},
         "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
         "rollout": {"num_ranks": 2, "gpus_per_rank": 1, "sampling": {"max_new_tokens": 48}},
-        "trainer": {"learning_rate": 1e-3, "gpus_per_worker": 1},
+        "trainer": {"optimizer": {"learning_rate": 1e-3}, "gpus_per_worker": 1},
         "ray": PLACED,
     } | changes
 
@@ -225,7 +225,7 @@ def test_colocated_ranks_share_gpus_with_the_trainer_and_release_them_while_it_t
             "colocated",
             clock={"kind": "wall"},
             rollout={"num_ranks": 2, "gpus_per_rank": 0.5, "sampling": {"max_new_tokens": 48}},
-            trainer={"learning_rate": 1e-3, "gpus_per_worker": 0.5},
+            trainer={"optimizer": {"learning_rate": 1e-3}, "gpus_per_worker": 0.5},
             ray=ray_section,
         )
     )

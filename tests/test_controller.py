@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from safetensors.torch import load_file
 
-from bubblespec.config import load_config, validate
+from bubblespec.config import apply_overrides, load_config, validate
 from bubblespec.errors import BubblespecError, ConfigError
 from bubblespec.launch import run
 from bubblespec.run_dir import CheckpointError, RunDirectory
@@ -17,7 +19,7 @@ SMALL = {
     "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
     "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
     "clock": {"kind": "virtual", "profile": "h100-7b"},
-    "trainer": {"learning_rate": 1e-3},
+    "trainer": {"optimizer": {"learning_rate": 1e-3}},
     "metrics": {"port": 0},
 }
 
@@ -69,7 +71,7 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     "advantage", ["dr_grpo", "rloo", "reinforce_pp", {"advantage": "grpo", "scale_rewards": "batch"}]
 )
 def test_speculation_changes_no_rollout_or_weight_for_every_advantage_estimator(tmp_path, advantage):
-    trainer = advantage if isinstance(advantage, dict) else {"advantage": advantage}
+    trainer = {"loss": advantage if isinstance(advantage, dict) else {"advantage": advantage}}
     plain_steps, plain_weights = _run(tmp_path, "plain", speculation={"enabled": False}, trainer=trainer)
     steps, weights = _run(tmp_path, "spec", speculation={"enabled": True}, trainer=trainer)
     assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
@@ -100,7 +102,7 @@ def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, re
 
     overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=16"]
     if recipe == "dapo":  # 20 prompts generated for 16 trained
-        overrides += ["task.prompts_per_step=20", "trainer.train_prompts=16"]
+        overrides += ["task.prompts_per_step=20", "trainer.dapo.train_prompts=16"]
     config = load_config(Path(__file__).parent.parent / "examples" / f"recipe-{recipe}.yaml", overrides)
     report = run_side_by_side(config, tmp_path)
     assert report["identical_rollouts"] and report["identical_weights"]
@@ -284,7 +286,7 @@ def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):
         # history drafts come back with the checkpoint: the resumed run is as fast, step by step, as the other
         {"speculation": {"draft_sources": ["history", "bubble"]}, "task": {"options": {"dataset_size": 8}}},
         # the checkpoint keeps the float32 master weights of a bfloat16 run (and its float32 Adam state)
-        {"model": {"dtype": "bfloat16"}, "trainer": {"learning_rate": 1e-5}},
+        {"model": {"dtype": "bfloat16"}, "trainer": {"optimizer": {"learning_rate": 1e-5}}},
     ],
     ids=["bubble", "history", "bfloat16"],
 )
@@ -367,6 +369,22 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
         run(config)
 
 
+def test_flat_trainer_keys_of_earlier_versions_name_their_new_place():
+    """Every key the trainer section had before it was grouped fails with the key it is now, all at once."""
+    from bubblespec.config import MOVED_TRAINER_KEYS
+
+    with pytest.raises(ConfigError) as raised:
+        validate({"trainer": {key: None for key in MOVED_TRAINER_KEYS}})
+    for key, place in MOVED_TRAINER_KEYS.items():
+        assert f"trainer.{key} is now trainer.{place}" in str(raised.value)
+    with pytest.raises(ConfigError, match="trainer.learning_rate is now trainer.optimizer.learning_rate"):
+        validate(apply_overrides({}, ["trainer.learning_rate=0.1"]))
+    with pytest.raises(ConfigError, match="trainer.model is a section now: trainer.model.kind: transformers"):
+        validate({"trainer": {"model": "transformers"}})
+    for example in sorted(Path(__file__).parent.parent.glob("examples/*.yaml")):
+        load_config(example)  # the shipped examples have the new shape
+
+
 def test_config_errors_name_the_field_and_the_choices(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.backend: .*unknown backend 'nope'; available: .*torch"):
         validate({"rollout": {"backend": "nope"}})
@@ -374,8 +392,10 @@ def test_config_errors_name_the_field_and_the_choices(tmp_path):
         validate({"speculation": {"bubble_policy": "round-robin"}})
     with pytest.raises(ConfigError, match=r"rollout.num_ranks: Input should be a valid integer.*'two'"):
         validate({"rollout": {"num_ranks": "two"}})
-    with pytest.raises(ConfigError, match=r"trainer.learning_rte: Extra inputs are not permitted"):
-        validate({"trainer": {"learning_rte": 0.1}})
+    with pytest.raises(ConfigError, match=r"trainer.optimizer.learning_rte: Extra inputs are not permitted"):
+        validate({"trainer": {"optimizer": {"learning_rte": 0.1}}})
+    with pytest.raises(ConfigError, match=r"trainer.optimizer.schedule: kind must be one of constant, cosine"):
+        validate({"trainer": {"optimizer": {"schedule": {"kind": "linear"}}}})
     with pytest.raises(ConfigError, match=r"rollout.sampling.top_p: Input should be less than or equal to 1"):
         validate({"rollout": {"sampling": {"top_p": 2}}})
     bad_yaml = tmp_path / "bad.yaml"
@@ -454,7 +474,9 @@ def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
     from bubblespec.tasks import ArithmeticTask
     from bubblespec.trainer import GRPOLearner, TrainSample
 
-    learner = GRPOLearner(str(ArithmeticTask.model_path()), "float64", TrainerConfig(learning_rate=1e-2), 1.0)
+    learner = GRPOLearner(
+        str(ArithmeticTask.model_path()), "float64", TrainerConfig(optimizer={"learning_rate": 1e-2}), 1.0
+    )
     before = learner.state_dict()
     same_rewards = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (7, 2), group=0, reward=1.0)]
     assert learner.step(same_rewards)["skipped"] == 1

@@ -111,7 +111,7 @@ def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
                 "sampling": {"max_new_tokens": 48},
             },
             "speculation": {"enabled": True},
-            "trainer": {"ppo_epochs": 2, "kl_coef": 0.01},  # every training panel has a series
+            "trainer": {"ppo_epochs": 2, "kl": {"coef": 0.01}},  # every training panel has a series
             "clock": {"kind": "virtual", "profile": "h100-7b"},
             "metrics": metrics,
         }

@@ -225,7 +225,7 @@ SMALL = {
     "task": {"name": "dataset", "prompts_per_step": 4, "samples_per_prompt": 2},
     "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 24}},
     "clock": {"kind": "virtual", "profile": "h100-7b"},
-    "trainer": {"learning_rate": 1e-3},
+    "trainer": {"optimizer": {"learning_rate": 1e-3}},
     "metrics": {"port": 0},
 }
 
@@ -240,7 +240,7 @@ def _math_example(tmp_path, name: str, model_path: str, speculation: bool, extra
         f"task.options.path={EXAMPLES / 'data' / 'math-sample.jsonl'}", "task.options.max_new_tokens=24",
         "task.options.reward_workers=1", "task.prompts_per_step=4", "task.samples_per_prompt=2", "num_steps=3",
         "eval_every=2", "eval_prompts=4", "checkpoint_every=10", "clock.kind=virtual", "clock.profile=h100-7b",
-        "trainer.learning_rate=1e-5", "metrics.port=0", f"speculation.enabled={str(speculation).lower()}",
+        "trainer.optimizer.learning_rate=1e-5", "metrics.port=0", f"speculation.enabled={str(speculation).lower()}",
         "speculation.draft_during_training=true",  # equal-length responses leave no bubble to draft in
         # a random model never earns the math reward: digit_share gives the trainer a signal to train on
         'task.options.reward=[math, {name: format, weight: 0.1, pattern: ".*boxed.*"}, '
@@ -252,7 +252,7 @@ def _math_example(tmp_path, name: str, model_path: str, speculation: bool, extra
     return RunDirectory(config.run_dir).read_steps()
 
 
-LORA = ("trainer.model=transformers", "trainer.lora.rank=4", "trainer.learning_rate=1e-3")
+LORA = ("trainer.model.kind=transformers", "trainer.model.lora.rank=4", "trainer.optimizer.learning_rate=1e-3")
 
 
 @pytest.mark.slow

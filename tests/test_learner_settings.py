@@ -15,6 +15,7 @@ from bubblespec.errors import NonFiniteError
 from bubblespec.trainer import GRPOLearner, TrainSample
 
 from .conftest import write_checkpoint
+from .trainer_settings import trainer_config
 from .workers import run_workers
 
 TEMPERATURE, TOP_K = 0.7, 5
@@ -54,8 +55,8 @@ def _engine_samples(model_path: str, lengths: tuple[int, ...], top_k: int = TOP_
     ]
 
 
-def _learner(model_path: str, **settings) -> GRPOLearner:
-    config = TrainerConfig(learning_rate=1e-2, sampling_filters=True, **settings)
+def _learner(model_path: str, settings: dict | None = None) -> GRPOLearner:
+    config = trainer_config({"optimizer.learning_rate": 1e-2, "loss.sampling_filters": True} | (settings or {}))
     return GRPOLearner(model_path, "float64", config, TEMPERATURE, top_k=TOP_K)
 
 
@@ -65,14 +66,14 @@ def _weights(learner: GRPOLearner) -> dict[str, torch.Tensor]:
 
 SETTINGS = [
     {},
-    {"importance_ratio": "sequence"},
-    {"kl_coef": 0.1},
-    {"kl_coef": 0.1, "kl_penalty": "reward", "kl_estimator": "k1"},
+    {"loss.policy.importance_ratio": "sequence"},
+    {"kl.coef": 0.1},
+    {"kl.coef": 0.1, "kl.penalty": "reward", "kl.estimator": "k1"},
     {"ppo_epochs": 2, "mini_batch_size": 2},
-    {"policy_loss": "cispo"},
-    {"entropy_coef": 0.01},
-    {"old_logprobs": "engine", "mini_batch_size": 2, "loss_aggregation": "token-mean"},
-    {"tis_cap": 2.0, "loss_aggregation": "seq-mean-token-sum-norm"},
+    {"loss.policy.kind": "cispo"},
+    {"loss.entropy_coef": 0.01},
+    {"loss.old_logprobs": "engine", "mini_batch_size": 2, "loss.aggregation": "token-mean"},
+    {"loss.tis_cap": 2.0, "loss.aggregation": "seq-mean-token-sum-norm"},
 ]
 
 
@@ -82,7 +83,7 @@ def test_padding_changes_nothing_with_sampling_filters(model_path, settings, len
     """Two steps with top-k 5 over 32,000 tokens: the padded batch trains exactly as micro-batches of one sample
     each (no padding at all), every number finite, the trainer's logprobs the engine's."""
     samples = _engine_samples(model_path, lengths)
-    padded, unpadded = _learner(model_path, **settings), _learner(model_path, micro_batch_size=1, **settings)
+    padded, unpadded = _learner(model_path, settings), _learner(model_path, settings | {"micro_batch_size": 1})
     for step in range(2):
         metrics, alone = padded.step(samples), unpadded.step(samples)
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
@@ -97,7 +98,7 @@ def test_padding_changes_nothing_with_sampling_filters(model_path, settings, len
 
 def test_the_entropy_gradient_is_finite_at_every_filtered_token(model_path):
     samples = _engine_samples(model_path, (12, 12, 12, 12))
-    learner = _learner(model_path, entropy_coef=0.01)
+    learner = _learner(model_path, {"loss.entropy_coef": 0.01})
     learner.compute_gradients(samples, [1.0, -1.0, 1.0, -1.0])
     gradients = torch.cat([p.grad.flatten() for p in learner.parameters])
     assert torch.isfinite(gradients).all() and gradients.abs().sum() > 0
@@ -113,7 +114,7 @@ def test_a_sampled_token_the_trainer_would_filter_keeps_a_finite_logprob(model_p
 
 def test_a_non_finite_loss_is_an_error_naming_the_step_and_no_weight_changes(model_path):
     samples = _engine_samples(model_path, (12, 6, 9, 3))
-    learner = _learner(model_path, ppo_epochs=2, mini_batch_size=2)
+    learner = _learner(model_path, {"ppo_epochs": 2, "mini_batch_size": 2})
     with torch.no_grad():
         learner.master.weights["model.norm.weight"][0] = math.nan
     before = _weights(learner)
@@ -170,7 +171,8 @@ def test_the_end_to_end_run_with_sampling_filters_trains_finite_steps(tmp_path):
         "name": "filters", "output_dir": str(tmp_path), "num_steps": 2, "metrics": {"enabled": False},
         "task": {"prompts_per_step": 4, "samples_per_prompt": 4},
         "rollout": {"num_ranks": 2, "sampling": {"top_k": 5}},
-        "clock": {"kind": "virtual"}, "trainer": {"sampling_filters": True, "learning_rate": 1e-3},
+        "clock": {"kind": "virtual"},
+        "trainer": {"loss": {"sampling_filters": True}, "optimizer": {"learning_rate": 1e-3}},
     })  # fmt: skip
     run(config)
     steps = RunDirectory(config.run_dir).read_steps()
@@ -192,16 +194,16 @@ def _groups(rewards: list[tuple[float, ...]], length: int = 4) -> list[TrainSamp
 def test_equal_rewards_that_do_not_add_up_exactly_take_no_step(model_path):
     """Groups of three rewards of 0.1: their mean is not exactly 0.1, and before, advantages of 1e-11 let Adam move
     the weights by a whole learning rate."""
-    learner = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-2), 1.0)
+    learner = GRPOLearner(model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-2}), 1.0)
     before = _weights(learner)
     assert learner.step(_groups([(0.1, 0.1, 0.1), (0.3, 0.3, 0.3)]))["skipped"] == 1
     after = _weights(learner)
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("settings", [{"kl_coef": 0.5}, {"entropy_coef": 0.1}], ids=["kl in the loss", "entropy"])
+@pytest.mark.parametrize("settings", [{"kl.coef": 0.5}, {"loss.entropy_coef": 0.1}], ids=["kl in the loss", "entropy"])
 def test_a_kl_or_entropy_term_trains_even_without_reward_signal(model_path, settings):
-    learner = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-2, **settings), 1.0)
+    learner = GRPOLearner(model_path, "float64", trainer_config({"optimizer.learning_rate": 1e-2} | settings), 1.0)
     learner.step(_groups([(0.0, 1.0), (1.0, 0.0)]))  # the policy leaves the reference: a KL to pull it back
     before = _weights(learner)
     metrics = learner.step(_groups([(1.0, 1.0), (0.0, 0.0)]))
@@ -218,7 +220,7 @@ def test_dapo_filters_groups_on_accuracy_not_on_length_shaped_rewards(model_path
         for g, pairs in enumerate([((8, 0.0), (16, 0.0)), ((8, 1.0), (8, 0.0))])
         for n, r in pairs
     ]
-    config = TrainerConfig(filter_groups=True, overlong_buffer=4)
+    config = TrainerConfig(dapo={"filter_groups": True, "overlong_buffer": 4})
     metrics = GRPOLearner(model_path, "float64", config, 1.0).step(samples)
     assert (metrics["groups_kept"], metrics["groups_dropped"]) == (1, 1)
     assert metrics["trained_tokens"] == 16
@@ -228,7 +230,7 @@ def test_the_logprob_agreement_is_measured_before_any_update(model_path):
     """Four mini-batches against the engine's old logprobs: the float64 engine and trainer agree to 1e-10 before
     the first update; measured after the first updates, as before, they differed by the updates."""
     samples = _engine_samples(model_path, (12, 6, 9, 3, 12, 6, 9, 3))
-    learner = _learner(model_path, old_logprobs="engine", mini_batch_size=2)
+    learner = _learner(model_path, {"loss.old_logprobs": "engine", "mini_batch_size": 2})
     metrics = learner.step(samples)
     assert metrics["optimizer_steps"] == 4 and metrics["logprob_diff_max"] < 1e-10
     assert metrics["ratio_max"] - metrics["ratio_min"] > 1e-3  # the updates did move the policy
@@ -237,8 +239,11 @@ def test_the_logprob_agreement_is_measured_before_any_update(model_path):
 def test_the_schedule_counts_rl_steps_whatever_the_optimizer_steps(model_path):
     """Two epochs of two mini-batches (four optimizer steps per RL step) and a step without signal: warm-up and
     cosine advance once per RL step, so decay_steps: num_steps ends the decay with the run."""
-    config = TrainerConfig(learning_rate=1e-3, warmup_steps=2, lr_schedule="cosine", decay_steps=6, ppo_epochs=2,
-                           mini_batch_size=2)  # fmt: skip
+    config = TrainerConfig(
+        optimizer={"learning_rate": 1e-3, "schedule": {"kind": "cosine", "warmup_steps": 2, "decay_steps": 6}},
+        ppo_epochs=2,
+        mini_batch_size=2,
+    )
     learner = GRPOLearner(model_path, "float64", config, 1.0)
     signal, none = _groups([(0.0, 1.0), (1.0, 0.0)]), _groups([(1.0, 1.0), (0.0, 0.0)])
     rates = []
@@ -260,7 +265,7 @@ def test_engine_logprobs_two_tokens_short_are_one_clear_error_on_every_worker(mo
     short = samples[1]
     samples[1] = TrainSample(short.prompt_token_ids, short.response_token_ids, short.group, short.reward,
                              engine_logprobs=short.engine_logprobs[:-2])  # fmt: skip
-    config = TrainerConfig(ppo_epochs=2, kl_coef=0.1, kl_penalty="reward")
+    config = TrainerConfig(kl={"coef": 0.1, "penalty": "reward"}, ppo_epochs=2)
     raised = []
 
     def work(rank, learner):
@@ -273,7 +278,7 @@ def test_engine_logprobs_two_tokens_short_are_one_clear_error_on_every_worker(mo
     assert sorted(raised) == [0, 1]
 
 
-@pytest.mark.parametrize("settings", [{}, {"ppo_epochs": 2, "kl_coef": 0.1, "kl_penalty": "reward"}],
+@pytest.mark.parametrize("settings", [{}, {"ppo_epochs": 2, "kl.coef": 0.1, "kl.penalty": "reward"}],
                          ids=["in the update", "before the updates"])  # fmt: skip
 def test_a_failure_on_one_worker_stops_its_peer_wherever_it_happens(model_path, settings):
     from bubblespec.trainer import PeerFailed
@@ -285,6 +290,6 @@ def test_a_failure_on_one_worker_stops_its_peer_wherever_it_happens(model_path, 
             learner.step(batch, rank=rank, world=2)
 
     build = lambda rank, all_reduce: GRPOLearner(  # noqa: E731
-        model_path, "float64", TrainerConfig(**settings), 1.0, all_reduce=all_reduce
+        model_path, "float64", trainer_config(settings), 1.0, all_reduce=all_reduce
     )
     run_workers(2, build, work, timeout_s=60)

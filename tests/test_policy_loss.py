@@ -18,6 +18,7 @@ from bubblespec.policy_loss import LossSettings, aggregation_normaliser, kl_dive
 from bubblespec.trainer import GRPOLearner, TrainSample, shaped_rewards
 
 from .conftest import write_checkpoint
+from .trainer_settings import trainer_config
 from .workers import run_workers
 
 
@@ -138,10 +139,10 @@ def test_kl_estimators_are_the_definitions_and_k3_is_never_negative():
 
 def test_one_update_per_step_has_ratio_one_and_several_updates_move_it(model_path):
     samples = _samples()
-    single = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-2), 1.0).step(samples)
+    single = GRPOLearner(model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-2}), 1.0).step(samples)
     assert single["optimizer_steps"] == 1 and single["ratio_min"] == single["ratio_max"] == 1.0
     assert single["clip_fraction_low"] == single["clip_fraction_high"] == 0.0
-    config = TrainerConfig(learning_rate=1e-2, ppo_epochs=2, mini_batch_size=3)
+    config = TrainerConfig(optimizer={"learning_rate": 1e-2}, ppo_epochs=2, mini_batch_size=3)
     several = GRPOLearner(model_path, "float64", config, 1.0).step(samples)
     assert several["optimizer_steps"] == 2 * 3  # 8 samples in mini-batches of 3, 3, 2; twice
     assert several["ratio_max"] > 1.0 > several["ratio_min"]
@@ -153,15 +154,15 @@ def test_one_update_per_step_has_ratio_one_and_several_updates_move_it(model_pat
 @pytest.mark.parametrize(
     "settings",
     [
-        {"ppo_epochs": 2, "mini_batch_size": 4, "loss_aggregation": "token-mean"},
-        {"mini_batch_size": 3, "kl_coef": 0.1, "entropy_coef": 0.01},
-        {"ppo_epochs": 2, "kl_coef": 0.05, "kl_penalty": "reward", "importance_ratio": "sequence"},
+        {"ppo_epochs": 2, "mini_batch_size": 4, "loss.aggregation": "token-mean"},
+        {"mini_batch_size": 3, "kl.coef": 0.1, "loss.entropy_coef": 0.01},
+        {"ppo_epochs": 2, "kl.coef": 0.05, "kl.penalty": "reward", "loss.policy.importance_ratio": "sequence"},
     ],
 )
 def test_two_data_parallel_workers_take_the_updates_of_one_learner(model_path, settings):
     """Every worker computes every other sample of each mini-batch, the normalisers of the whole mini-batch: the
     summed gradients, the weights after the step and the metrics are one learner's (float64)."""
-    config = TrainerConfig(learning_rate=1e-2, **settings)
+    config = trainer_config({"optimizer.learning_rate": 1e-2} | settings)
     samples = _samples(count=8)
     warm = _samples(count=8, seed=9)  # a first step, so that the policy has left the reference (a KL to see)
     alone = GRPOLearner(model_path, "float64", config, 1.0)
@@ -180,12 +181,12 @@ def test_two_data_parallel_workers_take_the_updates_of_one_learner(model_path, s
         reference = alone.master.state_dict()
         # Nine Adam steps of size ~1e-2 after gradients summed in another order: 3e-12 apart (measured).
         assert all(torch.allclose(weights[n], reference[n], atol=1e-10, rtol=0) for n in reference)
-    if config.kl_coef:
+    if config.kl.coef:
         assert expected["kl"] > 0
 
 
 def test_the_kl_reward_penalty_is_subtracted_before_the_advantages(model_path):
-    config = TrainerConfig(learning_rate=1e-2, kl_coef=0.5, kl_penalty="reward", kl_estimator="k1")
+    config = TrainerConfig(optimizer={"learning_rate": 1e-2}, kl={"coef": 0.5, "penalty": "reward", "estimator": "k1"})
     learner = GRPOLearner(model_path, "float64", config, 1.0)
     learner.step(_samples(seed=5))  # the policy moves away from the reference
     samples = _samples()
@@ -203,14 +204,14 @@ def test_the_kl_reward_penalty_is_subtracted_before_the_advantages(model_path):
 
 
 def test_dapo_overlong_shaping_and_truncated_masking(model_path):
-    config = TrainerConfig(overlong_buffer=4, overlong_penalty=0.5)
+    config = TrainerConfig(dapo={"overlong_buffer": 4, "overlong_penalty": 0.5})
     samples = [TrainSample((1,), tuple(range(3, 3 + n)), 0, 1.0, max_response_tokens=16) for n in (8, 12, 14, 16)]
     # L <= 16 - 4 keeps its reward; then - 0.5 * (L - 12) / 4
     assert shaped_rewards(samples, config) == pytest.approx([1.0, 1.0, 0.75, 0.5])
     with pytest.raises(ValueError, match="max_response_tokens"):
         shaped_rewards([TrainSample((1,), (3,), 0, 1.0)], config)
     batch = _samples()
-    masked = GRPOLearner(model_path, "float64", TrainerConfig(mask_truncated=True), 1.0).step(batch)
+    masked = GRPOLearner(model_path, "float64", TrainerConfig(dapo={"mask_truncated": True}), 1.0).step(batch)
     assert masked["trained_tokens"] == sum(len(s.response_token_ids) for s in batch if not s.truncated)
 
 
@@ -227,30 +228,30 @@ def test_old_logprobs_from_the_engine_and_truncated_importance_sampling(model_pa
         for i, (r, res) in enumerate(zip(requests, results, strict=True))
     ]
     # float64 engine and trainer agree: the ratio against the engine's logprobs is 1 before any update
-    metrics = GRPOLearner(model_path, "float64", TrainerConfig(old_logprobs="engine"), 0.8).step(samples)
+    metrics = GRPOLearner(model_path, "float64", TrainerConfig(loss={"old_logprobs": "engine"}), 0.8).step(samples)
     assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-9) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-9)
     # an engine that disagrees: truncated importance sampling weights the loss by min(pi_old / pi_engine, cap)
     shifted = [TrainSample(s.prompt_token_ids, s.response_token_ids, s.group, s.reward,
                            engine_logprobs=tuple(x - 0.5 for x in s.engine_logprobs)) for s in samples]  # fmt: skip
-    capped = GRPOLearner(model_path, "float64", TrainerConfig(tis_cap=1.2), 0.8).step(shifted)
+    capped = GRPOLearner(model_path, "float64", TrainerConfig(loss={"tis_cap": 1.2}), 0.8).step(shifted)
     plain = GRPOLearner(model_path, "float64", TrainerConfig(), 0.8).step(shifted)
     assert capped["loss"] == pytest.approx(1.2 * plain["loss"], rel=1e-9)  # every weight is exp(0.5) > 1.2
     with pytest.raises(ValueError, match="logprob of every response token"):
-        GRPOLearner(model_path, "float64", TrainerConfig(tis_cap=2.0), 0.8).step(_samples())
+        GRPOLearner(model_path, "float64", TrainerConfig(loss={"tis_cap": 2.0}), 0.8).step(_samples())
 
 
 def test_settings_that_contradict_each_other_are_refused():
     with pytest.raises(ValidationError, match="leave tis_cap empty"):
-        TrainerConfig(old_logprobs="engine", tis_cap=2.0)
-    with pytest.raises(ValidationError, match="use importance_ratio token"):
-        TrainerConfig(policy_loss="cispo", importance_ratio="sequence")
-    with pytest.raises(ValidationError, match="loss_aggregation"):
-        TrainerConfig(loss_aggregation="sum")
+        TrainerConfig(loss={"old_logprobs": "engine", "tis_cap": 2.0})
+    with pytest.raises(ValidationError, match=r"policy\.cispo\.importance_ratio\s+Extra inputs are not permitted"):
+        TrainerConfig(loss={"policy": {"kind": "cispo", "importance_ratio": "sequence"}})
+    with pytest.raises(ValidationError, match=r"loss\.aggregation\s+Input should be"):
+        TrainerConfig(loss={"aggregation": "sum"})
     from bubblespec.config import validate
     from bubblespec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="filter_groups .* needs task.samples_per_prompt >= 2"):
-        validate({"task": {"samples_per_prompt": 1}, "trainer": {"filter_groups": True}})
+        validate({"task": {"samples_per_prompt": 1}, "trainer": {"dapo": {"filter_groups": True}}})
 
 
 def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
@@ -263,7 +264,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
     assert [s.group for s in kept] == [1, 1, 3, 3] and kept_rewards == [0.0, 1.0, 0.5, 0.2]
     assert (num_kept, num_dropped) == (2, 3)
     assert [s.group for s in filter_groups(samples, rewards, None)[0]] == [1, 1, 3, 3, 4, 4]
-    config = TrainerConfig(filter_groups=True, train_prompts=2)
+    config = TrainerConfig(dapo={"filter_groups": True, "train_prompts": 2})
     metrics = GRPOLearner(model_path, "float64", config, 1.0).step(samples)
     assert metrics["groups_kept"] == 2 and metrics["groups_dropped"] == 3 and metrics["trained_tokens"] == 4 * 3
     expected = compute_advantages(kept_rewards, [1, 1, 3, 3])
@@ -271,7 +272,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
     nothing = GRPOLearner(model_path, "float64", config, 1.0).step(samples[:2] + samples[4:6])
     assert nothing["skipped"] == 1 and nothing["groups_kept"] == 0
     with pytest.raises(ValidationError, match="set filter_groups: true"):
-        TrainerConfig(train_prompts=4)
+        TrainerConfig(dapo={"train_prompts": 4})
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.8), (20, 0.9)])
@@ -288,7 +289,9 @@ def test_sampling_filters_make_the_trainer_score_what_the_engine_sampled_from(mo
         TrainSample(r.prompt_token_ids, tuple(res.token_ids), i // 2, float(i % 2), engine_logprobs=tuple(res.logprobs))
         for i, (r, res) in enumerate(zip(requests, engine.generate(requests), strict=True))
     ]
-    filtered = GRPOLearner(model_path, "float64", TrainerConfig(sampling_filters=True), 0.7, top_k=top_k, top_p=top_p)
+    filtered = GRPOLearner(
+        model_path, "float64", TrainerConfig(loss={"sampling_filters": True}), 0.7, top_k=top_k, top_p=top_p
+    )
     plain = GRPOLearner(model_path, "float64", TrainerConfig(), 0.7, top_k=top_k, top_p=top_p)
     exact, unfiltered = filtered.step(samples), plain.step(samples)
     assert exact["logprob_diff_max"] < 1e-10

@@ -28,7 +28,7 @@ def _small_run(tmp_path, **changes) -> dict:
         "model": {"dtype": "float64"},
         "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
         "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 48}},
-        "trainer": {"learning_rate": 1e-3},
+        "trainer": {"optimizer": {"learning_rate": 1e-3}},
     } | changes
 
 
@@ -59,7 +59,7 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     weights of the in-process simulation: keyed sampling makes where and when a token is computed irrelevant."""
     # PPO-style updates (two epochs of two mini-batches, a KL term): the workers' shares of every mini-batch, the
     # old and reference logprobs and the statistics must add up across the gloo all-reduce as in one learner.
-    trainer = {"learning_rate": 1e-3, "ppo_epochs": 2, "mini_batch_size": 4, "kl_coef": 0.01}
+    trainer = {"optimizer": {"learning_rate": 1e-3}, "ppo_epochs": 2, "mini_batch_size": 4, "kl": {"coef": 0.01}}
     base = _small_run(tmp_path, checkpoint_every=1, metrics={"port": 0}, trainer=trainer)
     # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store and drafting while the
     # trainer runs on Ray; one in-process learner and the in-memory store in the simulation.

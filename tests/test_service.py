@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bubblespec.assembly import start_service
-from bubblespec.config import ServiceConfig, validate
+from bubblespec.config import ServiceConfig, TrainerConfig, validate
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.trainer import GRPOLearner, TrainSample
 
@@ -30,7 +30,7 @@ def _three_steps(enabled: bool):
     task = ArithmeticTask(seed=0, prompts_per_step=6)
     path = str(ArithmeticTask.model_path())
     sampling = SamplingParams(max_new_tokens=48)  # the engine stops at the model's EOS
-    learner = GRPOLearner(path, "float64", validate({}).trainer.model_copy(update={"learning_rate": 1e-3}), 1.0)
+    learner = GRPOLearner(path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3}), 1.0)
     outcomes = []
     with start_service(_service_config(enabled), path, sampling, SAMPLES, peek=task.peek) as service:
         for step in range(3):

@@ -42,7 +42,9 @@ def _gradient(learner: GRPOLearner) -> torch.Tensor:
 def test_a_bfloat16_learner_at_lr_1e_6_moves_its_float32_master_weights(model_path):
     """Adam's first step moves every weight by about lr: 1e-6 is far below a bfloat16 weight's spacing (a weight
     near 0.5 has neighbours 2e-3 away), so the update lives in float32 master weights and float32 Adam state."""
-    learner = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-6, max_grad_norm=None), 1.0)
+    learner = GRPOLearner(
+        model_path, "bfloat16", TrainerConfig(optimizer={"learning_rate": 1e-6, "max_grad_norm": None}), 1.0
+    )
     before = learner.checkpoint_state()["master_weights"]
     assert all(t.dtype == torch.float32 for t in before.values())
     learner.step(_samples())
@@ -61,7 +63,7 @@ def test_a_bfloat16_learner_at_lr_1e_6_moves_its_float32_master_weights(model_pa
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_mask_of_1001_response_tokens_counts_1001(model_path, dtype):
     """bfloat16 has 8 significant bits: 1,001 ones summed in bfloat16 are 1,000."""
-    learner = GRPOLearner(model_path, dtype, TrainerConfig(learning_rate=1e-6), 1.0)
+    learner = GRPOLearner(model_path, dtype, TrainerConfig(optimizer={"learning_rate": 1e-6}), 1.0)
     samples = [
         TrainSample((1, 5, 6), tuple(range(3, 3 + 1001)), group=0, reward=1.0),
         TrainSample((1, 5, 6), (7, 8), group=0, reward=0.0),
@@ -97,12 +99,12 @@ def test_a_bfloat16_learner_resumed_from_its_checkpoint_continues_exactly(model_
     """The checkpoint's weights are the float32 master weights: a learner that loads them (and the optimizer
     state) takes the very step the uninterrupted one takes."""
     first, second = _samples(seed=1), _samples(seed=2)
-    whole = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-4), 1.0)
+    whole = GRPOLearner(model_path, "bfloat16", TrainerConfig(optimizer={"learning_rate": 1e-4}), 1.0)
     whole.step(first)
     saved = copy.deepcopy(whole.checkpoint_state())  # as written to disk: the optimizer's state is live
     saved["weights"] = saved.pop("master_weights")
     whole.step(second)
-    resumed = GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-4), 1.0)
+    resumed = GRPOLearner(model_path, "bfloat16", TrainerConfig(optimizer={"learning_rate": 1e-4}), 1.0)
     resumed.load_checkpoint_state(saved)
     resumed.step(second)
     expected, got = whole.checkpoint_state()["master_weights"], resumed.checkpoint_state()["master_weights"]
@@ -113,7 +115,7 @@ def test_a_bfloat16_learner_resumed_from_its_checkpoint_continues_exactly(model_
 def test_float32_and_float64_learners_train_their_own_weights(model_path, dtype):
     """No copy where the run's dtype is at least float32: the model's weights are the master weights, the
     checkpoint has no separate master weights, and the weights sent are the trained ones."""
-    learner = GRPOLearner(model_path, dtype, TrainerConfig(learning_rate=1e-3), 1.0)
+    learner = GRPOLearner(model_path, dtype, TrainerConfig(optimizer={"learning_rate": 1e-3}), 1.0)
     assert learner.model is learner.master and not learner.has_master_copy
     learner.step(_samples())
     assert "master_weights" not in learner.checkpoint_state()
@@ -132,7 +134,9 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
     batch = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
 
     def build(rank, all_reduce):
-        return GRPOLearner(model_path, "bfloat16", TrainerConfig(learning_rate=1e-3), 1.0, all_reduce=all_reduce)
+        return GRPOLearner(
+            model_path, "bfloat16", TrainerConfig(optimizer={"learning_rate": 1e-3}), 1.0, all_reduce=all_reduce
+        )
 
     def work(rank, learner):
         before = learner.checkpoint_state()["master_weights"]
@@ -160,24 +164,26 @@ def _engine_samples(model_path: str, dtype: str, count: int = 8) -> list[TrainSa
 
 
 def test_the_logprob_agreement_of_engine_and_trainer_is_measured(model_path):
-    exact = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 0.8).step(
+    exact = GRPOLearner(model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.8).step(
         _engine_samples(model_path, "float64")
     )
     assert exact["logprob_diff_mean"] < 1e-12 and exact["logprob_diff_max"] < 1e-11
-    rounded = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(
+    rounded = GRPOLearner(model_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.8).step(
         _engine_samples(model_path, "bfloat16")
     )
     assert 1e-4 < rounded["logprob_diff_mean"] < rounded["logprob_diff_max"] < 1.0
-    without = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(_samples())
+    without = GRPOLearner(model_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.8).step(_samples())
     assert "logprob_diff_mean" not in without  # samples without engine logprobs: nothing to compare
 
 
 def test_the_logprob_agreement_covers_every_worker_s_share(model_path):
     samples = _engine_samples(model_path, "bfloat16")
-    alone = GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8).step(samples)
+    alone = GRPOLearner(model_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.8).step(samples)
     metrics = run_workers(
         2,
-        lambda rank, all_reduce: GRPOLearner(model_path, "float32", TrainerConfig(learning_rate=1e-3), 0.8, all_reduce),
+        lambda rank, all_reduce: GRPOLearner(
+            model_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.8, all_reduce
+        ),
         lambda rank, learner: learner.step(samples, rank=rank, world=2),
     )
     for rank in range(2):
@@ -189,8 +195,10 @@ def test_the_transformers_learner_scores_and_trains_like_the_built_in_one(qwen2_
     from bubblespec.backends.torch_engine import TorchEngine
 
     samples = _samples(vocab_size=40, count=8)
-    builtin = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3), 0.9)
-    hf = GRPOLearner(qwen2_path, "float32", TrainerConfig(learning_rate=1e-3, model="transformers"), 0.9)
+    builtin = GRPOLearner(qwen2_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}), 0.9)
+    hf = GRPOLearner(
+        qwen2_path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-3}, model={"kind": "transformers"}), 0.9
+    )
     assert torch.allclose(
         torch.cat(builtin.response_logprobs(samples)), torch.cat(hf.response_logprobs(samples)), atol=1e-5
     )
@@ -208,8 +216,10 @@ def test_the_transformers_learner_scores_and_trains_like_the_built_in_one(qwen2_
 
 def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(model_path, qwen2_path):
     samples, advantages = _samples(count=8), [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1]
-    whole = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 1.0)
-    parts = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3, micro_batch_size=3), 1.0)
+    whole = GRPOLearner(model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3}), 1.0)
+    parts = GRPOLearner(
+        model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3}, micro_batch_size=3), 1.0
+    )
     first = whole.compute_gradients(samples, advantages)
     second = parts.compute_gradients(samples, advantages)
     assert torch.allclose(_gradient(whole), _gradient(parts), atol=1e-12, rtol=0)
@@ -217,9 +227,9 @@ def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(m
         float(first["loss"]) == pytest.approx(float(second["loss"]), abs=1e-12) and first["tokens"] == second["tokens"]
     )
     small = _samples(vocab_size=40, count=4)
-    plain = GRPOLearner(qwen2_path, "float32", TrainerConfig(model="transformers"), 1.0)
+    plain = GRPOLearner(qwen2_path, "float32", TrainerConfig(model={"kind": "transformers"}), 1.0)
     checkpointed = GRPOLearner(
-        qwen2_path, "float32", TrainerConfig(model="transformers", gradient_checkpointing=True), 1.0
+        qwen2_path, "float32", TrainerConfig(model={"kind": "transformers", "gradient_checkpointing": True}), 1.0
     )
     plain.compute_gradients(small, advantages[:4])
     checkpointed.compute_gradients(small, advantages[:4])
@@ -231,7 +241,8 @@ def test_lora_trains_the_adapters_and_engines_get_merged_weights(qwen2_path, dty
     from bubblespec.config import LoraSettings
 
     config = TrainerConfig(
-        learning_rate=1e-2, model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj", "down_proj"])
+        optimizer={"learning_rate": 1e-2},
+        model={"kind": "transformers", "lora": LoraSettings(rank=4, target_modules=["q_proj", "down_proj"])},
     )
     learner = GRPOLearner(qwen2_path, dtype, config, 1.0)
     base = {n: t.clone() for n, t in learner.master._base_state().items()}
@@ -252,23 +263,26 @@ def test_lora_adapters_start_the_same_in_every_learner(qwen2_path):
     process (and between processes) unless the adapters' initialisation is seeded."""
     from bubblespec.config import LoraSettings
 
-    config = TrainerConfig(model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj"]))
+    config = TrainerConfig(model={"kind": "transformers", "lora": LoraSettings(rank=4, target_modules=["q_proj"])})
     first = GRPOLearner(qwen2_path, "float32", config, 1.0).master.adapter_state()
     torch.rand(100)  # the global RNG moves on, as anything else in the process would make it
     second = GRPOLearner(qwen2_path, "float32", config, 1.0).master.adapter_state()
     assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
-    other = TrainerConfig(model="transformers", lora=LoraSettings(rank=4, target_modules=["q_proj"], init_seed=1))
+    other = TrainerConfig(
+        model={"kind": "transformers", "lora": LoraSettings(rank=4, target_modules=["q_proj"], init_seed=1)}
+    )
     third = GRPOLearner(qwen2_path, "float32", other, 1.0).master.adapter_state()
     assert any(not torch.equal(first[n], third[n]) for n in first)
 
 
-def test_lora_and_gradient_checkpointing_need_the_transformers_model():
+def test_lora_and_gradient_checkpointing_are_settings_of_the_transformers_model():
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="lora need trainer.model: transformers"):
-        TrainerConfig(lora={"rank": 4})
-    with pytest.raises(ValidationError, match="gradient_checkpointing need trainer.model: transformers"):
-        TrainerConfig(gradient_checkpointing=True)
+    with pytest.raises(ValidationError, match=r"model\.builtin\.lora\s+Extra inputs are not permitted"):
+        TrainerConfig(model={"lora": {"rank": 4}})
+    with pytest.raises(ValidationError, match=r"model\.builtin\.gradient_checkpointing\s+Extra inputs"):
+        TrainerConfig(model={"kind": "builtin", "gradient_checkpointing": True})
+    assert TrainerConfig(model={"kind": "transformers", "lora": {"rank": 4}}).lora.rank == 4
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
@@ -276,7 +290,7 @@ def test_the_learner_trains_on_the_configured_advantages(model_path, advantage):
     from bubblespec.trainer import sample_advantages
 
     samples = _samples(count=8)
-    metrics = GRPOLearner(model_path, "float32", TrainerConfig(advantage=advantage), 1.0).step(samples)
+    metrics = GRPOLearner(model_path, "float32", TrainerConfig(loss={"advantage": advantage}), 1.0).step(samples)
     expected = sample_advantages(samples, advantage)
     assert metrics["mean_advantage_abs"] == pytest.approx(sum(map(abs, expected)) / len(expected))
 
@@ -284,7 +298,9 @@ def test_the_learner_trains_on_the_configured_advantages(model_path, advantage):
 def test_warm_up_then_cosine_schedule_and_it_resumes(model_path):
     import math
 
-    config = TrainerConfig(learning_rate=1e-3, warmup_steps=2, lr_schedule="cosine", decay_steps=6)
+    config = TrainerConfig(
+        optimizer={"learning_rate": 1e-3, "schedule": {"warmup_steps": 2, "kind": "cosine", "decay_steps": 6}}
+    )
     learner = GRPOLearner(model_path, "float32", config, 1.0)
     rates = []
     for step in range(4):
@@ -296,14 +312,18 @@ def test_warm_up_then_cosine_schedule_and_it_resumes(model_path):
     resumed = GRPOLearner(model_path, "float32", config, 1.0)
     resumed.load_checkpoint_state(learner.checkpoint_state() | {"weights": learner.master.state_dict()})
     assert resumed.optimizer.param_groups[0]["lr"] == learner.optimizer.param_groups[0]["lr"]
-    with pytest.raises(ValueError, match="cosine needs decay_steps"):
-        TrainerConfig(lr_schedule="cosine")
+    with pytest.raises(ValueError, match=r"schedule\.cosine\.decay_steps\s+Field required"):
+        TrainerConfig(optimizer={"schedule": {"kind": "cosine"}})
+    with pytest.raises(ValueError, match="decay_steps 2 must be above warmup_steps 2"):
+        TrainerConfig(optimizer={"schedule": {"kind": "cosine", "warmup_steps": 2, "decay_steps": 2}})
 
 
 def test_weight_decay_shrinks_the_weights_adamw_style(model_path):
     samples = _samples(count=4)
-    plain = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3), 1.0)
-    decayed = GRPOLearner(model_path, "float64", TrainerConfig(learning_rate=1e-3, weight_decay=0.1), 1.0)
+    plain = GRPOLearner(model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3}), 1.0)
+    decayed = GRPOLearner(
+        model_path, "float64", TrainerConfig(optimizer={"learning_rate": 1e-3, "weight_decay": 0.1}), 1.0
+    )
     before = plain.master.state_dict()
     plain.step(samples)
     decayed.step(samples)

@@ -20,10 +20,10 @@ from trl import GRPOTrainer  # the test extra has TRL 1.16
 from trl.trainer.utils import nanstd
 
 from bubblespec.advantages import compute_advantages
-from bubblespec.config import TrainerConfig
 from bubblespec.trainer import GRPOLearner, TrainSample, _Before
 
 from .conftest import write_checkpoint
+from .trainer_settings import trainer_config
 
 TRL_EPSILON = 1e-4  # TRL divides advantages by std + 1e-4 (ours defaults to 1e-6)
 MAX_TOKENS = 24
@@ -130,43 +130,46 @@ def _padded(values: list[list[float]], width: int) -> torch.Tensor:
 # epsilon_high = 1 + ours.
 SETTINGS = {
     "grpo": ({}, {"loss_type": "grpo"}),
-    "grpo clip-higher": ({"clip_ratio_high": 0.28}, {"loss_type": "grpo", "epsilon_high": 0.28}),
-    "bnpo": ({"loss_aggregation": "token-mean"}, {"loss_type": "bnpo"}),
+    "grpo clip-higher": ({"loss.policy.clip_ratio_high": 0.28}, {"loss_type": "grpo", "epsilon_high": 0.28}),
+    "bnpo": ({"loss.aggregation": "token-mean"}, {"loss_type": "bnpo"}),
     "dr_grpo": (
-        {"loss_aggregation": "seq-mean-token-sum-norm", "loss_norm_tokens": MAX_TOKENS},
+        {"loss.aggregation": "seq-mean-token-sum-norm", "loss.norm_tokens": MAX_TOKENS},
         {"loss_type": "dr_grpo"},
     ),
     "dapo": (
-        {"loss_aggregation": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+        {"loss.aggregation": "token-mean", "loss.policy.clip_ratio_low": 0.2, "loss.policy.clip_ratio_high": 0.28},
         {"loss_type": "dapo", "epsilon_high": 0.28},
     ),
     "cispo": (
-        {"policy_loss": "cispo", "loss_aggregation": "token-mean", "clip_ratio_high": 2.0},
+        {"loss.policy.kind": "cispo", "loss.aggregation": "token-mean", "loss.policy.clip_ratio_high": 2.0},
         {"loss_type": "cispo", "epsilon_high": 3.0},
     ),
     "gspo (sequence-level)": (
-        {"importance_ratio": "sequence"},
+        {"loss.policy.importance_ratio": "sequence"},
         {"loss_type": "grpo", "importance_sampling_level": "sequence"},
     ),
-    "grpo beta": ({"kl_coef": 0.05, "kl_estimator": "k3"}, {"loss_type": "grpo", "beta": 0.05}),
+    "grpo beta": ({"kl.coef": 0.05, "kl.estimator": "k3"}, {"loss_type": "grpo", "beta": 0.05}),
     "dapo beta": (
-        {"loss_aggregation": "token-mean", "kl_coef": 0.05, "clip_ratio_high": 0.28},
+        {"loss.aggregation": "token-mean", "kl.coef": 0.05, "loss.policy.clip_ratio_high": 0.28},
         {"loss_type": "dapo", "beta": 0.05, "epsilon_high": 0.28},
     ),
     "gspo beta": (
-        {"importance_ratio": "sequence", "kl_coef": 0.1},
+        {"loss.policy.importance_ratio": "sequence", "kl.coef": 0.1},
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.1},
     ),
     "entropy_coef": (
-        {"entropy_coef": 0.01},
+        {"loss.entropy_coef": 0.01},
         {"loss_type": "grpo", "_entropy_bonus_enabled": True, "entropy_coef": 0.01},
     ),
-    "mask_truncated": ({"mask_truncated": True}, {"loss_type": "grpo"}),
+    "mask_truncated": ({"dapo.mask_truncated": True}, {"loss_type": "grpo"}),
     "dapo mask_truncated": (
-        {"loss_aggregation": "token-mean", "mask_truncated": True},
+        {"loss.aggregation": "token-mean", "dapo.mask_truncated": True},
         {"loss_type": "dapo"},
     ),
-    "tis_cap": ({"tis_cap": 2.0}, {"loss_type": "grpo", "use_vllm": True, "vllm_importance_sampling_correction": True}),
+    "tis_cap": (
+        {"loss.tis_cap": 2.0},
+        {"loss_type": "grpo", "use_vllm": True, "vllm_importance_sampling_correction": True},
+    ),
 }
 
 
@@ -179,7 +182,7 @@ CASES = [(name, "group") for name in SETTINGS] + [
 @pytest.mark.parametrize(("name", "scale"), CASES)
 def test_loss_and_gradient_equal_trl_grpo_trainer(model_path, name, scale):
     ours, theirs = SETTINGS[name]
-    config = TrainerConfig(scale_rewards=scale, **ours)
+    config = trainer_config({"loss.scale_rewards": scale} | ours)
     learner = GRPOLearner(model_path, "float64", config, TEMPERATURE)
     samples = _batch()
     lengths = [len(s.response_token_ids) for s in samples]
@@ -190,7 +193,7 @@ def test_loss_and_gradient_equal_trl_grpo_trainer(model_path, name, scale):
     rng = torch.Generator().manual_seed(7)
     old = {i: c + 0.4 * torch.randn(len(c), generator=rng, dtype=torch.float64) for i, c in enumerate(current)}
     ref = {i: c + 0.3 * torch.randn(len(c), generator=rng, dtype=torch.float64) for i, c in enumerate(current)}
-    before = _Before(old=old, ref=ref if config.kl_coef else {})
+    before = _Before(old=old, ref=ref if config.kl.coef else {})
 
     rewards = [s.reward for s in samples]
     advantages = compute_advantages(rewards, [s.group for s in samples], "grpo", scale, TRL_EPSILON)
@@ -202,7 +205,7 @@ def test_loss_and_gradient_equal_trl_grpo_trainer(model_path, name, scale):
     our_gradient = torch.cat([p.grad.flatten().clone() for p in learner.parameters])
 
     mask = _padded([[1.0] * n for n in lengths], width)
-    if config.mask_truncated:
+    if config.dapo.mask_truncated:
         mask[[i for i, s in enumerate(samples) if s.truncated]] = 0
     inputs = {
         "prompt_ids": torch.zeros(len(samples), 1, dtype=torch.long),
@@ -213,12 +216,12 @@ def test_loss_and_gradient_equal_trl_grpo_trainer(model_path, name, scale):
         "old_per_token_logps": _padded([old[i].tolist() for i in range(len(samples))], width),
         "num_items_in_batch": mask.sum(),
     }
-    if config.kl_coef:
+    if config.kl.coef:
         inputs["ref_per_token_logps"] = _padded([ref[i].tolist() for i in range(len(samples))], width)
-    if config.tis_cap:
+    if config.loss.tis_cap:
         engine = _padded([list(s.engine_logprobs) for s in samples], width)
         inputs["importance_sampling_ratio"] = torch.exp(inputs["old_per_token_logps"] - engine).clamp(
-            max=config.tis_cap
+            max=config.loss.tis_cap
         )
     for parameter in learner.parameters:
         parameter.grad = None

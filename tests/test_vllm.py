@@ -86,7 +86,7 @@ def test_drafts_from_a_policy_one_step_older_cut_decode_steps_and_change_nothing
     vllm_engine, torch_engine = engines
     task = ArithmeticTask(seed=11, prompts_per_step=16)
     path = str(ArithmeticTask.model_path())
-    learner = GRPOLearner(path, "float32", TrainerConfig(learning_rate=1e-4), temperature=1.0)
+    learner = GRPOLearner(path, "float32", TrainerConfig(optimizer={"learning_rate": 1e-4}), temperature=1.0)
     train_requests = _requests(samples=4)
     prompts = {p.uid: p for p in task.batch(1)}
     results = torch_engine.generate(train_requests)
@@ -281,7 +281,7 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
             f"name={name}", f"output_dir={tmp_path}", f"model.path={chat_model}", "model.dtype=float32",
             "rollout.backend=vllm", "num_steps=2", "eval_every=0", "checkpoint_every=2", "metrics.enabled=false",
             "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.max_new_tokens=32",
-            "task.options.reward_workers=0", "trainer.learning_rate=1e-5",
+            "task.options.reward_workers=0", "trainer.optimizer.learning_rate=1e-5",
             # a random model never earns the math reward: digit_share gives the trainer a signal to train on
             'task.options.reward=[math, "tests.reward_functions:digit_share"]',
             # a random model's responses all run to the length limit: no bubble, so draft while the trainer trains
