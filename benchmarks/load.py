@@ -70,14 +70,14 @@ def main() -> None:
             seconds = time.perf_counter() - started
             row = {
                 "step": step,
-                "generated_tokens": record["generated_tokens"],
-                "decode_steps": record["decode_steps"],
-                "drafts_made": record["drafts_made"],
+                "generated_tokens": record.generated_tokens,
+                "decode_steps": record.decode_steps,
+                "drafts_made": record.drafts_made,
                 "host_seconds": seconds,
-                "seconds_per_1k_tokens": 1000 * seconds / max(record["generated_tokens"], 1),
+                "seconds_per_1k_tokens": 1000 * seconds / max(record.generated_tokens, 1),
                 "draft_store_drafts": len(parts.service.store),
                 "draft_store_tokens": parts.service.store.stats()["tokens"],
-                "drafts_evicted": record["drafts_evicted"],
+                "drafts_evicted": record.drafts_evicted,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
             rows.append(row)

@@ -23,6 +23,7 @@ from bubblespec.config import RunConfig
 from bubblespec.decoder import DTYPES
 from bubblespec.errors import TrainerRestarted
 from bubblespec.interfaces import GenerationResult, Prompt, Task, acceptance_length
+from bubblespec.records import PhaseSeconds, StepRecord
 from bubblespec.rollout import RolloutOutcome
 from bubblespec.run_dir import RunDirectory
 from bubblespec.service import RolloutService
@@ -82,7 +83,7 @@ class Controller:
         config: RunConfig,
         parts: Components,
         run_dir: RunDirectory,
-        on_step: Callable[[dict], None] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
         on_phase: Callable[[int, str], None] | None = None,
     ) -> None:
         self.config = config
@@ -138,7 +139,7 @@ class Controller:
         run_dir.truncate_steps(step)
         return step + 1
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepRecord:
         cfg, parts = self.config, self.parts
         initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
         prompts = parts.task.batch(step)
@@ -171,22 +172,28 @@ class Controller:
             outcome.drafts += training.drafts
         self.on_phase(step, "weight sync")
         sync_seconds = parts.service.update_weights(weights, version=step + 1)
-        record = _step_record(step, outcome, rewards, train_metrics, train_seconds, sync_seconds)
-        record |= self._reward_failures(step)
         if training is not None:
-            for rank_record, drafted in zip(record["ranks"], training.ranks, strict=True):
-                rank_record["drafting_seconds_while_training"] = drafted.drafting_seconds
-                rank_record["draft_tokens_produced_while_training"] = drafted.draft_tokens_produced
-            record["training_timelines"] = training.timelines
-        record["rollout_digest"] = rollout_digest(results)
+            for rank_record, drafted in zip(outcome.ranks, training.ranks, strict=True):
+                rank_record.drafting_seconds_while_training = drafted.drafting_seconds
+                rank_record.draft_tokens_produced_while_training = drafted.draft_tokens_produced
+        reward_failures = self._reward_failures(step)  # the rollout's, before an evaluation calls rewards again
         store = parts.service.store.stats()
-        record["draft_store"] = store
-        record["drafts_evicted"] = store["evicted"] - self._evicted
-        self._evicted = store["evicted"]
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.num_steps - 1 or step == 0):
-            record["eval_reward"] = self._evaluate()
-        if initial_eval is not None:
-            record["eval_reward_before_training"] = initial_eval
+        evicted, self._evicted = store["evicted"] - self._evicted, store["evicted"]
+        evaluated = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step in (0, cfg.num_steps - 1))
+        record = _step_record(
+            step,
+            outcome,
+            rewards,
+            train_metrics,
+            PhaseSeconds(rollout=outcome.seconds, train=train_seconds, weight_sync=sync_seconds),
+            **reward_failures,
+            training_timelines=None if training is None else training.timelines,
+            rollout_digest=rollout_digest(results),
+            draft_store=store,
+            drafts_evicted=evicted,
+            eval_reward=self._evaluate() if evaluated else None,
+            eval_reward_before_training=initial_eval,
+        )
         self.run_dir.append_step(record)
         self._latest_weights = weights
         return record
@@ -206,8 +213,8 @@ class Controller:
             self.parts.task, [by_uid[r.key.prompt_uid] for r in results], [r.token_ids for r in results]
         )
 
-    def _reward_failures(self, step: int) -> dict:
-        """The step's reward calls that timed out or raised (each scored 0)."""
+    def _reward_failures(self, step: int) -> dict[str, int]:
+        """The step's reward calls that timed out or raised (each scored 0), as the record's fields."""
         failures = self.parts.task.take_reward_failures()
         if failures.timeouts or failures.errors:
             logger.warning(
@@ -234,25 +241,25 @@ class Controller:
         )
 
 
-def step_line(record: dict) -> str:
+def step_line(record: StepRecord) -> str:
     """One structured log line per step: ``key=value`` pairs (logfmt), the headline numbers of the record."""
-    phases = record["phase_seconds"]
+    phases = record.phase_seconds
     fields = {
-        "step": record["step"],
-        "reward": f"{record['reward_mean']:.4f}",
-        "tokens": record["generated_tokens"],
-        "decode_steps": record["decode_steps"],
-        "acceptance": f"{acceptance_length(record['draft_tokens_accepted'], record['verify_steps']):.2f}",
-        "coverage": f"{record['draft_coverage']:.2f}",
-        "bubble_use": f"{record['bubble_utilization']:.2f}",
-        "rollout_s": f"{phases['rollout']:.3f}",
-        "train_s": f"{phases['train']:.3f}",
-        "sync_s": f"{phases['weight_sync']:.3f}",
+        "step": record.step,
+        "reward": f"{record.reward_mean:.4f}",
+        "tokens": record.generated_tokens,
+        "decode_steps": record.decode_steps,
+        "acceptance": f"{acceptance_length(record.draft_tokens_accepted, record.verify_steps):.2f}",
+        "coverage": f"{record.draft_coverage:.2f}",
+        "bubble_use": f"{record.bubble_utilization:.2f}",
+        "rollout_s": f"{phases.rollout:.3f}",
+        "train_s": f"{phases.train:.3f}",
+        "sync_s": f"{phases.weight_sync:.3f}",
     }
-    if "logprob_diff_mean" in record["train"]:
-        fields["logprob_diff"] = f"{record['train']['logprob_diff_mean']:.2e}"
-    if "eval_reward" in record:
-        fields["eval_reward"] = f"{record['eval_reward']:.4f}"
+    if "logprob_diff_mean" in record.train:
+        fields["logprob_diff"] = f"{record.train['logprob_diff_mean']:.2e}"
+    if record.eval_reward is not None:
+        fields["eval_reward"] = f"{record.eval_reward:.4f}"
     return " ".join(f"{key}={value}" for key, value in fields.items())
 
 
@@ -266,30 +273,34 @@ def rollout_digest(results: list[GenerationResult]) -> str:
     return digest.hexdigest()
 
 
-def _step_record(step, outcome: RolloutOutcome, rewards, train_metrics, train_seconds, sync_seconds) -> dict:
-    ranks = [r.as_dict() for r in outcome.ranks]
-    generated = sum(r["shard_tokens"] for r in ranks)
-    bubble = sum(r["bubble_seconds"] for r in ranks)
-    return {
-        "step": step,
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "num_samples": len(rewards),
-        "generated_tokens": generated,
-        "decode_steps": sum(r["decode_steps"] for r in ranks),
-        "verify_steps": sum(r["verify_steps"] for r in ranks),
-        "forward_passes_max_rank": max(r["forward_passes"] for r in ranks),
-        "draft_tokens_proposed": sum(r["draft_tokens_proposed"] for r in ranks),
-        "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
-        "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(rewards), 1),
-        "proposal_coverage": sum(r["requests_with_proposals"] for r in ranks) / max(len(rewards), 1),
-        "bubble_seconds": bubble,
-        "bubble_utilization": sum(r["drafting_seconds"] for r in ranks) / bubble if bubble > 0 else 0.0,
-        "drafts_made": len(outcome.drafts),
-        "rollout_tokens_per_second": generated / outcome.seconds if outcome.seconds > 0 else 0.0,
-        "phase_seconds": {"rollout": outcome.seconds, "train": train_seconds, "weight_sync": sync_seconds},
-        "barrier_seconds": outcome.barrier_seconds,
-        "train": train_metrics,
-        "rewards_checksum": sum(r * (i + 1) for i, r in enumerate(rewards)),
-        "ranks": ranks,
-        "timelines": outcome.timelines,
-    }
+def _step_record(
+    step: int, outcome: RolloutOutcome, rewards: list[float], train_metrics: dict, phases: PhaseSeconds, **more
+) -> StepRecord:
+    """The step's record: the ranks' records summed, with ``more`` of :class:`StepRecord`'s fields."""
+    ranks = outcome.ranks
+    generated = sum(r.shard_tokens for r in ranks)
+    bubble = sum(r.bubble_seconds for r in ranks)
+    return StepRecord(
+        step=step,
+        reward_mean=sum(rewards) / max(len(rewards), 1),
+        num_samples=len(rewards),
+        generated_tokens=generated,
+        decode_steps=sum(r.decode_steps for r in ranks),
+        verify_steps=sum(r.verify_steps for r in ranks),
+        forward_passes_max_rank=max(r.forward_passes for r in ranks),
+        draft_tokens_proposed=sum(r.draft_tokens_proposed for r in ranks),
+        draft_tokens_accepted=sum(r.draft_tokens_accepted for r in ranks),
+        draft_coverage=sum(r.requests_with_draft for r in ranks) / max(len(rewards), 1),
+        proposal_coverage=sum(r.requests_with_proposals for r in ranks) / max(len(rewards), 1),
+        bubble_seconds=bubble,
+        bubble_utilization=sum(r.drafting_seconds for r in ranks) / bubble if bubble > 0 else 0.0,
+        drafts_made=len(outcome.drafts),
+        rollout_tokens_per_second=generated / outcome.seconds if outcome.seconds > 0 else 0.0,
+        phase_seconds=phases,
+        barrier_seconds=outcome.barrier_seconds,
+        train=train_metrics,
+        rewards_checksum=sum(r * (i + 1) for i, r in enumerate(rewards)),
+        ranks=ranks,
+        timelines=outcome.timelines,
+        **more,
+    )

@@ -27,6 +27,10 @@ class ConfigError(BubblespecError, ValueError):
     """A run config that does not parse or validate; the message lists every problem with its field path."""
 
 
+class CheckpointError(BubblespecError):
+    """A checkpoint or step log that is missing files or cannot be read."""
+
+
 class RewardError(BubblespecError, ValueError):
     """A reward function returned something that is not a finite number, or the wrong number of scores; the
     message names the reward and the row."""

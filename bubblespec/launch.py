@@ -13,13 +13,14 @@ from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
 from bubblespec.interfaces import acceptance_length
 from bubblespec.metrics import RunMetrics
+from bubblespec.records import StepRecord
 from bubblespec.run_dir import RunDirectory
 
 
 def run(
     config: RunConfig,
     resume_dir: Path | None = None,
-    on_step: Callable[[dict], None] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
     on_phase: Callable[[int, str], None] | None = None,
     on_activity: Callable[[int, str, str], None] | None = None,
 ) -> dict:
@@ -37,7 +38,7 @@ def run(
         stack.callback(close_tasks, parts.task, parts.eval_task)
         run_dir = RunDirectory(resume_dir or config.run_dir)
 
-        def step_done(record: dict) -> None:
+        def step_done(record: StepRecord) -> None:
             if metrics is not None:
                 metrics.observe_step(record)
             if on_step is not None:
@@ -73,41 +74,43 @@ def placement(parts: Components) -> dict:
     return {"placement": found} if found else {}
 
 
-def bubble_utilization(steps: list[dict], num_steps: int) -> float:
+def bubble_utilization(steps: list[StepRecord], num_steps: int) -> float:
     """Bubble seconds spent drafting over all bubble seconds, leaving out the run's last step: it has no later
     step to draft for, so its bubble cannot be used."""
-    usable = [s for s in steps if s["step"] < num_steps - 1]
-    bubble = sum(s["bubble_seconds"] for s in usable)
-    drafting = sum(s["bubble_utilization"] * s["bubble_seconds"] for s in usable)
+    usable = [s for s in steps if s.step < num_steps - 1]
+    bubble = sum(s.bubble_seconds for s in usable)
+    drafting = sum(s.bubble_utilization * s.bubble_seconds for s in usable)
     return drafting / bubble if bubble > 0 else 0.0
 
 
-def summarize(config: RunConfig, steps: list[dict], wall_seconds: float) -> dict:
+def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -> dict:
+    """summary.json: the run's headline numbers from its step records."""
     if not steps:
         return {"num_steps": 0}
-    rollout = sum(s["phase_seconds"]["rollout"] for s in steps)
-    tokens = sum(s["generated_tokens"] for s in steps)
-    decode = sum(s["decode_steps"] for s in steps)
-    verify = sum(s["verify_steps"] for s in steps)
-    accepted = sum(s["draft_tokens_accepted"] for s in steps)
+    rollout = sum(s.phase_seconds.rollout for s in steps)
+    tokens = sum(s.generated_tokens for s in steps)
+    decode = sum(s.decode_steps for s in steps)
+    verify = sum(s.verify_steps for s in steps)
+    accepted = sum(s.draft_tokens_accepted for s in steps)
+    before = steps[0].eval_reward_before_training
     return {
         "name": config.name,
         "clock": config.clock.kind,
         "speculation": config.speculation.enabled,
         "num_steps": len(steps),
-        "reward_first": steps[0]["reward_mean"],
-        "reward_last": steps[-1]["reward_mean"],
-        "rewards": [s["reward_mean"] for s in steps],
+        "reward_first": steps[0].reward_mean,
+        "reward_last": steps[-1].reward_mean,
+        "rewards": [s.reward_mean for s in steps],
         "generated_tokens": tokens,
         "decode_steps": decode,
         "acceptance_length_mean": acceptance_length(accepted, verify),
-        "draft_coverage_mean": sum(s["draft_coverage"] for s in steps) / len(steps),
+        "draft_coverage_mean": sum(s.draft_coverage for s in steps) / len(steps),
         "bubble_utilization": bubble_utilization(steps, config.num_steps),
         "rollout_seconds": rollout,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
         "eval_rewards": {
-            **({"start": steps[0]["eval_reward_before_training"]} if "eval_reward_before_training" in steps[0] else {}),
-            **{s["step"]: s["eval_reward"] for s in steps if "eval_reward" in s},
+            **({"start": before} if before is not None else {}),
+            **{s.step: s.eval_reward for s in steps if s.eval_reward is not None},
         },
         "wall_seconds": wall_seconds,
     }

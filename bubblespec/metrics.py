@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from bubblespec.config import MetricsConfig
 from bubblespec.errors import ConfigError
+from bubblespec.records import StepRecord
+from bubblespec.rollout import RankRecord
 
 logger = logging.getLogger(__name__)
 
@@ -153,51 +155,50 @@ class RunMetrics:
         self._server = None
         self._thread = None
 
-    def observe_step(self, record: dict) -> None:
-        """Adds one step record (as written to steps.jsonl) to the metrics."""
-        self.observe_ranks(record["ranks"])
+    def observe_step(self, record: StepRecord) -> None:
+        """Adds one step record to the metrics."""
+        self.observe_ranks(record.ranks)
         self._observe_run(record)
 
-    def observe_ranks(self, ranks: Iterable[dict]) -> None:
+    def observe_ranks(self, ranks: Iterable[RankRecord]) -> None:
         """Adds one rollout's per-rank records (a step record's ``ranks``): what a trainer of another framework
         that calls the rollout service reports (``bubblespec.integrations``)."""
         for rank_record in ranks:
-            rank = str(rank_record["rank"])
+            rank = str(rank_record.rank)
             for field, counter in self._rank_counters.values():
-                counter.labels(rank).inc(rank_record[field])
+                counter.labels(rank).inc(getattr(rank_record, field))
             for field, gauge in self._rank_gauges.values():
-                gauge.labels(rank).set(rank_record[field])
+                gauge.labels(rank).set(getattr(rank_record, field))
             histogram = self.acceptance_length.labels(rank)
-            for length, count in rank_record.get("acceptance_lengths", {}).items():
+            for length, count in rank_record.acceptance_lengths.items():
                 for _ in range(count):
-                    histogram.observe(int(length))
-            if rank_record["preemption_latency_seconds"] > 0:
-                self.preemption_latency.labels(rank).observe(rank_record["preemption_latency_seconds"])
+                    histogram.observe(length)
+            if rank_record.preemption_latency_seconds > 0:
+                self.preemption_latency.labels(rank).observe(rank_record.preemption_latency_seconds)
 
-    def _observe_run(self, record: dict) -> None:
+    def _observe_run(self, record: StepRecord) -> None:
         for field, gauge in self._step_gauges.values():
-            gauge.set(record[field])
+            gauge.set(getattr(record, field))
         for phase in PHASES:
-            self.phase_seconds.labels(phase).inc(record["phase_seconds"][phase])
+            self.phase_seconds.labels(phase).inc(getattr(record.phase_seconds, phase))
         self.steps.inc()
-        self.policy_version.set(record["step"] + 1)
-        if "eval_reward" in record:
-            self.eval_reward.set(record["eval_reward"])
-        if "draft_store" in record:
-            self.draft_store_tokens.set(record["draft_store"]["tokens"])
-            self.drafts_evicted.inc(record["drafts_evicted"])
-        train = record["train"]
+        self.policy_version.set(record.step + 1)
+        if record.eval_reward is not None:
+            self.eval_reward.set(record.eval_reward)
+        if record.draft_store is not None:
+            self.draft_store_tokens.set(record.draft_store["tokens"])
+            self.drafts_evicted.inc(record.drafts_evicted)
+        train = record.train
         if not train.get("skipped"):  # a step without reward signal trained nothing: the gauges keep their values
             for field, gauge in self._train_gauges.values():
                 if field in train:  # kl only with a reference model, logprob_diff with engine logprobs
                     gauge.set(train[field])
         for field, counter in self._train_counters.values():
             counter.inc(train.get(field, 0))
-        if "reward_timeouts" in record:
-            self.reward_failures.labels("timeout").inc(record["reward_timeouts"])
-            self.reward_failures.labels("error").inc(record["reward_errors"])
+        self.reward_failures.labels("timeout").inc(record.reward_timeouts)
+        self.reward_failures.labels("error").inc(record.reward_errors)
 
-    def observe_steps(self, records: Iterable[dict]) -> None:
+    def observe_steps(self, records: Iterable[StepRecord]) -> None:
         for record in records:
             self.observe_step(record)
 

@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from bubblespec.config import RunConfig
+from bubblespec.records import StepRecord
 
 
 def setup_logging(console: Console, level: str) -> None:
@@ -58,7 +59,7 @@ class StepPrinter:
     def __exit__(self, *exc) -> None:
         self._live.__exit__(*exc)
 
-    def step(self, record: dict) -> None:
+    def step(self, record: StepRecord) -> None:
         """The last step's per-rank table goes live; its one-line summary is the controller's log line."""
         with self._lock:
             self._last_step = self._rank_table(record)
@@ -109,19 +110,19 @@ class StepPrinter:
             table.add_row(str(rank), activity, f"{now - since:.1f}s", detail)
         return Group(table, self._last_step) if self._last_step is not None else Group(table)
 
-    def _rank_table(self, record: dict) -> Table:
-        table = Table(title=f"step {record['step']} per rank ({self.config.clock.kind} seconds)")
+    def _rank_table(self, record: StepRecord) -> Table:
+        table = Table(title=f"step {record.step} per rank ({self.config.clock.kind} seconds)")
         for column in ("rank", "requests", "tokens", "decode", "accepted", "bubble s", "drafting s", "drafts"):
             table.add_column(column, justify="right")
-        for rank in record["ranks"]:
+        for rank in record.ranks:
             table.add_row(
-                str(rank["rank"]),
-                str(rank["num_requests"]),
-                str(rank["shard_tokens"]),
-                str(rank["decode_steps"]),
-                f"{rank['draft_tokens_accepted']}/{rank['draft_tokens_proposed']}",
-                f"{rank['bubble_seconds']:.3f}",
-                f"{rank['drafting_seconds']:.3f}",
-                str(rank["draft_requests"]),
+                str(rank.rank),
+                str(rank.num_requests),
+                str(rank.shard_tokens),
+                str(rank.decode_steps),
+                f"{rank.draft_tokens_accepted}/{rank.draft_tokens_proposed}",
+                f"{rank.bubble_seconds:.3f}",
+                f"{rank.drafting_seconds:.3f}",
+                str(rank.draft_requests),
             )
         return table

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from bubblespec.errors import BubblespecError
+from bubblespec.errors import BubblespecError, CheckpointError
 from bubblespec.interfaces import acceptance_length
+from bubblespec.records import StepRecord, read_step_lines
 
 SegmentKind = Literal["generate", "draft", "idle", "train", "weight_sync"]
 SEGMENT_LABELS: dict[str, str] = {
@@ -43,16 +44,6 @@ SEGMENT_COLORS: dict[str, str] = {
 ROLLOUT_ACTIVITIES = ("generate", "draft", "idle")
 TIMELINE_STEPS = 12
 """Steps the timeline draws in detail (the last ones): more would make bars too thin to read."""
-RECORD_FIELDS = (
-    "step",
-    "reward_mean",
-    "generated_tokens",
-    "decode_steps",
-    "verify_steps",
-    "phase_seconds",
-    "ranks",
-    "timelines",
-)
 RUN_DIRECTORY_CONTENTS = (
     "a run directory (written by `bubblespec run`) holds config.yaml (the resolved config), steps.jsonl (one "
     "line per finished step), checkpoints/ and, once the run has finished, summary.json"
@@ -91,7 +82,7 @@ def write_report(run_dir: str | Path) -> Path:
     return report
 
 
-def read_step_records(path: Path) -> list[dict]:
+def read_step_records(path: Path) -> list[StepRecord]:
     """The records of steps.jsonl, checked to be those of a run directory. A last line cut off by a crash in
     the middle of writing it is left out with a warning; a bad line before the last is an error."""
     if not path.exists():
@@ -103,52 +94,43 @@ def read_step_records(path: Path) -> list[dict]:
         raise ReportError(
             f"{str(path)!r} is not a run directory: it has no {' and no '.join(missing)}; {RUN_DIRECTORY_CONTENTS}"
         )
-    lines = [(number, line) for number, line in enumerate((path / "steps.jsonl").read_text().splitlines(), 1)]
-    lines = [(number, line) for number, line in lines if line.strip()]
-    records = []
-    for index, (number, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if index < len(lines) - 1:
-                raise ReportError(f"line {number} of {path / 'steps.jsonl'} is not JSON ({error})") from None
-            warnings.warn(
-                f"the last line ({number}) of {path / 'steps.jsonl'} is incomplete, probably cut off by a crash "
-                f"while it was written; reporting on the {len(records)} complete step(s) before it",
-                stacklevel=2,
-            )
+    try:
+        records, torn = read_step_lines(path / "steps.jsonl")
+    except CheckpointError as error:
+        raise ReportError(str(error)) from None
+    if torn is not None:
+        warnings.warn(
+            f"the last line ({torn}) of {path / 'steps.jsonl'} is incomplete, probably cut off by a crash "
+            f"while it was written; reporting on the {len(records)} complete step(s) before it",
+            stacklevel=2,
+        )
     if not records:
         raise ReportError(
             f"{path / 'steps.jsonl'} holds no finished step: the run started but no step finished; nothing to report"
         )
-    for record in records:
-        absent = [name for name in RECORD_FIELDS if name not in record]
-        if absent:
-            raise ReportError(f"step {record.get('step', '?')} of {path / 'steps.jsonl'} lacks {', '.join(absent)}")
     return records
 
 
-def timeline_segments(records: list[dict]) -> list[Segment]:
+def timeline_segments(records: list[StepRecord]) -> list[Segment]:
     """The bars of the timeline picture, step after step, rank by rank.
 
     Step t starts where step t - 1 ended (rollout + train + weight sync seconds). Within a step every rank's
-    segments tile it without overlap: its rollout activities in [0, rollout] (``record["timelines"][rank]``,
+    segments tile it without overlap: its rollout activities in [0, rollout] (``record.timelines[rank]``,
     sorted, clipped to the phase; uncovered time is an idle bubble), then train (with the rank's drafting while
-    the trainer runs, ``record["training_timelines"]``, where there is any) and weight sync.
+    the trainer runs, ``record.training_timelines``, where there is any) and weight sync.
     """
-    num_ranks = max(max(len(r["ranks"]), len(r.get("timelines") or [])) for r in records)
+    num_ranks = max(max(len(r.ranks), len(r.timelines)) for r in records)
     segments: list[Segment] = []
     offset = 0.0
     for record in records:
-        step, phases = record["step"], record["phase_seconds"]
-        rollout, train, sync = phases["rollout"], phases["train"], phases["weight_sync"]
-        timelines = record.get("timelines") or []
+        step, phases, timelines = record.step, record.phase_seconds, record.timelines
+        rollout, train, sync = phases.rollout, phases.train, phases.weight_sync
         for rank in range(num_ranks):
             activities = timelines[rank] if rank < len(timelines) else []
             for kind, start, end in _tile(activities, rollout, step, rank):
                 segments.append(Segment(rank, kind, offset + start, offset + end, step))
             # Drafting while the trainer runs (speculation.draft_during_training) shows inside the training band.
-            training = (record.get("training_timelines") or [[]] * num_ranks)[rank] if train > 0 else []
+            training = (record.training_timelines or [[]] * num_ranks)[rank] if train > 0 else []
             for kind, start, end in _tile(training, train, step, rank, gap="train"):
                 segments.append(Segment(rank, kind, offset + rollout + start, offset + rollout + end, step))
             segments.append(
@@ -180,7 +162,7 @@ def _tile(activities: list, rollout: float, step: int, rank: int, gap: str = "id
     return tiled
 
 
-def rank_activity_seconds(records: list[dict]) -> dict[int, dict[str, float]]:
+def rank_activity_seconds(records: list[StepRecord]) -> dict[int, dict[str, float]]:
     """Per rank, the seconds of each timeline activity summed over the steps (the timeline's bars, added up)."""
     totals: dict[int, dict[str, float]] = {}
     for segment in timeline_segments(records):
@@ -189,7 +171,7 @@ def rank_activity_seconds(records: list[dict]) -> dict[int, dict[str, float]]:
     return totals
 
 
-def draw_timeline(records: list[dict], clock: str, file: Path) -> None:
+def draw_timeline(records: list[StepRecord], clock: str, file: Path) -> None:
     """The last :data:`TIMELINE_STEPS` steps bar by bar, and under them every rank's seconds per activity over
     the whole run, so that the picture stays readable at any run length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -219,7 +201,7 @@ def draw_timeline(records: list[dict], clock: str, file: Path) -> None:
     axes.set_yticks(range(num_ranks), [f"rank {rank}" for rank in range(num_ranks)])
     axes.set_xlabel(f"{clock} seconds (steps one after another)")
     top = axes.secondary_xaxis("top")
-    top.set_xticks([(start + end) / 2 for start, end in bounds], [str(r["step"]) for r in shown_records])
+    top.set_xticks([(start + end) / 2 for start, end in bounds], [str(r.step) for r in shown_records])
     top.set_xlabel("step")
     which = "every step" if num_steps == len(records) else f"the last {num_steps} of {len(records)} steps"
     axes.set_title(f"what each rank did: {which} ({clock} clock)")
@@ -253,21 +235,21 @@ TRAINING_PANELS = (
 )  # fmt: skip
 
 
-def training_series(records: list[dict], field: str) -> list[float]:
+def training_series(records: list[StepRecord], field: str) -> list[float]:
     """A training metric per step; NaN where the step trained nothing (no reward signal) or lacks it."""
     values = []
     for record in records:
-        train = record.get("train") or {}
+        train = record.train
         values.append(math.nan if train.get("skipped") or field not in train else float(train[field]))
     return values
 
 
-def draw_training(records: list[dict], file: Path) -> None:
+def draw_training(records: list[StepRecord], file: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    steps = [r["step"] for r in records]
+    steps = [r.step for r in records]
     figure = Figure(figsize=(min(10 + 0.1 * len(steps), 20), 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     for axes, (title, fields) in zip(figure.subplots(2, 2).flat, TRAINING_PANELS, strict=True):
@@ -284,50 +266,50 @@ def draw_training(records: list[dict], file: Path) -> None:
     figure.savefig(file)
 
 
-def _step_bounds(records: list[dict]) -> list[tuple[float, float]]:
+def _step_bounds(records: list[StepRecord]) -> list[tuple[float, float]]:
     """(start, end) of every step on the timeline, from its rollout start to its weight sync end."""
     bounds = []
     offset = 0.0
     for record in records:
-        phases = record["phase_seconds"]
-        length = phases["rollout"] + phases["train"] + phases["weight_sync"]
+        length = record.phase_seconds.total
         bounds.append((offset, offset + length))
         offset += length
     return bounds
 
 
-def step_acceptance_length(record: dict) -> float | None:
+def step_acceptance_length(record: StepRecord) -> float | None:
     """Mean acceptance length of a step; None when no decode step verified a draft."""
-    accepted, verify = record.get("draft_tokens_accepted", 0), record["verify_steps"]
-    return acceptance_length(accepted, verify) if verify else None
+    verify = record.verify_steps
+    return acceptance_length(record.draft_tokens_accepted, verify) if verify else None
 
 
-def eval_points(records: list[dict]) -> list[tuple[int, float]]:
+def eval_points(records: list[StepRecord]) -> list[tuple[int, float]]:
     """(policy version, held-out eval reward): step t's eval runs after its update, i.e. on version t + 1;
     ``eval_reward_before_training`` of step 0 is version 0."""
-    points = [(0, records[0]["eval_reward_before_training"])] if "eval_reward_before_training" in records[0] else []
-    return points + [(r["step"] + 1, r["eval_reward"]) for r in records if "eval_reward" in r]
+    before = records[0].eval_reward_before_training
+    points = [(0, before)] if before is not None else []
+    return points + [(r.step + 1, r.eval_reward) for r in records if r.eval_reward is not None]
 
 
-def draw_steps(records: list[dict], file: Path) -> None:
+def draw_steps(records: list[StepRecord], file: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    steps = [r["step"] for r in records]
+    steps = [r.step for r in records]
     figure = Figure(figsize=(min(10 + 0.1 * len(steps), 20), 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     acceptance, tokens, utilisation, reward = figure.subplots(2, 2).flat
     lengths = [step_acceptance_length(r) for r in records]
     acceptance.plot(steps, [math.nan if v is None else v for v in lengths], "o-", color="#2ca02c")
     acceptance.set(title="acceptance length (tokens per verify step)", ylabel="tokens", xlabel="step")
-    tokens.plot(steps, [r["generated_tokens"] for r in records], "o-", label="generated tokens")
-    tokens.plot(steps, [r["decode_steps"] for r in records], "s-", label="decode steps")
+    tokens.plot(steps, [r.generated_tokens for r in records], "o-", label="generated tokens")
+    tokens.plot(steps, [r.decode_steps for r in records], "s-", label="decode steps")
     tokens.set(title="decode steps vs tokens (equal without speculation)", xlabel="step")
-    utilisation.plot(steps, [r.get("bubble_utilization", 0.0) for r in records], "o-", label="bubble utilisation")
-    utilisation.plot(steps, [r.get("draft_coverage", 0.0) for r in records], "s-", label="draft coverage")
+    utilisation.plot(steps, [r.bubble_utilization for r in records], "o-", label="bubble utilisation")
+    utilisation.plot(steps, [r.draft_coverage for r in records], "s-", label="draft coverage")
     utilisation.set(title="bubble use and draft coverage", ylim=(-0.05, 1.05), xlabel="step")
-    reward.plot(steps, [r["reward_mean"] for r in records], "o-", label="rollout reward (policy of the step)")
+    reward.plot(steps, [r.reward_mean for r in records], "o-", label="rollout reward (policy of the step)")
     evals = eval_points(records)
     if evals:
         versions, values = zip(*evals, strict=True)
@@ -341,7 +323,7 @@ def draw_steps(records: list[dict], file: Path) -> None:
     figure.savefig(file)
 
 
-def _summary(path: Path, config, records: list[dict]) -> dict:
+def _summary(path: Path, config, records: list[StepRecord]) -> dict:
     """summary.json when it describes these steps; else the same numbers computed from the records."""
     from bubblespec.launch import summarize
 
@@ -386,7 +368,7 @@ STEP_COLUMNS = (
 RANK_COLUMNS = ("rank", "requests", "tokens", "decode steps", "accepted / proposed", "bubble s", "drafting s", "use")
 
 
-def summary_markdown(config, records: list[dict], summary: dict) -> str:
+def summary_markdown(config, records: list[StepRecord], summary: dict) -> str:
     """summary.md: headline numbers (from ``summary``), one table row per step and one per rank, the pictures."""
     clock = config.clock.kind
     lines = [
@@ -425,7 +407,7 @@ def summary_markdown(config, records: list[dict], summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rank_totals(records: list[dict]) -> dict[int, dict[str, float]]:
+def rank_totals(records: list[StepRecord]) -> dict[int, dict[str, float]]:
     """Per rank, the sum over steps of its counters (requests, tokens, decode steps, drafts, seconds)."""
     fields = (
         "num_requests",
@@ -438,29 +420,29 @@ def rank_totals(records: list[dict]) -> dict[int, dict[str, float]]:
     )
     totals: dict[int, dict[str, float]] = {}
     for record in records:
-        for rank in record["ranks"]:
-            total = totals.setdefault(rank["rank"], dict.fromkeys(fields, 0))
+        for rank in record.ranks:
+            total = totals.setdefault(rank.rank, dict.fromkeys(fields, 0))
             for name in fields:
-                total[name] += rank.get(name, 0)
+                total[name] += getattr(rank, name)
     return totals
 
 
-def _step_row(record: dict) -> list[str]:
-    phases, tokens = record["phase_seconds"], record["generated_tokens"]
+def _step_row(record: StepRecord) -> list[str]:
+    phases, tokens = record.phase_seconds, record.generated_tokens
     length = step_acceptance_length(record)
     return [
-        str(record["step"]),
-        _format(record["reward_mean"]),
-        _format(record["eval_reward"]) if "eval_reward" in record else "",
+        str(record.step),
+        _format(record.reward_mean),
+        "" if record.eval_reward is None else _format(record.eval_reward),
         str(tokens),
-        str(record["decode_steps"]),
-        f"{1 - record['decode_steps'] / tokens:.1%}" if tokens else "—",
+        str(record.decode_steps),
+        f"{1 - record.decode_steps / tokens:.1%}" if tokens else "—",
         "—" if length is None else f"{length:.2f}",
-        f"{record.get('draft_coverage', 0.0):.2f}",
-        f"{record.get('bubble_utilization', 0.0):.2f}",
-        f"{phases['rollout']:.3f}",
-        f"{phases['train']:.3f}",
-        f"{phases['weight_sync']:.3f}",
+        f"{record.draft_coverage:.2f}",
+        f"{record.bubble_utilization:.2f}",
+        f"{phases.rollout:.3f}",
+        f"{phases.train:.3f}",
+        f"{phases.weight_sync:.3f}",
     ]
 
 

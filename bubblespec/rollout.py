@@ -8,7 +8,9 @@ record of what happened. :mod:`bubblespec.scheduler` decides which rank does wha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+import pydantic
 
 from bubblespec.interfaces import (
     Draft,
@@ -50,7 +52,7 @@ def drafted_tokens(results: Sequence[GenerationResult]) -> int:
     return sum(len(r.token_ids) - r.stats.draft_tokens_accepted for r in results)
 
 
-@dataclass
+@pydantic.dataclasses.dataclass
 class RankRecord:
     """What one rank did in one step (a row of the run's per-step JSONL)."""
 
@@ -73,6 +75,9 @@ class RankRecord:
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""
+    drafting_seconds_while_training: float | None = None
+    draft_tokens_produced_while_training: int | None = None
+    """Its drafting while the trainer ran (speculation.draft_during_training only)."""
 
     def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
         self.num_requests += len(results)
@@ -87,20 +92,19 @@ class RankRecord:
             for length, count in result.stats.acceptance_lengths.items():
                 self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + count
 
+    @pydantic.field_serializer("acceptance_lengths")
+    def _by_length(self, lengths: dict[int, int]) -> dict[int, int]:
+        return dict(sorted(lengths.items()))
+
+    @pydantic.computed_field
     @property
     def draft_coverage(self) -> float:
         return self.requests_with_draft / self.num_requests if self.num_requests else 0.0
 
+    @pydantic.computed_field
     @property
     def bubble_utilization(self) -> float:
         return min(self.drafting_seconds / self.bubble_seconds, 1.0) if self.bubble_seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {
-            "acceptance_lengths": {str(length): n for length, n in sorted(self.acceptance_lengths.items())},
-            "draft_coverage": self.draft_coverage,
-            "bubble_utilization": self.bubble_utilization,
-        }
 
 
 @dataclass

@@ -20,14 +20,11 @@ import torch
 import yaml
 
 from bubblespec.config import RunConfig, validate
-from bubblespec.errors import BubblespecError, ConfigError
+from bubblespec.errors import CheckpointError, ConfigError
 from bubblespec.interfaces import Draft, RolloutKey
+from bubblespec.records import StepRecord, read_step_lines
 
 CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.json")
-
-
-class CheckpointError(BubblespecError):
-    """A checkpoint or step log that is missing files or cannot be read."""
 
 
 class RunDirectory:
@@ -57,35 +54,23 @@ class RunDirectory:
             raise ConfigError(f"{str(self.path)!r} is not a run directory: it has no config.yaml")
         return validate(yaml.safe_load(file.read_text()) or {}, source=str(file))
 
-    def append_step(self, record: dict) -> None:
+    def append_step(self, record: StepRecord) -> None:
         with self.steps_file.open("a") as out:
-            out.write(json.dumps(record) + "\n")
+            out.write(record.to_json() + "\n")
 
-    def read_steps(self) -> list[dict]:
+    def read_steps(self) -> list[StepRecord]:
         """The step records. A last line without its newline is a write the process did not finish (it was
-        killed): it is left out. Any other line that is not JSON is an error naming the file and line."""
+        killed): it is left out. Any other line that is not a step record is an error naming the file and line."""
         if not self.steps_file.exists():
             return []
-        text = self.steps_file.read_text()
-        lines = text.split("\n")
-        records = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                if number == len(lines):  # no newline after it: torn by a crash while it was written
-                    break
-                raise CheckpointError(f"{self.steps_file} line {number} is not a step record: {error}") from None
-        return records
+        return read_step_lines(self.steps_file)[0]
 
     def truncate_steps(self, last_step: int) -> None:
         """Keeps the JSONL lines of steps <= last_step (resume from the checkpoint after last_step). The file is
         replaced in one rename, so a crash leaves the old or the new one, never half of either."""
-        kept = [r for r in self.read_steps() if r["step"] <= last_step]
+        kept = [r for r in self.read_steps() if r.step <= last_step]
         partial = self.steps_file.with_name(".steps.jsonl.partial")
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.write_text("".join(r.to_json() + "\n" for r in kept))
         partial.replace(self.steps_file)
 
     def save_checkpoint(

@@ -28,6 +28,7 @@ from pathlib import Path
 from bubblespec.config import RunConfig
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import acceptance_length
+from bubblespec.records import StepRecord
 
 DEFAULT_VARIANTS = (
     "none",
@@ -115,7 +116,7 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
     configs = {v: _variant(config, v, Path(".")) for v in variants}  # fail before any run
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-")) if scratch else output_dir
-    steps: dict[str, list[dict]] = {}
+    steps: dict[str, list[StepRecord]] = {}
     try:
         for variant in variants:
             variant_config = configs[variant].model_copy(update={"output_dir": str(output_dir)})
@@ -156,42 +157,42 @@ def _per_token(decode_steps: int, generated_tokens: int) -> float:
     return decode_steps / generated_tokens if generated_tokens else 1.0
 
 
-def _compare(off: dict, on: dict, variant: str) -> dict:
+def _compare(off: StepRecord, on: StepRecord, variant: str) -> dict:
     """One step of ``variant`` (``on``) against the same step of its baseline (``off``)."""
-    same = off["rollout_digest"] == on["rollout_digest"] and off["reward_mean"] == on["reward_mean"]
-    steps_per_token_off = _per_token(off["decode_steps"], off["generated_tokens"])
-    tokens_per_second_off = off["generated_tokens"] / off["phase_seconds"]["rollout"]
+    same = off.rollout_digest == on.rollout_digest and off.reward_mean == on.reward_mean
+    steps_per_token_off = _per_token(off.decode_steps, off.generated_tokens)
+    tokens_per_second_off = off.generated_tokens / off.phase_seconds.rollout
     return {
-        "step": on["step"],
-        "decode_steps": on["decode_steps"],
-        "generated_tokens": on["generated_tokens"],
-        "decode_step_reduction": 1 - _per_token(on["decode_steps"], on["generated_tokens"]) / steps_per_token_off,
-        "acceptance_length_mean": acceptance_length(on["draft_tokens_accepted"], on["verify_steps"]),
-        "draft_coverage": on["draft_coverage"],
-        "proposal_coverage": on.get("proposal_coverage", 0.0),
-        "rollout_seconds": on["phase_seconds"]["rollout"],
-        "throughput_ratio": on["generated_tokens"] / on["phase_seconds"]["rollout"] / tokens_per_second_off,
+        "step": on.step,
+        "decode_steps": on.decode_steps,
+        "generated_tokens": on.generated_tokens,
+        "decode_step_reduction": 1 - _per_token(on.decode_steps, on.generated_tokens) / steps_per_token_off,
+        "acceptance_length_mean": acceptance_length(on.draft_tokens_accepted, on.verify_steps),
+        "draft_coverage": on.draft_coverage,
+        "proposal_coverage": on.proposal_coverage,
+        "rollout_seconds": on.phase_seconds.rollout,
+        "throughput_ratio": on.generated_tokens / on.phase_seconds.rollout / tokens_per_second_off,
         "identical_rollouts": same,  # against the variant's own baseline (none, or none:one-hot)
     }
 
 
-def _aggregate(off: list[dict], on: list[dict]) -> dict:
+def _aggregate(off: list[StepRecord], on: list[StepRecord]) -> dict:
     if not on:
         return {}
 
-    def total(steps: list[dict], field: str) -> int:
-        return sum(s[field] for s in steps)
+    def total(steps: list[StepRecord], field: str) -> int:
+        return sum(getattr(s, field) for s in steps)
 
-    def rollout_seconds(steps: list[dict]) -> float:
-        return sum(s["phase_seconds"]["rollout"] for s in steps)
+    def rollout_seconds(steps: list[StepRecord]) -> float:
+        return sum(s.phase_seconds.rollout for s in steps)
 
     tokens_off, tokens_on = total(off, "generated_tokens"), total(on, "generated_tokens")
     steps_per_token_off = _per_token(total(off, "decode_steps"), tokens_off)
     return {
         "decode_step_reduction": 1 - _per_token(total(on, "decode_steps"), tokens_on) / steps_per_token_off,
         "acceptance_length_mean": acceptance_length(total(on, "draft_tokens_accepted"), total(on, "verify_steps")),
-        "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
-        "proposal_coverage": sum(s.get("proposal_coverage", 0.0) for s in on) / len(on),
+        "draft_coverage": sum(s.draft_coverage for s in on) / len(on),
+        "proposal_coverage": sum(s.proposal_coverage for s in on) / len(on),
         "generated_tokens": tokens_on,
         "throughput_ratio": tokens_on / rollout_seconds(on) / (tokens_off / rollout_seconds(off)),
     }

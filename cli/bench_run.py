@@ -16,6 +16,7 @@ from pathlib import Path
 from bubblespec.config import RunConfig
 from bubblespec.interfaces import acceptance_length
 from bubblespec.launch import bubble_utilization
+from bubblespec.records import StepRecord
 
 
 def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
@@ -60,40 +61,40 @@ def run_side_by_side(config: RunConfig, output_dir: Path | None = None) -> dict:
     return report
 
 
-def _compare(off: dict, on: dict) -> dict:
+def _compare(off: StepRecord, on: StepRecord) -> dict:
     return {
-        "step": on["step"],
-        "decode_steps_off": off["decode_steps"],
-        "decode_steps_on": on["decode_steps"],
-        "decode_step_reduction": 1 - on["decode_steps"] / off["decode_steps"] if off["decode_steps"] else 0.0,
-        "acceptance_length_mean": acceptance_length(on["draft_tokens_accepted"], on["verify_steps"]),
-        "bubble_utilization": on["bubble_utilization"],
-        "draft_coverage": on["draft_coverage"],
-        "rollout_seconds_off": off["phase_seconds"]["rollout"],
-        "rollout_seconds_on": on["phase_seconds"]["rollout"],
-        "throughput_ratio": off["phase_seconds"]["rollout"] / on["phase_seconds"]["rollout"],
-        "identical_rollouts": off["rollout_digest"] == on["rollout_digest"] and off["reward_mean"] == on["reward_mean"],
+        "step": on.step,
+        "decode_steps_off": off.decode_steps,
+        "decode_steps_on": on.decode_steps,
+        "decode_step_reduction": 1 - on.decode_steps / off.decode_steps if off.decode_steps else 0.0,
+        "acceptance_length_mean": acceptance_length(on.draft_tokens_accepted, on.verify_steps),
+        "bubble_utilization": on.bubble_utilization,
+        "draft_coverage": on.draft_coverage,
+        "rollout_seconds_off": off.phase_seconds.rollout,
+        "rollout_seconds_on": on.phase_seconds.rollout,
+        "throughput_ratio": off.phase_seconds.rollout / on.phase_seconds.rollout,
+        "identical_rollouts": off.rollout_digest == on.rollout_digest and off.reward_mean == on.reward_mean,
     }
 
 
-def _aggregate(off: list[dict], on: list[dict], clock: str, num_steps: int) -> dict:
+def _aggregate(off: list[StepRecord], on: list[StepRecord], clock: str, num_steps: int) -> dict:
     if not on:
         return {}
-    decode_off = sum(s["decode_steps"] for s in off)
-    decode_on = sum(s["decode_steps"] for s in on)
-    tokens = sum(s["generated_tokens"] for s in on)
-    seconds_off = sum(s["phase_seconds"]["rollout"] for s in off)
-    seconds_on = sum(s["phase_seconds"]["rollout"] for s in on)
+    decode_off = sum(s.decode_steps for s in off)
+    decode_on = sum(s.decode_steps for s in on)
+    tokens = sum(s.generated_tokens for s in on)
+    seconds_off = sum(s.phase_seconds.rollout for s in off)
+    seconds_on = sum(s.phase_seconds.rollout for s in on)
     ratio = (tokens / seconds_on) / (tokens / seconds_off)
-    step_off = sum(sum(s["phase_seconds"].values()) for s in off)
-    step_on = sum(sum(s["phase_seconds"].values()) for s in on)
+    step_off = sum(s.phase_seconds.total for s in off)
+    step_on = sum(s.phase_seconds.total for s in on)
     return {
         "decode_step_reduction": 1 - decode_on / decode_off,
         "acceptance_length_mean": acceptance_length(
-            sum(s["draft_tokens_accepted"] for s in on), sum(s["verify_steps"] for s in on)
+            sum(s.draft_tokens_accepted for s in on), sum(s.verify_steps for s in on)
         ),
         "bubble_utilization": bubble_utilization(on, num_steps),
-        "draft_coverage": sum(s["draft_coverage"] for s in on) / len(on),
+        "draft_coverage": sum(s.draft_coverage for s in on) / len(on),
         "throughput_ratio_virtual": ratio if clock == "virtual" else None,
         "throughput_ratio_wall": ratio if clock == "wall" else None,
         # rollout + train + weight sync: drafting while training on shared hardware may slow the trainer

@@ -76,24 +76,10 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
         steps_done = rollout.steps
     weights = {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
     return {
-        "generations": [
-            {
-                k: s[k]
-                for k in (
-                    "generation",
-                    "global_step",
-                    "generated_tokens",
-                    "decode_steps",
-                    "draft_coverage",
-                    "rollout_seconds",
-                    "completions_digest",
-                )
-            }  # fmt: skip
-            for s in steps_done
-        ],
-        "decode_steps": sum(s["decode_steps"] for s in steps_done),
-        "generated_tokens": sum(s["generated_tokens"] for s in steps_done),
-        "rollout_seconds": sum(s["rollout_seconds"] for s in steps_done),
+        "generations": [s.model_dump(exclude={"ranks"}) for s in steps_done],
+        "decode_steps": sum(s.decode_steps for s in steps_done),
+        "generated_tokens": sum(s.generated_tokens for s in steps_done),
+        "rollout_seconds": sum(s.rollout_seconds for s in steps_done),
         "_weights": weights,
     }
 

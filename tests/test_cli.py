@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from bubblespec import plugins
 from bubblespec.cli.main import app
 from bubblespec.errors import PluginNotFoundError
+from tests.step_records import step_record
 
 runner = CliRunner()
 
@@ -224,7 +225,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypat
         folder = RunDirectory(config.run_dir)
         folder.create(config)
         for step in range(2):
-            folder.append_step({"step": step})
+            folder.append_step(step_record(step))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bubblespec.launch, "run", interrupted_after_two_steps)

@@ -85,9 +85,9 @@ def _assert_equals_the_simulation(tmp_path, wall) -> None:
     run(virtual)
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
     wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
-    assert [s["step"] for s in wall_steps] == list(range(wall.num_steps))
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
-    assert [s["num_samples"] for s in wall_steps] == [s["num_samples"] for s in virtual_steps]
+    assert [s.step for s in wall_steps] == list(range(wall.num_steps))
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
+    assert [s.num_samples for s in wall_steps] == [s.num_samples for s in virtual_steps]
     wall_weights = load_file(str(wall_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(virtual_dir.latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
@@ -262,7 +262,7 @@ def test_the_draft_store_node_lost_mid_rollout_costs_drafts_only(cluster, tmp_pa
     )
     assert "the draft store (RayDraftStore) failed and is given up" in caplog.text
     steps = RunDirectory(config.run_dir).read_steps()
-    assert steps[-1]["draft_coverage"] == 0
+    assert steps[-1].draft_coverage == 0
     assert summary["num_steps"] == 3
     _assert_equals_the_simulation(tmp_path, config)
 

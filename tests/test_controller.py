@@ -8,9 +8,11 @@ import pytest
 from safetensors.torch import load_file
 
 from bubblespec.config import apply_overrides, load_config, validate
-from bubblespec.errors import BubblespecError, ConfigError
+from bubblespec.errors import BubblespecError, CheckpointError, ConfigError
 from bubblespec.launch import run
-from bubblespec.run_dir import CheckpointError, RunDirectory
+from bubblespec.records import StepRecord
+from bubblespec.run_dir import RunDirectory
+from tests.step_records import step_record
 
 SMALL = {
     "num_steps": 3,
@@ -43,7 +45,7 @@ def _run(tmp_path, name: str, **changes) -> tuple[list[dict], dict]:
 
 
 def _rollouts(steps: list[dict]) -> list[tuple]:
-    return [(s["step"], s["rollout_digest"], s["reward_mean"]) for s in steps]
+    return [(s.step, s.rollout_digest, s.reward_mean) for s in steps]
 
 
 def _same_weights(a: dict, b: dict) -> bool:
@@ -62,9 +64,9 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     assert _rollouts(steps) == _rollouts(plain_steps)
     assert _same_weights(weights, plain_weights)
     # and speculation really happened: drafts were verified from step 1 on
-    assert all(s["draft_tokens_accepted"] > 0 for s in steps[1:])
-    assert sum(s["decode_steps"] for s in steps) < sum(s["decode_steps"] for s in plain_steps)
-    assert steps[0]["draft_coverage"] == 0 and steps[1]["draft_coverage"] > 0
+    assert all(s.draft_tokens_accepted > 0 for s in steps[1:])
+    assert sum(s.decode_steps for s in steps) < sum(s.decode_steps for s in plain_steps)
+    assert steps[0].draft_coverage == 0 and steps[1].draft_coverage > 0
 
 
 @pytest.mark.parametrize(
@@ -75,19 +77,19 @@ def test_speculation_changes_no_rollout_or_weight_for_every_advantage_estimator(
     plain_steps, plain_weights = _run(tmp_path, "plain", speculation={"enabled": False}, trainer=trainer)
     steps, weights = _run(tmp_path, "spec", speculation={"enabled": True}, trainer=trainer)
     assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
-    assert sum(s["draft_tokens_accepted"] for s in steps) > 0
+    assert sum(s.draft_tokens_accepted for s in steps) > 0
 
 
 RECIPE_CHECKS = {
     # recipe: a check on its step records that its algorithm really acted
-    "grpo": lambda steps: all(s["train"]["kl"] > 0 for s in steps[1:]),
-    "dr-grpo": lambda steps: all("kl" not in s["train"] and s["train"]["optimizer_steps"] == 1 for s in steps),
+    "grpo": lambda steps: all(s.train["kl"] > 0 for s in steps[1:]),
+    "dr-grpo": lambda steps: all("kl" not in s.train and s.train["optimizer_steps"] == 1 for s in steps),
     "dapo": lambda steps: (
-        all(s["train"]["groups_dropped"] > 0 for s in steps)
-        and max(s["train"]["optimizer_steps"] for s in steps) > 1
-        and max(s["train"]["ratio_max"] for s in steps) > 1.0
+        all(s.train["groups_dropped"] > 0 for s in steps)
+        and max(s.train["optimizer_steps"] for s in steps) > 1
+        and max(s.train["ratio_max"] for s in steps) > 1.0
     ),
-    "rloo": lambda steps: all(s["train"]["ratio_max"] == 1.0 for s in steps) and steps[-1]["train"]["kl"] != 0,
+    "rloo": lambda steps: all(s.train["ratio_max"] == 1.0 for s in steps) and steps[-1].train["kl"] != 0,
 }
 
 
@@ -108,7 +110,7 @@ def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, re
     assert report["identical_rollouts"] and report["identical_weights"]
     assert report["from_step_2"]["decode_step_reduction"] > 0.3
     steps = RunDirectory(tmp_path / f"{config.name}-speculation-on").read_steps()
-    assert RECIPE_CHECKS[recipe](steps), [s["train"] for s in steps]
+    assert RECIPE_CHECKS[recipe](steps), [s.train for s in steps]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
@@ -168,11 +170,11 @@ def test_draft_sources_change_no_rollout(tmp_path, sources):
     if sources == ["group"]:  # siblings decode in lockstep: one is rarely ahead of another to propose
         pass
     elif sources != ["none"]:
-        assert sum(s["draft_tokens_accepted"] for s in steps) > 0
+        assert sum(s.draft_tokens_accepted for s in steps) > 0
     else:
-        assert all(s["verify_steps"] == 0 and s["drafts_made"] == 0 for s in steps)
+        assert all(s.verify_steps == 0 and s.drafts_made == 0 for s in steps)
     if sources == ["history"]:  # step 2 repeats step 0's prompts: history drafts from then on only
-        assert [s["draft_coverage"] for s in steps] == [0.0, 0.0, 1.0]
+        assert [s.draft_coverage for s in steps] == [0.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -242,8 +244,8 @@ def test_a_third_party_static_draft_source_is_used_with_its_options(tmp_path, th
     speculation = {"draft_sources": ["last-response"], "draft_source_options": {"last-response": {"max_tokens": 5}}}
     steps, weights = _run(tmp_path, "third-party", task=task, speculation=speculation)
     assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
-    assert [s["draft_coverage"] for s in steps] == [0.0, 0.0, 1.0]
-    assert steps[2]["draft_tokens_accepted"] > 0
+    assert [s.draft_coverage for s in steps] == [0.0, 0.0, 1.0]
+    assert steps[2].draft_tokens_accepted > 0
 
 
 def test_a_draft_source_that_is_no_draft_source_class_is_refused_by_name(third_party_sources):
@@ -300,18 +302,17 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
         pass
 
     def crash_after_step_2(record):
-        if record["step"] == 2:
+        if record.step == 2:
             raise Crash
 
     with pytest.raises(Crash):
         run(config, on_step=crash_after_step_2)
     run_dir = RunDirectory(config.run_dir)
-    assert [s["step"] for s in run_dir.read_steps()] == [0, 1, 2]  # step 2 was logged, not checkpointed
+    assert [s.step for s in run_dir.read_steps()] == [0, 1, 2]  # step 2 was logged, not checkpointed
     run(run_dir.load_config(), resume_dir=config.run_dir)
     resumed = run_dir.read_steps()
-    assert [s["step"] for s in resumed] == [0, 1, 2, 3]
-    strip = ("timelines", "wall")
-    assert [_without(s, strip) for s in resumed] == [_without(s, strip) for s in uninterrupted]
+    assert [s.step for s in resumed] == [0, 1, 2, 3]
+    assert [_without_timelines(s) for s in resumed] == [_without_timelines(s) for s in uninterrupted]
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
 
 
@@ -327,27 +328,34 @@ def test_a_killed_controller_resumes_to_an_identical_run(tmp_path):
     run_dir = RunDirectory(config.run_dir)
     assert len(run_dir.read_steps()) < 6
     resume(config)
-    strip = ("timelines", "wall")
-    assert [_without(s, strip) for s in run_dir.read_steps()] == [_without(s, strip) for s in uninterrupted]
+    assert [_without_timelines(s) for s in run_dir.read_steps()] == [_without_timelines(s) for s in uninterrupted]
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
 
 
 def test_a_torn_last_step_line_is_dropped_and_other_bad_lines_are_named(tmp_path):
     run_dir = RunDirectory(tmp_path)
-    run_dir.append_step({"step": 0})
+    first, second = step_record(0, reward_mean=0.5), step_record(1)
+    run_dir.append_step(first)
     with run_dir.steps_file.open("a") as out:
         out.write('{"step": 1, "rew')  # the process died while writing this line
-    assert run_dir.read_steps() == [{"step": 0}]
+    assert run_dir.read_steps() == [first]
     run_dir.truncate_steps(0)
-    run_dir.append_step({"step": 1})
-    assert run_dir.read_steps() == [{"step": 0}, {"step": 1}]
-    run_dir.steps_file.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
-    with pytest.raises(CheckpointError, match="steps.jsonl line 2"):
+    run_dir.append_step(second)
+    assert run_dir.read_steps() == [first, second]
+    run_dir.steps_file.write_text(f"{first.to_json()}\nnot json\n{second.to_json()}\n")
+    with pytest.raises(CheckpointError, match="steps.jsonl line 2 is not JSON"):
+        run_dir.read_steps()
+    # JSON that is not a step record (a field missing, a field of the wrong type) is named with its fields
+    run_dir.steps_file.write_text(f'{first.to_json()}\n{{"step": 1}}\n')
+    with pytest.raises(CheckpointError, match=r"steps.jsonl line 2 is not a step record: reward_mean: Field required"):
+        run_dir.read_steps()
+    run_dir.steps_file.write_text(first.to_json().replace('"reward_mean": 0.5', '"reward_mean": "high"') + "\n")
+    with pytest.raises(CheckpointError, match=r"line 1 is not a step record: reward_mean: Input should be a valid"):
         run_dir.read_steps()
 
 
-def _without(record: dict, keys) -> dict:
-    return {k: v for k, v in record.items() if k not in keys}
+def _without_timelines(record: StepRecord) -> dict:
+    return record.model_dump(exclude={"timelines"})
 
 
 def test_a_corrupt_checkpoint_is_a_clear_error_not_a_restart(tmp_path):
@@ -439,7 +447,7 @@ def test_a_task_that_cannot_peek_runs_without_drafts_and_says_so(tmp_path, basel
     monkeypatch.setattr(ArithmeticTask, "peek", lambda self, step: None)
     steps, weights = _run(tmp_path, "no-peek", speculation={"enabled": True})
     assert "cannot say the prompts of step 1 in advance" in caplog.text
-    assert all(s["draft_coverage"] == 0 for s in steps)
+    assert all(s.draft_coverage == 0 for s in steps)
     assert _rollouts(steps) == _rollouts(baseline[0])
 
 
@@ -456,17 +464,17 @@ def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
 
     vocab = ArithmeticTask(seed=0).vocab_size
     longest_pass = profile.forward_seconds(ForwardPass(16, 16 * 17, 16 * 256, 16 * 17 * 256, 16 * 17 * vocab))
-    latencies = [r["preemption_latency_seconds"] for s in steps for r in s["ranks"]]
+    latencies = [r.preemption_latency_seconds for s in steps for r in s.ranks]
     assert any(latency > 0 for latency in latencies)  # drafting really was cut off at the barrier
     assert max(latencies) <= longest_pass
 
 
 def test_held_out_eval_is_recorded_and_repeatable(tmp_path):
     steps, _ = _run(tmp_path, "eval", num_steps=2, eval_every=1, eval_prompts=6)
-    assert all(0 <= s["eval_reward"] <= 1 for s in steps)
-    assert 0 <= steps[0]["eval_reward_before_training"] <= 1
+    assert all(0 <= s.eval_reward <= 1 for s in steps)
+    assert 0 <= steps[0].eval_reward_before_training <= 1
     again, _ = _run(tmp_path, "eval-again", num_steps=2, eval_every=1, eval_prompts=6)
-    assert [s["eval_reward"] for s in again] == [s["eval_reward"] for s in steps]
+    assert [s.eval_reward for s in again] == [s.eval_reward for s in steps]
 
 
 def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
@@ -490,10 +498,10 @@ def test_a_full_draft_store_evicts_reports_it_and_changes_no_rollout(tmp_path, b
     speculation = {"enabled": True, "draft_store_max_tokens": 100, "draft_during_training": True, "lookahead_steps": 2}
     steps, weights = _run(tmp_path, "capped", speculation=speculation)
     assert _rollouts(steps) == _rollouts(baseline[0]) and _same_weights(weights, baseline[1])
-    assert all(s["draft_store"]["tokens"] <= 100 for s in steps)
-    evicted = [s["drafts_evicted"] for s in steps]
+    assert all(s.draft_store["tokens"] <= 100 for s in steps)
+    evicted = [s.drafts_evicted for s in steps]
     assert sum(evicted) > 0, "the cap never bit: lower it"
-    assert steps[-1]["draft_store"]["evicted"] == sum(evicted)  # per step: the store's count since the last step
+    assert steps[-1].draft_store["evicted"] == sum(evicted)  # per step: the store's count since the last step
 
 
 def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch, caplog):
@@ -514,7 +522,7 @@ def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch
     assert "the draft store (InMemoryDraftStore) failed and is given up" in caplog.text
     assert _rollouts(steps) == _rollouts(baseline[0])
     assert _same_weights(weights, baseline[1])
-    assert steps[-1]["draft_coverage"] == 0
+    assert steps[-1].draft_coverage == 0
 
 
 def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):

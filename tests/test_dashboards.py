@@ -22,6 +22,7 @@ import yaml
 from bubblespec.config import MetricsConfig, validate
 from bubblespec.launch import run
 from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, RunMetrics, metric_names
+from bubblespec.records import StepRecord
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 METRIC_NAME = re.compile(r"bubblespec_[a-z_]+")
@@ -118,8 +119,8 @@ def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
     )
 
 
-def assert_preempted(records: list[dict]) -> None:
-    preempted = [rank["rank"] for record in records for rank in record["ranks"] if rank["preemption_latency_seconds"]]
+def assert_preempted(records: list[StepRecord]) -> None:
+    preempted = [rank.rank for record in records for rank in record.ranks if rank.preemption_latency_seconds]
     assert preempted, "no rank was drafting at any barrier, so the preemption histogram is empty; change run_config()"
 
 
@@ -307,11 +308,11 @@ def grafana_to_promql(expr: str) -> str:
 def test_every_dashboard_query_returns_plausible_values_from_a_real_run(prometheus, tmp_path):
     records, seen_at = [], []
 
-    def wait_for_scrape(record: dict) -> None:
+    def wait_for_scrape(record: StepRecord) -> None:
         # The run's endpoint goes away when it ends: hold each step until Prometheus has scraped it, which also
         # gives every counter one sample per step for increase() and rate().
         records.append(record)
-        seen_at.append(prometheus.wait_for_steps(record["step"] + 1))
+        seen_at.append(prometheus.wait_for_steps(record.step + 1))
 
     run(run_config(tmp_path, "dashboard", NUM_STEPS, {"port": prometheus.metrics_port}), on_step=wait_for_scrape)
     assert len(records) == NUM_STEPS

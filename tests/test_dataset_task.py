@@ -260,13 +260,11 @@ LORA = ("trainer.model.kind=transformers", "trainer.model.lora.rank=4", "trainer
 def test_the_math_example_runs_a_chat_model_and_speculation_changes_no_rollout(chat_model, tmp_path, trainer):
     plain = _math_example(tmp_path, "plain", chat_model, speculation=False, extra=trainer)
     drafted = _math_example(tmp_path, "drafted", chat_model, speculation=True, extra=trainer)
-    assert [(s["rollout_digest"], s["reward_mean"]) for s in drafted] == [
-        (s["rollout_digest"], s["reward_mean"]) for s in plain
-    ]
-    assert sum(s["draft_tokens_accepted"] for s in drafted) > 0
-    assert all(s["reward_timeouts"] == 0 and s["reward_errors"] == 0 for s in drafted)
-    assert "eval_reward" in drafted[-1]
-    assert all(s["train"]["skipped"] == 0 for s in drafted)  # every step trained
+    assert [(s.rollout_digest, s.reward_mean) for s in drafted] == [(s.rollout_digest, s.reward_mean) for s in plain]
+    assert sum(s.draft_tokens_accepted for s in drafted) > 0
+    assert all(s.reward_timeouts == 0 and s.reward_errors == 0 for s in drafted)
+    assert drafted[-1].eval_reward is not None
+    assert all(s.train["skipped"] == 0 for s in drafted)  # every step trained
 
 
 def test_make_tasks_gives_the_held_out_split_the_same_seed_and_the_model_folder(chat_model, problems):
@@ -389,5 +387,5 @@ def test_the_reasoning_gym_example_runs_on_the_virtual_clock(chat_model, tmp_pat
     config = load_config(EXAMPLES / "reasoning-gym.yaml", overrides)
     run(config)
     steps = RunDirectory(config.run_dir).read_steps()
-    assert [s["step"] for s in steps] == [0, 1] and "eval_reward" in steps[-1]
-    assert all(s["reward_errors"] == 0 and s["reward_timeouts"] == 0 for s in steps)
+    assert [s.step for s in steps] == [0, 1] and steps[-1].eval_reward is not None
+    assert all(s.reward_errors == 0 and s.reward_timeouts == 0 for s in steps)

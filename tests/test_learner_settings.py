@@ -176,8 +176,8 @@ def test_the_end_to_end_run_with_sampling_filters_trains_finite_steps(tmp_path):
     })  # fmt: skip
     run(config)
     steps = RunDirectory(config.run_dir).read_steps()
-    assert [s["step"] for s in steps] == [0, 1]
-    assert all(math.isfinite(s["train"]["loss"]) and math.isfinite(s["train"]["grad_norm"]) for s in steps)
+    assert [s.step for s in steps] == [0, 1]
+    assert all(math.isfinite(s.train["loss"]) and math.isfinite(s.train["grad_norm"]) for s in steps)
 
 
 # -- which steps train ---------------------------------------------------------------------------------------------

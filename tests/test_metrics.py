@@ -13,6 +13,7 @@ from bubblespec.config import validate
 from bubblespec.errors import ConfigError
 from bubblespec.launch import run
 from bubblespec.metrics import TRAIN_COUNTERS, TRAIN_GAUGES, RunMetrics, metric_names
+from bubblespec.run_dir import RunDirectory
 
 
 def free_port() -> int:
@@ -56,7 +57,7 @@ def test_metrics_are_live_during_the_run_and_equal_the_jsonl(tmp_path):
 
     def check(record):
         steps = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
-        assert steps[-1]["step"] == record["step"]
+        assert steps[-1]["step"] == record.step
         metrics = scrape(port)
         for rank in (0, 1):
             label = (("rank", str(rank)),)
@@ -80,12 +81,12 @@ def test_metrics_are_live_during_the_run_and_equal_the_jsonl(tmp_path):
             assert metrics[("bubblespec_phase_seconds_total", (("phase", phase),))] == sum(
                 s["phase_seconds"][phase] for s in steps
             )
-        assert metrics[("bubblespec_reward", ())] == record["reward_mean"]
-        assert metrics[("bubblespec_policy_version", ())] == record["step"] + 1
+        assert metrics[("bubblespec_reward", ())] == record.reward_mean
+        assert metrics[("bubblespec_policy_version", ())] == record.step + 1
         assert metrics[("bubblespec_steps_total", ())] == len(steps)
-        if "eval_reward" in record:
-            assert metrics[("bubblespec_eval_reward", ())] == record["eval_reward"]
-        checked.append(record["step"])
+        if record.eval_reward is not None:
+            assert metrics[("bubblespec_eval_reward", ())] == record.eval_reward
+        checked.append(record.step)
 
     run(config, on_step=check)
     assert checked == [0, 1, 2]
@@ -114,7 +115,7 @@ def test_every_metric_has_the_prefix_and_ranked_ones_the_rank_label(tmp_path):
     metrics = RunMetrics()
     config = _config(tmp_path, "names", 0, num_steps=2)
     run(config)
-    metrics.observe_steps(json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines())
+    metrics.observe_steps(RunDirectory(config.run_dir).read_steps())
     names = metric_names(metrics.registry)
     assert names and all(name.startswith("bubblespec_") for name in names)
     for family in metrics.registry.collect():

@@ -78,29 +78,29 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     run(virtual)
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
     wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
-    assert [s["reward_mean"] for s in wall_steps] == [s["reward_mean"] for s in virtual_steps]
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
+    assert [s.reward_mean for s in wall_steps] == [s.reward_mean for s in virtual_steps]
     wall_weights = load_file(str(wall_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(virtual_dir.latest_checkpoint() / "weights.safetensors"))
     # Summing two workers' gradients rounds differently from one backward pass over the whole batch.
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-10) for k in virtual_weights)
     for wall_step, virtual_step in zip(wall_steps, virtual_steps, strict=True):
-        assert wall_step["train"]["optimizer_steps"] == virtual_step["train"]["optimizer_steps"]
-        if not virtual_step["train"]["skipped"]:
-            assert virtual_step["train"]["optimizer_steps"] == 4
-            assert wall_step["train"]["kl"] == pytest.approx(virtual_step["train"]["kl"], rel=1e-6, abs=1e-12)
-    assert any(not step["train"]["skipped"] for step in virtual_steps)
+        assert wall_step.train["optimizer_steps"] == virtual_step.train["optimizer_steps"]
+        if not virtual_step.train["skipped"]:
+            assert virtual_step.train["optimizer_steps"] == 4
+            assert wall_step.train["kl"] == pytest.approx(virtual_step.train["kl"], rel=1e-6, abs=1e-12)
+    assert any(not step.train["skipped"] for step in virtual_steps)
     assert summary["clock"] == "wall" and summary["rollout_seconds"] > 0
     for step in wall_steps:
-        assert all(rank["generation_seconds"] > 0 for rank in step["ranks"])
+        assert all(rank.generation_seconds > 0 for rank in step.ranks)
         # bubbles are measured from the barrier: the last rank to finish has none, the others are idle or drafting
-        assert min(rank["bubble_seconds"] for rank in step["ranks"]) == 0
-        assert all(rank["drafting_seconds"] <= rank["bubble_seconds"] + 1e-9 for rank in step["ranks"])
+        assert min(rank.bubble_seconds for rank in step.ranks) == 0
+        assert all(rank.drafting_seconds <= rank.bubble_seconds + 1e-9 for rank in step.ranks)
     # drafting while the trainer ran is recorded per rank, for the timeline picture (steps whose plan was used up
     # in the rollout bubble have none)
-    training = [entry for step in wall_steps for rank in step.get("training_timelines", []) for entry in rank]
+    training = [entry for step in wall_steps for rank in step.training_timelines or [] for entry in rank]
     assert all(kind == "draft" and 0 <= start <= end for kind, start, end in training)
-    drafted = [entry for step in wall_steps for rank in step["timelines"] for entry in rank if entry[0] == "draft"]
+    drafted = [entry for step in wall_steps for rank in step.timelines for entry in rank if entry[0] == "draft"]
     assert training or drafted, "no rank drafted at all"
     # the live display heard of every phase, of every rank generating and falling idle, and of drafting
     assert phases[:3] == [(0, "rollout"), (0, "train"), (0, "weight sync")] and len(phases) == 9
@@ -139,8 +139,8 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
     assert "rank 1 lost its replica" in caplog.text
     wall_steps = RunDirectory(wall.run_dir).read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
-    assert [s["num_samples"] for s in wall_steps] == [8, 8, 8]
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
+    assert [s.num_samples for s in wall_steps] == [8, 8, 8]
     wall_weights = load_file(str(RunDirectory(wall.run_dir).latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
@@ -186,8 +186,8 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
     assert "in step 2: the run rewinds to its last checkpoint and replays from step 2" in caplog.text
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
     wall_steps, virtual_steps = wall_dir.read_steps(), virtual_dir.read_steps()
-    assert [s["step"] for s in wall_steps] == [0, 1, 2, 3]  # replayed steps are recorded once
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    assert [s.step for s in wall_steps] == [0, 1, 2, 3]  # replayed steps are recorded once
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
     wall_weights = load_file(str(wall_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(virtual_dir.latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
@@ -235,7 +235,7 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
             gate.inject_when_held("rank 0 generate", kill_store)
 
     def on_step(record):
-        if record["step"] == 1:  # weights of version 2 are synced; replace rank 1's replica before step 2
+        if record.step == 1:  # weights of version 2 are synced; replace rank 1's replica before step 2
             old = kill_replica(1)
             deadline = time.monotonic() + 60
             while replicas(1) in ([], [old]) and time.monotonic() < deadline:
@@ -249,10 +249,10 @@ def test_replicas_replaced_between_calls_and_a_lost_draft_store_change_nothing(t
     assert killed == ["replica 0", "replica 1", "store"], killed
     wall_steps = RunDirectory(wall.run_dir).read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
     assert "rank 1 holds policy version 0, the call expects 2" in caplog.text
     assert "without drafts" in caplog.text
-    assert wall_steps[3]["draft_coverage"] == 0  # the store's drafts were lost with it
+    assert wall_steps[3].draft_coverage == 0  # the store's drafts were lost with it
     wall_weights = load_file(str(RunDirectory(wall.run_dir).latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)
@@ -273,8 +273,8 @@ def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_pa
     run(virtual)
     wall_steps = run_dir.read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
-    assert [s["step"] for s in wall_steps] == [0, 1, 2, 3]
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in virtual_steps]
+    assert [s.step for s in wall_steps] == [0, 1, 2, 3]
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
     wall_weights = load_file(str(run_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))
     assert all(torch.allclose(wall_weights[k], virtual_weights[k], rtol=0, atol=1e-12) for k in virtual_weights)

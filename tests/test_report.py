@@ -3,7 +3,6 @@ segments they are drawn from, and the errors for folders that are not (finished)
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import struct
@@ -13,6 +12,7 @@ import pytest
 
 from bubblespec.errors import BubblespecError
 from bubblespec.interfaces import acceptance_length
+from bubblespec.records import PhaseSeconds, StepRecord
 from bubblespec.report import (
     ReportError,
     Segment,
@@ -22,6 +22,9 @@ from bubblespec.report import (
     timeline_segments,
     write_report,
 )
+from bubblespec.rollout import RankRecord
+from bubblespec.run_dir import RunDirectory
+from tests.step_records import step_record
 
 NUM_STEPS, NUM_RANKS = 3, 2
 
@@ -50,8 +53,8 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+def records(run_dir) -> list[StepRecord]:
+    return RunDirectory(run_dir).read_steps()
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +95,25 @@ def test_the_timeline_stays_readable_at_any_run_length(records, tmp_path):
     rank's seconds per activity over the whole run, which add up to the run's seconds."""
     from bubblespec.report import TIMELINE_STEPS, draw_timeline, rank_activity_seconds
 
-    long_run = [dict(r, step=i) for i, r in enumerate(records * 27)][:80]
+    long_run = [r.model_copy(update={"step": i}) for i, r in enumerate(records * 27)][:80]
     draw_timeline(long_run, "virtual", tmp_path / "timeline.png")
     width, height = png_size(tmp_path / "timeline.png")
     assert width <= 16 * 110 and height <= 2000, (width, height)
     shown = {s.step for s in timeline_segments(long_run[-TIMELINE_STEPS:])}
     assert shown == set(range(80 - TIMELINE_STEPS, 80))
     totals = rank_activity_seconds(long_run)
-    run_seconds = sum(sum(r["phase_seconds"].values()) for r in long_run)
+    run_seconds = sum(r.phase_seconds.total for r in long_run)
     for rank in range(NUM_RANKS):
         assert sum(totals[rank].values()) == pytest.approx(run_seconds)
-        generated = sum(r["ranks"][rank]["generation_seconds"] for r in long_run)
+        generated = sum(r.ranks[rank].generation_seconds for r in long_run)
         assert totals[rank]["generate"] == pytest.approx(generated)
 
 
 def test_training_series_leave_gaps_for_steps_that_trained_nothing():
     from bubblespec.report import training_series
 
-    records = [{"train": {"loss": 0.5, "kl": 0.1}}, {"train": {"loss": 0.0, "skipped": 1}}, {"train": {"loss": 0.2}}]
+    trains = [{"loss": 0.5, "kl": 0.1}, {"loss": 0.0, "skipped": 1}, {"loss": 0.2}]
+    records = [step_record(step, train=train) for step, train in enumerate(trains)]
     loss, kl = training_series(records, "loss"), training_series(records, "kl")
     assert loss[0] == 0.5 and math.isnan(loss[1]) and loss[2] == 0.2
     assert kl[0] == 0.1 and math.isnan(kl[1]) and math.isnan(kl[2])
@@ -124,27 +128,27 @@ def table_rows(summary: str, heading: str) -> list[list[str]]:
 def test_summary_numbers_match_the_step_records(report, records):
     summary = (report / "summary.md").read_text()
     assert "# Run r" in summary and "virtual clock" in summary
-    total_tokens = sum(r["generated_tokens"] for r in records)
+    total_tokens = sum(r.generated_tokens for r in records)
     assert f"| generated tokens | {total_tokens} |" in summary
-    assert f"| decode steps | {sum(r['decode_steps'] for r in records)} |" in summary
+    assert f"| decode steps | {sum(r.decode_steps for r in records)} |" in summary
 
     steps = table_rows(summary, "## Steps")
     assert [int(row[0]) for row in steps] == list(range(NUM_STEPS))
     for row, record in zip(steps, records, strict=True):
-        assert int(row[3]) == record["generated_tokens"] and int(row[4]) == record["decode_steps"]
-        assert float(row[1]) == pytest.approx(record["reward_mean"], abs=5e-4)
-        length = acceptance_length(record["draft_tokens_accepted"], record["verify_steps"])
-        assert row[6] == ("—" if record["verify_steps"] == 0 else f"{length:.2f}")
-        assert float(row[9]) == pytest.approx(record["phase_seconds"]["rollout"], abs=5e-4)
+        assert int(row[3]) == record.generated_tokens and int(row[4]) == record.decode_steps
+        assert float(row[1]) == pytest.approx(record.reward_mean, abs=5e-4)
+        length = acceptance_length(record.draft_tokens_accepted, record.verify_steps)
+        assert row[6] == ("—" if record.verify_steps == 0 else f"{length:.2f}")
+        assert float(row[9]) == pytest.approx(record.phase_seconds.rollout, abs=5e-4)
 
     ranks = table_rows(summary, "## Ranks over the whole run")
     assert [int(row[0]) for row in ranks] == list(range(NUM_RANKS))
     assert sum(int(row[2]) for row in ranks) == total_tokens
     for row in ranks:
         rank = int(row[0])
-        assert int(row[2]) == sum(r["ranks"][rank]["shard_tokens"] for r in records)
-        accepted = sum(r["ranks"][rank]["draft_tokens_accepted"] for r in records)
-        proposed = sum(r["ranks"][rank]["draft_tokens_proposed"] for r in records)
+        assert int(row[2]) == sum(r.ranks[rank].shard_tokens for r in records)
+        accepted = sum(r.ranks[rank].draft_tokens_accepted for r in records)
+        proposed = sum(r.ranks[rank].draft_tokens_proposed for r in records)
         assert row[4] == f"{accepted} / {proposed}"
 
 
@@ -153,7 +157,7 @@ def test_summary_without_summary_json_is_computed_from_the_steps(run_dir, record
     (copy / "summary.json").unlink()
     summary = (write_report(copy) / "summary.md").read_text()
     assert "from steps.jsonl" in summary
-    assert f"| generated tokens | {sum(r['generated_tokens'] for r in records)} |" in summary
+    assert f"| generated tokens | {sum(r.generated_tokens for r in records)} |" in summary
 
 
 def segments_of(segments: list[Segment], rank: int, step: int) -> list[Segment]:
@@ -165,11 +169,11 @@ def test_timeline_segments_tile_each_step_per_rank(records):
     assert {s.rank for s in segments} == set(range(NUM_RANKS))
     step_start = 0.0
     for record in records:
-        phases = record["phase_seconds"]
-        rollout_end = step_start + phases["rollout"]
-        step_end = rollout_end + phases["train"] + phases["weight_sync"]
+        phases = record.phase_seconds
+        rollout_end = step_start + phases.rollout
+        step_end = rollout_end + phases.train + phases.weight_sync
         for rank in range(NUM_RANKS):
-            mine = segments_of(segments, rank, record["step"])
+            mine = segments_of(segments, rank, record.step)
             assert mine[0].start == pytest.approx(step_start) and mine[-1].end == pytest.approx(step_end)
             for before, after in zip(mine, mine[1:], strict=False):
                 assert after.start == pytest.approx(before.end)  # no gap, no overlap
@@ -177,21 +181,22 @@ def test_timeline_segments_tile_each_step_per_rank(records):
             assert mine[-2].start == pytest.approx(rollout_end)
             rollout = mine[:-2]
             assert {s.kind for s in rollout} <= {"generate", "draft", "idle"}
-            assert sum(s.end - s.start for s in rollout) == pytest.approx(phases["rollout"])
+            assert sum(s.end - s.start for s in rollout) == pytest.approx(phases.rollout)
             generated = sum(s.end - s.start for s in rollout if s.kind == "generate")
-            assert generated == pytest.approx(record["ranks"][rank]["generation_seconds"])
+            assert generated == pytest.approx(record.ranks[rank].generation_seconds)
             drafted = sum(s.end - s.start for s in rollout if s.kind == "draft")
-            assert drafted >= record["ranks"][rank]["drafting_seconds"] - 1e-12  # the record stops at the barrier
+            assert drafted >= record.ranks[rank].drafting_seconds - 1e-12  # the record stops at the barrier
         step_start = step_end
 
 
-def record(step: int, timelines: list, rollout: float = 10.0, train: float = 4.0, sync: float = 1.0) -> dict:
-    return {
-        "step": step,
-        "ranks": [{"rank": rank} for rank in range(len(timelines))],
-        "timelines": timelines,
-        "phase_seconds": {"rollout": rollout, "train": train, "weight_sync": sync},
-    }
+def record(step: int, timelines: list, rollout: float = 10.0, train: float = 4.0, sync: float = 1.0, **fields):
+    return step_record(
+        step,
+        ranks=[RankRecord(rank) for rank in range(len(timelines))],
+        timelines=timelines,
+        phase_seconds=PhaseSeconds(rollout=rollout, train=train, weight_sync=sync),
+        **fields,
+    )
 
 
 def test_timeline_segments_fill_gaps_with_idle_and_clip_to_the_rollout():
@@ -218,8 +223,8 @@ def test_timeline_segments_fill_gaps_with_idle_and_clip_to_the_rollout():
 
 
 def test_drafting_while_training_shows_inside_the_training_band():
-    drafting = record(0, [[["generate", 0.0, 10.0]], [["generate", 0.0, 10.0]]])
-    drafting["training_timelines"] = [[["draft", 0.5, 3.0]], []]
+    training = [[["draft", 0.5, 3.0]], []]
+    drafting = record(0, [[["generate", 0.0, 10.0]], [["generate", 0.0, 10.0]]], training_timelines=training)
     rank0 = [(s.kind, s.start, s.end) for s in timeline_segments([drafting]) if s.rank == 0]
     assert rank0 == [
         ("generate", 0.0, 10.0),
@@ -238,12 +243,12 @@ def test_unknown_rollout_activity_is_a_clear_error():
 
 
 def test_acceptance_length_and_eval_points():
-    assert step_acceptance_length({"verify_steps": 0, "draft_tokens_accepted": 0}) is None
-    assert step_acceptance_length({"verify_steps": 4, "draft_tokens_accepted": 6}) == 2.5
+    assert step_acceptance_length(step_record(0, verify_steps=0, draft_tokens_accepted=0)) is None
+    assert step_acceptance_length(step_record(0, verify_steps=4, draft_tokens_accepted=6)) == 2.5
     records = [
-        {"step": 0, "eval_reward_before_training": 0.1, "eval_reward": 0.2},
-        {"step": 1},
-        {"step": 2, "eval_reward": 0.4},
+        step_record(0, eval_reward_before_training=0.1, eval_reward=0.2),
+        step_record(1),
+        step_record(2, eval_reward=0.4),
     ]
     assert eval_points(records) == [(0, 0.1), (1, 0.2), (3, 0.4)]
 
@@ -251,7 +256,7 @@ def test_acceptance_length_and_eval_points():
 def test_rank_totals_sum_over_steps(records):
     totals = rank_totals(records)
     assert sorted(totals) == list(range(NUM_RANKS))
-    assert sum(t["decode_steps"] for t in totals.values()) == sum(r["decode_steps"] for r in records)
+    assert sum(t["decode_steps"] for t in totals.values()) == sum(r.decode_steps for r in records)
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
@@ -286,8 +291,7 @@ def test_truncated_last_line_is_left_out_with_a_warning(run_dir, records, tmp_pa
     steps = table_rows((report / "summary.md").read_text(), "## Steps")
     assert [int(row[0]) for row in steps] == [0, 1]
     assert (
-        f"| generated tokens | {sum(r['generated_tokens'] for r in records[:2])} |"
-        in (report / "summary.md").read_text()
+        f"| generated tokens | {sum(r.generated_tokens for r in records[:2])} |" in (report / "summary.md").read_text()
     )
 
 
@@ -296,5 +300,5 @@ def test_bad_line_before_the_last_is_an_error(run_dir, tmp_path):
     lines = (copy / "steps.jsonl").read_text().splitlines()
     lines[0] = lines[0][:40]
     (copy / "steps.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(ReportError, match="line 1 of .* is not JSON"):
+    with pytest.raises(ReportError, match=r"steps.jsonl line 1 is not JSON"):
         write_report(copy)

@@ -190,7 +190,7 @@ def _plan() -> DraftPlan:
 def _decisions(outcome, activity) -> dict:
     return {
         "activity": activity,
-        "records": [record.as_dict() for record in outcome.ranks],
+        "records": list(outcome.ranks),
         "timelines": outcome.timelines,
         "drafts": outcome.drafts,
         "results": sorted((r.key, tuple(r.token_ids)) for r in outcome.results),
@@ -236,15 +236,15 @@ def test_the_rollout_decisions_follow_the_rules():
     """Shards end at 13, 9 and 6 s (ranks 0, 1, 2). Rank 2 idles first and takes the first chunk, rank 1 the next;
     the barrier at 13 s stops the chunks in flight."""
     outcome = _virtual("rollout")
-    generation = [r["generation_seconds"] for r in outcome["records"]]
+    generation = [r.generation_seconds for r in outcome["records"]]
     assert generation == [13.0, 9.0, 6.0] and outcome["seconds"] == (13.0, 13.0)
     hand_outs = [(rank, detail) for rank, activity, detail in outcome["activity"] if activity == "draft"]
     assert [rank for rank, _ in hand_outs][:2] == [2, 1]
     assert all(rank != 0 for rank, _ in hand_outs)  # the last rank to finish drafts nothing: it is the barrier
     records = outcome["records"]
-    assert records[0]["bubble_seconds"] == 0 and records[2]["bubble_seconds"] == 7.0
+    assert records[0].bubble_seconds == 0 and records[2].bubble_seconds == 7.0
     # drafting time counts up to the barrier; what runs past it is preemption latency
-    assert all(r["drafting_seconds"] <= r["bubble_seconds"] for r in records)
+    assert all(r.drafting_seconds <= r.bubble_seconds for r in records)
     assert all(end <= 13.0 + 1.0 for timeline in outcome["timelines"] for _, _, end in timeline)
 
 

@@ -96,9 +96,7 @@ def test_colocated_ranks_release_their_memory_while_the_trainer_trains_and_nothi
         run(validate(base | {"name": "colocated", "ray": {"colocated": True}}))
     assert calls == ["release", "resume"] * 3
     run(validate(base | {"name": "separate"}))
-    digests = [
-        [s["rollout_digest"] for s in RunDirectory(tmp_path / n).read_steps()] for n in ("colocated", "separate")
-    ]
+    digests = [[s.rollout_digest for s in RunDirectory(tmp_path / n).read_steps()] for n in ("colocated", "separate")]
     assert digests[0] == digests[1]
 
 

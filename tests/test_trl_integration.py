@@ -113,10 +113,10 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
         steps = rollout.steps
         registry = rollout.metrics.registry  # the per-rank counters of a bubblespec run, served on metrics.port
         counted = sum(registry.get_sample_value("bubblespec_decode_steps_total", {"rank": str(r)}) for r in (0, 1))
-        assert counted == sum(s["decode_steps"] for s in steps) > 0
+        assert counted == sum(s.decode_steps for s in steps) > 0
     assert calls == ["release", "resume", "release", "resume"]  # the last resume: when the rollout closes
     # (every response runs to max_completion_length here, so the ranks finish together: no bubble to draft in)
-    assert len(steps) == 2 and steps[1]["peek_matched"] is True and steps[1]["generated_tokens"] == 4 * 6
+    assert len(steps) == 2 and steps[1].peek_matched is True and steps[1].generated_tokens == 4 * 6
 
 
 # -- evaluation and LoRA ---------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def _arithmetic_grpo(output_dir, *, speculation, evaluation=None, peft_config=No
 
 def _training_records(rollout) -> list[tuple]:
     keys = ("generation", "global_step", "completions_digest", "decode_steps", "draft_coverage", "peek_matched")
-    return [tuple(step[k] for k in keys) for step in rollout.steps]
+    return [tuple(getattr(step, k) for k in keys) for step in rollout.steps]
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +199,8 @@ def test_evaluation_has_keys_of_its_own_and_leaves_the_training_generations_and_
                                        colocated=True)  # fmt: skip
     off, _ = _arithmetic_grpo(tmp_path / "off", speculation=False, evaluation=num_generations_eval)
     assert _training_records(on) == _training_records(grpo_without_evaluation)
-    assert [s["generation"] for s in on.steps] == [0, 1] and on.steps[1]["peek_matched"] is True
-    assert on.steps[1]["draft_coverage"] > 0 and on.steps[1]["decode_steps"] < off.steps[1]["decode_steps"]
+    assert [s.generation for s in on.steps] == [0, 1] and on.steps[1].peek_matched is True
+    assert on.steps[1].draft_coverage > 0 and on.steps[1].decode_steps < off.steps[1].decode_steps
     # two batches per evaluation, after steps 1 and 2: 2 prompts x num_generations_eval each
     evaluations = [(e["evaluation"], e["global_step"], e["num_completions"]) for e in on.evaluations]
     assert evaluations == [(0, 1, 2 * num_generations_eval), (1, 1, 2 * num_generations_eval),
@@ -208,7 +208,7 @@ def test_evaluation_has_keys_of_its_own_and_leaves_the_training_generations_and_
     assert [e["completions_digest"] for e in on.evaluations] == [e["completions_digest"] for e in off.evaluations]
     history = trainer.state.log_history
     logged = [h["bubblespec/draft_coverage"] for h in history if "bubblespec/draft_coverage" in h]
-    assert logged == [s["draft_coverage"] for s in on.steps]
+    assert logged == [s.draft_coverage for s in on.steps]
     assert not [k for h in history for k in h if k.startswith("eval_") and "bubblespec" in k]
     # generation 0 | TRL trains | evaluation (2 batches) | on_evaluate | generation 1 | ... | close
     assert calls == ["release", "resume"] * 4
@@ -248,8 +248,8 @@ def test_lora_ranks_get_the_merged_weights_and_speculation_changes_neither_compl
     base = AutoModelForCausalLM.from_pretrained(ArithmeticTask.model_path(), dtype=torch.float64).state_dict()
     trained = {n for n, t in seen[1][0].items() if not torch.equal(t, base[n])}
     assert trained and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in trained)  # the adapter merged
-    assert [s["completions_digest"] for s in on.steps] == [s["completions_digest"] for s in off.steps]
-    assert on.steps[1]["draft_coverage"] > 0 and on.steps[1]["decode_steps"] < off.steps[1]["decode_steps"]
+    assert [s.completions_digest for s in on.steps] == [s.completions_digest for s in off.steps]
+    assert on.steps[1].draft_coverage > 0 and on.steps[1].decode_steps < off.steps[1].decode_steps
     adapters_on, adapters_off = (dict(t.model.named_parameters()) for t in (trainer_on, trainer_off))
     assert all(torch.equal(p, adapters_off[n]) for n, p in adapters_on.items())
 

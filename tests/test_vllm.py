@@ -143,9 +143,9 @@ def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
     )
     summary = run(config)
     steps = RunDirectory(config.run_dir).read_steps()
-    assert [s["step"] for s in steps] == [0, 1, 2] and summary["generated_tokens"] > 0
-    assert steps[2]["draft_tokens_accepted"] > 0.5 * steps[2]["generated_tokens"]
-    assert steps[2]["decode_steps"] < 0.5 * steps[2]["generated_tokens"]
+    assert [s.step for s in steps] == [0, 1, 2] and summary["generated_tokens"] > 0
+    assert steps[2].draft_tokens_accepted > 0.5 * steps[2].generated_tokens
+    assert steps[2].decode_steps < 0.5 * steps[2].generated_tokens
 
 
 class TestVLLMEngineAtARealVocabulary(RealVocabularyConformance):
@@ -295,11 +295,11 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
     wall = math_run("wall", "clock.kind=wall")
     plain = math_run("plain", "clock.kind=virtual", "speculation.enabled=false")
     wall_steps, plain_steps = wall.read_steps(), plain.read_steps()
-    assert [s["rollout_digest"] for s in wall_steps] == [s["rollout_digest"] for s in plain_steps]
-    assert [s["reward_mean"] for s in wall_steps] == [s["reward_mean"] for s in plain_steps]
-    assert any(not s["train"]["skipped"] for s in wall_steps), "nothing trained: the drafts were never stale"
+    assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in plain_steps]
+    assert [s.reward_mean for s in wall_steps] == [s.reward_mean for s in plain_steps]
+    assert any(not s.train["skipped"] for s in wall_steps), "nothing trained: the drafts were never stale"
     for step in wall_steps[1:]:
-        assert step["decode_steps"] < 0.25 * step["generated_tokens"], step["decode_steps"]
+        assert step.decode_steps < 0.25 * step.generated_tokens, step.decode_steps
     wall_weights = load_file(str(wall.latest_checkpoint() / "weights.safetensors"))
     plain_weights = load_file(str(plain.latest_checkpoint() / "weights.safetensors"))
     assert all(torch.equal(wall_weights[k], plain_weights[k]) for k in plain_weights)

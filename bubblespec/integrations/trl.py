@@ -17,8 +17,9 @@ batch of an evaluation (``trainer.model.training`` False: TRL's own "eval" mode)
                        ranks draft the prompts of the next generation batch while the slow ones finish
     output             ``prompt_ids``, ``completion_ids``, ``logprobs`` per completion, in TRL's order
 
-Per generation batch, :attr:`BubblespecRollout.steps` records what every rank did (decode steps, drafts, bubbles),
-as a bubblespec run's ``steps.jsonl`` does, and TRL logs the headline numbers under ``bubblespec/``.
+Per generation batch, :attr:`BubblespecRollout.steps` holds a :class:`~bubblespec.records.GenerationRecord` of what
+every rank did (decode steps, drafts, bubbles), as a bubblespec run's step records do, and TRL logs the headline
+numbers under ``bubblespec/``.
 
 An evaluation batch is generated with the weights of the moment and no drafts (``service.evaluate``), under keys of
 its own (step ``-1 - n`` for the n-th evaluation batch of the run): the training generations keep their indices and
@@ -47,6 +48,7 @@ from pathlib import Path
 from bubblespec.config import ServiceConfig
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import Prompt, SamplingParams
+from bubblespec.records import GenerationRecord
 
 SUPPORTED_TRL = ("1.16.0", "1.17.0")
 """TRL versions this adapter is tested with: >= the first, < the second."""
@@ -124,7 +126,7 @@ class BubblespecRollout:
         self.model_path = str(Path(model_path).expanduser().resolve())
         if not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError(f"model_path {str(model_path)!r} is not a Hugging Face model folder (no config.json)")
-        self.steps: list[dict] = []
+        self.steps: list[GenerationRecord] = []
         """One record per generation batch: ``generation``, ``global_step``, per-rank records, decode steps..."""
         self.evaluations: list[dict] = []
         """One record per evaluation batch: ``evaluation``, ``global_step``, ``num_generations``, tokens, digest."""
@@ -165,9 +167,9 @@ class BubblespecRollout:
         generation = self._generation_index(trainer)
         peeked = self._peeked.pop(generation, None)
         outcome = self._service.generate(generation, tokenized, generations)
-        self._record(generation, trainer.state.global_step, outcome)
         # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
-        self.steps[-1]["peek_matched"] = None if peeked is None else peeked == [p.uid for p in tokenized]
+        matched = None if peeked is None else peeked == [p.uid for p in tokenized]
+        self._record(generation, trainer.state.global_step, outcome, matched)
         return _trl_output(tokenized, outcome.results)
 
     def _evaluation_batch(self, prompts: list, trainer) -> dict[str, list]:
@@ -323,24 +325,25 @@ class BubblespecRollout:
         self._service.update_weights(weights, version=trainer.state.global_step)
         self._synced_step = trainer.state.global_step
 
-    def _record(self, generation: int, global_step: int, outcome) -> None:
+    def _record(self, generation: int, global_step: int, outcome, peek_matched: bool | None) -> None:
         from bubblespec.controller import rollout_digest
 
-        ranks = [r.as_dict() for r in outcome.ranks]
-        tokens = sum(r["shard_tokens"] for r in ranks)
-        decode = sum(r["decode_steps"] for r in ranks)
-        record = {
-            "generation": generation,
-            "global_step": global_step,
-            "generated_tokens": tokens,
-            "decode_steps": decode,
-            "draft_tokens_accepted": sum(r["draft_tokens_accepted"] for r in ranks),
-            "draft_coverage": sum(r["requests_with_draft"] for r in ranks) / max(len(outcome.results), 1),
-            "rollout_seconds": outcome.seconds,
-            "bubble_seconds": sum(r["bubble_seconds"] for r in ranks),
-            "completions_digest": rollout_digest(outcome.results),
-            "ranks": ranks,
-        }
+        ranks = outcome.ranks
+        tokens = sum(r.shard_tokens for r in ranks)
+        decode = sum(r.decode_steps for r in ranks)
+        record = GenerationRecord(
+            generation=generation,
+            global_step=global_step,
+            generated_tokens=tokens,
+            decode_steps=decode,
+            draft_tokens_accepted=sum(r.draft_tokens_accepted for r in ranks),
+            draft_coverage=sum(r.requests_with_draft for r in ranks) / max(len(outcome.results), 1),
+            rollout_seconds=outcome.seconds,
+            bubble_seconds=sum(r.bubble_seconds for r in ranks),
+            completions_digest=rollout_digest(outcome.results),
+            ranks=ranks,
+            peek_matched=peek_matched,
+        )
         self.steps.append(record)
         if self.metrics is not None:
             self.metrics.observe_ranks(ranks)
@@ -348,7 +351,7 @@ class BubblespecRollout:
         if metrics is not None:  # TRL logs these with its own metrics
             train = metrics["train"]
             train["bubblespec/decode_steps_saved"].append(1 - decode / tokens if tokens else 0.0)
-            train["bubblespec/draft_coverage"].append(record["draft_coverage"])
+            train["bubblespec/draft_coverage"].append(record.draft_coverage)
             train["bubblespec/rollout_seconds"].append(outcome.seconds)
 
 
