@@ -193,7 +193,12 @@ def rank_pool(
         return
     engine = backend.from_pretrained(**settings)
     try:
-        yield VirtualRankPool(engine, config.rollout.num_ranks, PROFILES[config.clock.profile]), engine.vocab_size
+        yield (
+            VirtualRankPool(
+                engine, config.rollout.num_ranks, PROFILES[config.clock.profile], config.rollout.max_batch_size
+            ),
+            engine.vocab_size,
+        )
     finally:
         engine.close()
 

@@ -7,7 +7,7 @@ record of what happened. :mod:`bubblespec.scheduler` decides which rank does wha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import pydantic
@@ -75,6 +75,9 @@ class RankRecord:
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""
+    seconds_saved_by_drafts: float | None = None
+    """Its shard's generation seconds without drafts minus with them, an estimate
+    (:mod:`bubblespec.speculation_effect`); negative when verifying drafts cost more than it saved."""
     drafting_seconds_while_training: float | None = None
     draft_tokens_produced_while_training: int | None = None
     """Its drafting while the trainer ran (speculation.draft_during_training only)."""
@@ -104,7 +107,16 @@ class RankRecord:
     @pydantic.computed_field
     @property
     def bubble_utilization(self) -> float:
-        return min(self.drafting_seconds / self.bubble_seconds, 1.0) if self.bubble_seconds > 0 else 0.0
+        return bubble_use([self])
+
+
+def bubble_use(ranks: Iterable[RankRecord]) -> float:
+    """The one bubble utilisation figure: the ranks' seconds spent drafting in their bubbles over their bubble
+    seconds (0 without a bubble). A step's is over its ranks; a run's (summary, report) over every rank of every step
+    but the last, whose bubble has no later step to draft for."""
+    ranks = list(ranks)
+    bubble = sum(r.bubble_seconds for r in ranks)
+    return sum(r.drafting_seconds for r in ranks) / bubble if bubble > 0 else 0.0
 
 
 @dataclass

@@ -134,9 +134,15 @@ class PhaseScheduler:
         return [command for rank in range(self.num_ranks) for command in self._hand_out(rank, 0.0, "while training")]
 
     def shard_done(
-        self, rank: int, now: float, results: Sequence[GenerationResult], forward_passes: int
+        self,
+        rank: int,
+        now: float,
+        results: Sequence[GenerationResult],
+        forward_passes: int,
+        seconds_saved: float | None = None,
     ) -> list[Command]:
-        """``rank`` returned its shard at ``now`` after ``forward_passes`` forward passes."""
+        """``rank`` returned its shard at ``now`` after ``forward_passes`` forward passes; its drafts saved
+        ``seconds_saved`` (an estimate, negative when they cost time; None: not estimated)."""
         assert self.shards is not None and rank in self._generating, f"rank {rank} has no shard running"
         self._generating.discard(rank)
         self.results |= {r.key: r for r in results}
@@ -144,6 +150,7 @@ class PhaseScheduler:
         record.add_results(results, [r.draft is not None for r in self.shards[rank]])
         record.generation_seconds = now
         record.forward_passes = forward_passes
+        record.seconds_saved_by_drafts = seconds_saved
         self.timelines[rank].append(("generate", 0.0, now))
         tokens = sum(len(r.token_ids) for r in results)
         self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {forward_passes} passes")

@@ -31,6 +31,7 @@ from bubblespec.scheduler import (
     StopDrafting,
     ignore_activity,
 )
+from bubblespec.speculation_effect import TimedPasses, fit_pass_cost, seconds_saved
 from bubblespec.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,22 @@ class RankReplica:
         self.rank, self.backend = rank, backend
         self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
         self.dtype = engine_settings.get("dtype")
+        self.max_batch_size = engine_settings.get("max_batch_size", 64)
         self.stopped_step = -1
         self.version = 0
         self.releases = 0
 
-    def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int]:
+    def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int, float]:
+        """The shard's results, its forward passes and the seconds its drafts saved (negative: cost), estimated
+        from the passes' measured times (:mod:`bubblespec.speculation_effect`)."""
         self._check_version(version)
-        passes = _Count()
+        passes = TimedPasses()
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
         results = self._engine_call(self.engine.generate, requests, on_forward=passes, stop=hold)
-        return results, passes.count
+        cost = fit_pass_cost(passes.passes)
+        ran = sum(cost(forward) for forward, _ in passes.passes)
+        saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost)
+        return results, len(passes.passes), saved
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
         self._check_version(version)
@@ -120,16 +127,6 @@ class RankReplica:
         context = ray.get_runtime_context()
         return {"node": context.get_node_id(), "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
                 "releases": self.releases}  # fmt: skip
-
-
-class _Count:
-    """An ``on_forward`` listener that counts the forward passes (remote engines: round trips) of a call."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, forward) -> None:
-        self.count += 1
 
 
 class _StepStop:
@@ -264,7 +261,7 @@ class ServeRankPool:
         await asyncio.gather(*[stop(rank) for rank in range(self.num_ranks)])
 
     def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results, _ = asyncio.run(
+        results, *_ = asyncio.run(
             self._resilient(0, lambda handle: handle.generate.remote(list(requests), self.version))
         )
         return results
@@ -341,8 +338,8 @@ class ServeRankPool:
                 for future in sorted(done - {trainer_done}, key=lambda f: isinstance(running[f], DraftChunk)):
                     command = running.pop(future)
                     if isinstance(command, Generate):
-                        results, passes = future.result()
-                        await run(scheduler.shard_done(command.rank, now, results, passes))
+                        results, passes, saved = future.result()
+                        await run(scheduler.shard_done(command.rank, now, results, passes, saved))
                         continue
                     try:
                         results = future.result()

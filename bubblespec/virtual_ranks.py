@@ -27,6 +27,7 @@ from bubblespec.scheduler import (
     StopDrafting,
     ignore_activity,
 )
+from bubblespec.speculation_effect import seconds_saved
 
 _SHARD, _CHUNK = 0, 1
 """Calls that return at the same simulated time are reported shards first (the barrier before a chunk's end)."""
@@ -35,10 +36,14 @@ _SHARD, _CHUNK = 0, 1
 class VirtualRankPool:
     """All ranks in this process on virtual time."""
 
-    def __init__(self, engine: GenerationEngine, num_ranks: int, profile: CostProfile) -> None:
+    def __init__(
+        self, engine: GenerationEngine, num_ranks: int, profile: CostProfile, max_batch_size: int = 64
+    ) -> None:
         self.engine = engine
         self.num_ranks = num_ranks
         self.profile = profile
+        self.max_batch_size = max_batch_size
+        """The engine's batch limit, for the replay of shards without drafts (:mod:`bubblespec.speculation_effect`)."""
         self.on_activity: ActivityListener = ignore_activity
         self._training_plan = DraftPlan([])
 
@@ -74,8 +79,9 @@ class VirtualRankPool:
 
     def _run(self, scheduler: PhaseScheduler, trainer_ends: float | None) -> RolloutOutcome:
         timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
-        returns: list[tuple[float, int, int, int, list[GenerationResult]]] = []
-        """Calls that have run, by the simulated time they return: (time, kind, rank, forward passes, results)."""
+        returns: list[tuple[float, int, int, int, float, list[GenerationResult]]] = []
+        """Calls that have run, by the simulated time they return: (time, kind, rank, forward passes, seconds the
+        drafts saved, results)."""
         stop_at = trainer_ends
 
         def run(commands: list[Command]) -> None:
@@ -86,25 +92,29 @@ class VirtualRankPool:
                 timeline = timelines[command.rank]
                 if isinstance(command, Generate):
                     results = self.engine.generate(list(command.requests), on_forward=timeline)
-                    heapq.heappush(returns, (timeline.now, _SHARD, command.rank, timeline.forward_passes, results))
+                    saved = seconds_saved(command.requests, results, timeline.now, self.max_batch_size,
+                                          self.engine.vocab_size, self.profile.forward_seconds)  # fmt: skip
+                    heapq.heappush(
+                        returns, (timeline.now, _SHARD, command.rank, timeline.forward_passes, saved, results)
+                    )
                 elif isinstance(command, DraftChunk):
                     stop = DeadlineStop(timeline, stop_at)
                     results = self.engine.generate(list(command.requests), stop=stop, on_forward=timeline)
-                    heapq.heappush(returns, (timeline.now, _CHUNK, command.rank, 0, results))
+                    heapq.heappush(returns, (timeline.now, _CHUNK, command.rank, 0, 0.0, results))
 
         first = scheduler.start()
         if trainer_ends is None:  # a rollout: ``first`` is every shard; the barrier is the last one's end
             run(first)
             stop_at = max(t.now for t in timelines)
         else:
-            heapq.heappush(returns, (trainer_ends, _SHARD, -1, 0, []))  # the trainer's end, before any chunk's
+            heapq.heappush(returns, (trainer_ends, _SHARD, -1, 0, 0.0, []))  # the trainer's end, before any chunk's
             run(first)
         while returns:
-            now, kind, rank, passes, results = heapq.heappop(returns)
+            now, kind, rank, passes, saved, results = heapq.heappop(returns)
             if rank < 0:
                 run(scheduler.stop(now))
             elif kind == _SHARD:
-                run(scheduler.shard_done(rank, now, results, passes))
+                run(scheduler.shard_done(rank, now, results, passes, saved))
             else:
                 run(scheduler.chunk_done(rank, now, results))
         end = max(t.now for t in timelines) if trainer_ends is None else trainer_ends

@@ -138,7 +138,7 @@ class _FakeReplica:
     def generate(self, requests, version):
         if self.fails_in == "generate":
             return self._fail(requests)
-        return [self._result(r, 3, "stop") for r in requests], 1
+        return [self._result(r, 3, "stop") for r in requests], 1, 0.0
 
     def draft(self, requests, step, version):
         import time

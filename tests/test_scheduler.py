@@ -41,6 +41,7 @@ class ScriptedEngine:
     def __init__(self, lengths: dict[str, int]) -> None:
         self.lengths = lengths
         self.policy_version = 0
+        self.vocab_size = 64
 
     def length(self, key: RolloutKey) -> int:
         return self.lengths[f"{key.step}/{key.prompt_uid}"]
@@ -95,7 +96,7 @@ class _Call:
 
     def resolve(self) -> None:
         results = self.engine.generate(self.requests, stop=_PassesThenStop(self.passes))
-        self.future.set_result(results if self.step is not None else (results, self.passes))
+        self.future.set_result(results if self.step is not None else (results, self.passes, 0.0))
 
 
 class SimulatedRanks:
