@@ -7,6 +7,9 @@ the resolved config or every error with its field path.
 
 from __future__ import annotations
 
+import difflib
+import os
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -557,6 +560,8 @@ class RunConfig(ServiceConfig):
     training reward of a step depends on which prompts the step drew, so this is the curve to read."""
     eval_prompts: int = Field(128, ge=1)
     """Held-out prompts (from the task with another seed), one keyed sample each, the same keys every time."""
+    logged_prompts: int = Field(2, ge=0)
+    """Prompts per step whose responses (every sample), rewards and advantages go to ``samples.jsonl``; 0: none."""
     task: TaskConfig = TaskConfig()
     trainer: TrainerConfig = TrainerConfig()
 
@@ -609,7 +614,43 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return validate(apply_overrides(data, overrides or []), source=str(path))
+    return validate(apply_overrides(resolve_paths(data, path.parent), overrides or []), source=str(path))
+
+
+def resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The config file's input paths made absolute from ``folder`` (the config file's): ``model.path`` and the task
+    options its task names in ``path_options`` (the dataset task's ``path`` and ``eval_path``). A path given with
+    ``--set``, an absolute one and ``~/...`` are left as they are; ``output_dir`` (where runs are written) stays
+    relative to the current directory."""
+
+    def resolved(value: Any) -> Any:
+        if isinstance(value, list):
+            return [resolved(v) for v in value]
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute() or value.startswith("~"):
+            return value
+        return os.path.normpath(folder.resolve() / value)
+
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("path"):
+        data["model"] = model | {"path": resolved(model["path"])}
+    task = data.get("task")
+    if isinstance(task, dict) and isinstance(task.get("options"), dict):
+        options = task["options"]
+        names = _task_path_options(task.get("name", TaskConfig().name))
+        task["options"] = options | {name: resolved(options[name]) for name in names if name in options}
+    return data
+
+
+def _task_path_options(name: Any) -> tuple[str, ...]:
+    """The options of task ``name`` that are input paths (its class's ``path_options``); none for a task that is
+    not installed (validation reports it)."""
+    from bubblespec import plugins
+    from bubblespec.errors import PluginNotFoundError
+
+    try:
+        return tuple(getattr(plugins.load("tasks", name), "path_options", ()))
+    except (PluginNotFoundError, TypeError):
+        return ()
 
 
 def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
@@ -619,14 +660,43 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
         raise ConfigError(format_validation_error(error, source)) from None
 
 
-def format_validation_error(error: ValidationError, source: str) -> str:
+def format_validation_error(error: ValidationError, source: str, model: type[BaseModel] = RunConfig) -> str:
+    """Every problem of ``error`` on a line with its field path; a misspelled key of ``model`` (or of one of its
+    sections) gets the closest allowed name."""
     lines = [f"{source}: {error.error_count()} error(s)"]
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
         given = problem.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
-        lines.append(f"  {where}: {problem['msg']}{shown}")
+        hint = ""
+        if problem["type"] == "extra_forbidden" and problem["loc"]:
+            allowed = _field_names(model, problem["loc"][:-1])
+            close = difflib.get_close_matches(str(problem["loc"][-1]), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+        lines.append(f"  {where}: {problem['msg']}{shown}{hint}")
     return "\n".join(lines)
+
+
+def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the section of ``model`` at ``loc`` (a tagged union's tag in ``loc`` picks its member);
+    none where ``loc`` leads elsewhere (a list, a mapping of free keys)."""
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
+        members = [] if field is None else _models_in(field.annotation)
+        if len(members) > 1 and parts:  # a tagged union: the next part is the member's kind
+            tag = parts.pop(0)
+            members = [m for m in members if "kind" in m.model_fields and m.model_fields["kind"].default == tag]
+        if len(members) != 1:
+            return []
+        model = members[0]
+    return list(model.model_fields)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 class EngineSettings(BaseModel):

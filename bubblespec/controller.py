@@ -19,14 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from bubblespec.advantages import compute_advantages
 from bubblespec.config import RunConfig
 from bubblespec.decoder import DTYPES
 from bubblespec.errors import TrainerRestarted
 from bubblespec.interfaces import GenerationResult, Prompt, Task, acceptance_length
-from bubblespec.records import PhaseSeconds, StepRecord
-from bubblespec.rollout import RolloutOutcome
+from bubblespec.records import PhaseSeconds, PromptSamples, SampledResponse, StepRecord
+from bubblespec.rollout import RolloutOutcome, bubble_use
 from bubblespec.run_dir import RunDirectory
 from bubblespec.service import RolloutService
+from bubblespec.train_batch import shaped_rewards
 from bubblespec.trainer import TrainSample
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class Controller:
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
         to its last checkpoint and replays the steps since: keyed sampling makes them come out the same."""
-        step = start_step
+        step, started = start_step, time.perf_counter()
         while step < self.config.num_steps:
             try:
                 record = self.step(step)
@@ -111,9 +113,10 @@ class Controller:
                     step,
                 )
                 continue
-            logger.info(step_line(record))
-            self.on_step(record)
             step += 1
+            per_step = (time.perf_counter() - started) / (step - start_step)
+            logger.info(step_line(record, self.config.num_steps, per_step * (self.config.num_steps - step)))
+            self.on_step(record)
 
     def restore(self, fresh_parts: bool = True) -> int:
         """Loads the latest checkpoint (weights, trainer state, pending drafts) into the parts, forgets the step
@@ -147,7 +150,7 @@ class Controller:
         outcome = parts.service.generate(step, prompts, cfg.task.samples_per_prompt)
         results = outcome.results  # in request order: prompt by prompt, sample by sample
         requests = parts.service.requests(step, prompts, cfg.task.samples_per_prompt)
-        rewards = self._rewards(prompts, results)
+        rewards, reward_parts = self._rewards(prompts, results)
         samples = [
             TrainSample(
                 tuple(req.prompt_token_ids),
@@ -160,6 +163,7 @@ class Controller:
             )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
+        self.run_dir.append_samples(self._logged_samples(step, prompts, results, rewards, reward_parts, samples))
         parts.service.training_starts()
         self.on_phase(step, "train")
         try:
@@ -187,6 +191,7 @@ class Controller:
             train_metrics,
             PhaseSeconds(rollout=outcome.seconds, train=train_seconds, weight_sync=sync_seconds),
             **reward_failures,
+            reward_means={name: sum(scores) / max(len(scores), 1) for name, scores in reward_parts.items()},
             training_timelines=None if training is None else training.timelines,
             rollout_digest=rollout_digest(results),
             draft_store=store,
@@ -207,21 +212,51 @@ class Controller:
         rewards = score_responses(parts.task, held_out, [by_key[r.key].token_ids for r in requests])
         return sum(rewards) / len(requests)
 
-    def _rewards(self, prompts: list[Prompt], results: list[GenerationResult]) -> list[float]:
+    def _rewards(
+        self, prompts: list[Prompt], results: list[GenerationResult]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """The step's rewards in request order and, for a reward made of named ones, each one's scores."""
         by_uid = {p.uid: p for p in prompts}
-        return score_responses(
-            self.parts.task, [by_uid[r.key.prompt_uid] for r in results], [r.token_ids for r in results]
+        rewards, parts = self.parts.task.score_parts(
+            [by_uid[r.key.prompt_uid] for r in results], [r.token_ids for r in results]
         )
+        return [float(r) for r in rewards], parts
+
+    def _logged_samples(self, step, prompts, results, rewards, reward_parts, samples) -> list[PromptSamples]:
+        """The first ``logged_prompts`` prompts of the step with every response, its rewards and its advantage
+        (as the learner computes it from the shaped rewards, before any group filter)."""
+        cfg = self.config
+        if not cfg.logged_prompts:
+            return []
+        loss = cfg.trainer.loss
+        advantages = compute_advantages(
+            shaped_rewards(samples, cfg.trainer), [s.group for s in samples], loss.advantage, loss.scale_rewards
+        )
+        per_prompt = cfg.task.samples_per_prompt
+        logged = []
+        for index, prompt in enumerate(prompts[: cfg.logged_prompts]):
+            rows = range(index * per_prompt, (index + 1) * per_prompt)
+            logged.append(PromptSamples(
+                step=step, prompt_uid=prompt.uid, prompt=prompt.text, answer=prompt.answer,
+                responses=[SampledResponse(
+                    sample=results[i].key.sample_index, text=self.parts.task.decode(results[i].token_ids),
+                    tokens=len(results[i].token_ids), finish_reason=results[i].finish_reason, reward=rewards[i],
+                    rewards={name: scores[i] for name, scores in reward_parts.items()}, advantage=advantages[i],
+                ) for i in rows],
+            ))  # fmt: skip
+        return logged
 
     def _reward_failures(self, step: int) -> dict[str, int]:
         """The step's reward calls that timed out or raised (each scored 0), as the record's fields."""
         failures = self.parts.task.take_reward_failures()
         if failures.timeouts or failures.errors:
             logger.warning(
-                "step %d: %d reward calls timed out and %d raised, each scored 0; the first: %s",
-                step, failures.timeouts, failures.errors, failures.first_error,
+                "step %d: %d of %d reward calls timed out and %d raised, each scored 0; the first: %s",
+                step, failures.timeouts, failures.calls, failures.errors, failures.first_error,
             )  # fmt: skip
-        return {"reward_timeouts": failures.timeouts, "reward_errors": failures.errors}
+        return {
+            "reward_timeouts": failures.timeouts, "reward_errors": failures.errors, "reward_calls": failures.calls
+        }  # fmt: skip
 
     def _checkpoint(self, step: int) -> None:
         trainer_state = dict(self.parts.trainer.checkpoint_state())
@@ -241,26 +276,46 @@ class Controller:
         )
 
 
-def step_line(record: StepRecord) -> str:
-    """One structured log line per step: ``key=value`` pairs (logfmt), the headline numbers of the record."""
+def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: float | None = None) -> str:
+    """One structured log line per step: ``key=value`` pairs (logfmt), the headline numbers of the record; with
+    ``num_steps``, the steps done of the run's and the (wall) time left at the pace so far."""
     phases = record.phase_seconds
-    fields = {
-        "step": record.step,
-        "reward": f"{record.reward_mean:.4f}",
+    fields: dict[str, object] = {"step": record.step}
+    if num_steps is not None:
+        fields["done"] = f"{record.step + 1}/{num_steps}"
+    if seconds_left is not None:
+        fields["left"] = _duration(seconds_left)
+    fields["reward"] = f"{record.reward_mean:.4f}"
+    if len(record.reward_means) > 1:
+        fields |= {f"reward.{name}": f"{mean:.4f}" for name, mean in record.reward_means.items()}
+    failed = record.reward_timeouts + record.reward_errors
+    if failed:
+        fields["reward_failed"] = f"{failed}/{record.reward_calls}"
+    fields |= {
         "tokens": record.generated_tokens,
         "decode_steps": record.decode_steps,
+        "steps_saved": f"{1 - record.decode_steps / record.generated_tokens:.1%}" if record.generated_tokens else "-",
         "acceptance": f"{acceptance_length(record.draft_tokens_accepted, record.verify_steps):.2f}",
         "coverage": f"{record.draft_coverage:.2f}",
         "bubble_use": f"{record.bubble_utilization:.2f}",
         "rollout_s": f"{phases.rollout:.3f}",
-        "train_s": f"{phases.train:.3f}",
-        "sync_s": f"{phases.weight_sync:.3f}",
     }
+    if record.rollout_seconds_saved is not None:
+        fields["rollout_saved_s"] = f"{record.rollout_seconds_saved:+.3f}"
+    fields |= {"train_s": f"{phases.train:.3f}", "sync_s": f"{phases.weight_sync:.3f}"}
+    if not record.trained:
+        fields["trained"] = "no:equal_rewards_in_every_group"
     if "logprob_diff_mean" in record.train:
         fields["logprob_diff"] = f"{record.train['logprob_diff_mean']:.2e}"
     if record.eval_reward is not None:
         fields["eval_reward"] = f"{record.eval_reward:.4f}"
     return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def rollout_digest(results: list[GenerationResult]) -> str:
@@ -280,6 +335,13 @@ def _step_record(
     ranks = outcome.ranks
     generated = sum(r.shard_tokens for r in ranks)
     bubble = sum(r.bubble_seconds for r in ranks)
+    saved = None
+    if ranks and all(r.seconds_saved_by_drafts is not None for r in ranks):
+        # Without drafts the rollout ends at the replayed barrier; with them, at the barrier or, when ranks drafted
+        # in their bubbles, once they have stopped: that overrun is a cost of drafting.
+        without = max(r.generation_seconds - r.seconds_saved_by_drafts for r in ranks)
+        drafted = any(r.drafting_seconds > 0 for r in ranks)
+        saved = without - (outcome.seconds if drafted else outcome.barrier_seconds)
     return StepRecord(
         step=step,
         reward_mean=sum(rewards) / max(len(rewards), 1),
@@ -293,7 +355,8 @@ def _step_record(
         draft_coverage=sum(r.requests_with_draft for r in ranks) / max(len(rewards), 1),
         proposal_coverage=sum(r.requests_with_proposals for r in ranks) / max(len(rewards), 1),
         bubble_seconds=bubble,
-        bubble_utilization=sum(r.drafting_seconds for r in ranks) / bubble if bubble > 0 else 0.0,
+        bubble_utilization=bubble_use(ranks),
+        rollout_seconds_saved=saved,
         drafts_made=len(outcome.drafts),
         rollout_tokens_per_second=generated / outcome.seconds if outcome.seconds > 0 else 0.0,
         phase_seconds=phases,

@@ -374,6 +374,17 @@ class Task:
         """The rewards of a step's responses; the default calls :meth:`__call__` on each."""
         return [float(self(prompt, response)) for prompt, response in zip(prompts, responses, strict=True)]
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (for samples.jsonl and the report); the default shows the ids."""
+        return " ".join(map(str, token_ids))
+
+    def score_parts(
+        self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """:meth:`score`'s rewards and, for a reward made of named parts (a weighted sum), each part's own scores
+        by its name; the default: no parts."""
+        return self.score(prompts, responses), {}
+
     def take_reward_failures(self) -> RewardFailures:
         """Reward calls that timed out or raised (each scored 0) since the last call; the default has none."""
         return RewardFailures()
@@ -389,3 +400,5 @@ class RewardFailures:
     timeouts: int = 0
     errors: int = 0
     first_error: str | None = None
+    calls: int = 0
+    """Reward calls made (failed or not)."""

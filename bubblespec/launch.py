@@ -14,6 +14,7 @@ from bubblespec.controller import Components, Controller
 from bubblespec.interfaces import acceptance_length
 from bubblespec.metrics import RunMetrics
 from bubblespec.records import StepRecord
+from bubblespec.rollout import bubble_use
 from bubblespec.run_dir import RunDirectory
 
 
@@ -61,6 +62,30 @@ def run(
         return summary
 
 
+def speculation_verdict(summary: dict) -> str:
+    """Did speculation help in this run? One sentence from the summary, with what to try when it did not."""
+    if not summary.get("speculation"):
+        return "speculation was off in this run (speculation.enabled: false)"
+    saved, rollout = summary.get("rollout_seconds_saved"), summary["rollout_seconds"]
+    steps = f"{summary['decode_steps_saved']:.1%} fewer decode steps"
+    if saved is None:
+        return f"{steps}; the time saved was not estimated"
+    without = rollout + saved
+    share = saved / without if without > 0 else 0.0
+    clock = summary.get("clock", "wall")
+    if saved >= 0:
+        return (
+            f"speculation saved {saved:.2f} {clock}-clock seconds of rollout ({share:.1%}; estimated: the same "
+            f"responses replayed without drafts under this run's own pass timings), with {steps}"
+        )
+    return (
+        f"speculation cost {-saved:.2f} {clock}-clock seconds of rollout ({-share:.1%} slower; estimated: the same "
+        f"responses replayed without drafts under this run's own pass timings), with {steps}: verifying the "
+        "drafts cost more than it saved. Try `bubblespec bench CONFIG` (the run with speculation off and on, side "
+        "by side), speculation.draft_during_training: true (longer drafts), or another speculation.bubble_policy"
+    )
+
+
 def placement(parts: Components) -> dict:
     """Where a Ray run's ranks and trainer workers ran at its end (node, GPUs; ranks' releases), for the summary;
     nothing on the virtual clock."""
@@ -75,12 +100,8 @@ def placement(parts: Components) -> dict:
 
 
 def bubble_utilization(steps: list[StepRecord], num_steps: int) -> float:
-    """Bubble seconds spent drafting over all bubble seconds, leaving out the run's last step: it has no later
-    step to draft for, so its bubble cannot be used."""
-    usable = [s for s in steps if s.step < num_steps - 1]
-    bubble = sum(s.bubble_seconds for s in usable)
-    drafting = sum(s.bubble_utilization * s.bubble_seconds for s in usable)
-    return drafting / bubble if bubble > 0 else 0.0
+    """The run's :func:`~bubblespec.rollout.bubble_use`: every rank of every step but the run's last."""
+    return bubble_use(r for s in steps if s.step < num_steps - 1 for r in s.ranks)
 
 
 def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -> dict:
@@ -93,7 +114,9 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
     verify = sum(s.verify_steps for s in steps)
     accepted = sum(s.draft_tokens_accepted for s in steps)
     before = steps[0].eval_reward_before_training
-    return {
+    saved = None if any(s.rollout_seconds_saved is None for s in steps) else sum(s.rollout_seconds_saved for s in steps)
+    names = dict.fromkeys(name for s in steps for name in s.reward_means)
+    summary = {
         "name": config.name,
         "clock": config.clock.kind,
         "speculation": config.speculation.enabled,
@@ -101,12 +124,18 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
         "reward_first": steps[0].reward_mean,
         "reward_last": steps[-1].reward_mean,
         "rewards": [s.reward_mean for s in steps],
+        "reward_means": {n: sum(s.reward_means.get(n, 0.0) for s in steps) / len(steps) for n in names},
+        "reward_calls": sum(s.reward_calls for s in steps),
+        "reward_failures": sum(s.reward_timeouts + s.reward_errors for s in steps),
+        "steps_not_trained": sum(not s.trained for s in steps),
         "generated_tokens": tokens,
         "decode_steps": decode,
+        "decode_steps_saved": 1 - decode / tokens if tokens else 0.0,
         "acceptance_length_mean": acceptance_length(accepted, verify),
         "draft_coverage_mean": sum(s.draft_coverage for s in steps) / len(steps),
         "bubble_utilization": bubble_utilization(steps, config.num_steps),
         "rollout_seconds": rollout,
+        "rollout_seconds_saved": saved,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
         "eval_rewards": {
             **({"start": before} if before is not None else {}),
@@ -114,3 +143,4 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
         },
         "wall_seconds": wall_seconds,
     }
+    return summary | {"speculation_effect": speculation_verdict(summary)}

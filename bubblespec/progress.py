@@ -66,7 +66,10 @@ class StepPrinter:
 
     def phase(self, step: int, phase: str) -> None:
         with self._lock:
-            self._phase, self._phase_began = f"step {step}: {phase}", time.perf_counter()
+            self._phase, self._phase_began = (
+                f"step {step} ({step + 1}/{self.config.num_steps}): {phase}",
+                time.perf_counter(),
+            )
 
     def activity(self, rank: int, activity: str, detail: str) -> None:
         with self._lock:
@@ -80,21 +83,29 @@ class StepPrinter:
             "num_steps",
             "reward_first",
             "reward_last",
+            "reward_failures",
+            "steps_not_trained",
             "generated_tokens",
             "decode_steps",
+            "decode_steps_saved",
             "acceptance_length_mean",
             "draft_coverage_mean",
             "bubble_utilization",
             "rollout_seconds",
+            "rollout_seconds_saved",
             "rollout_tokens_per_second",
             "wall_seconds",
         ):
             value = summary.get(name)
             table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+        for name, mean in (summary.get("reward_means") or {}).items():
+            table.add_row(f"reward {name} (mean)", f"{mean:.3f}")
         evals = summary.get("eval_rewards") or {}
         if evals:
             table.add_row("eval reward by step", "  ".join(f"{step}: {value:.3f}" for step, value in evals.items()))
         self.console.print(table)
+        if "speculation_effect" in summary:
+            self.console.print(summary["speculation_effect"])
         self.console.print(f"run directory: {run_dir}")
 
     def _render(self) -> Group:

@@ -192,3 +192,14 @@ def write_chat_tokenizer(folder: str | Path, vocab_size: int, chat_template: str
     generation = {"eos_token_id": [0, tokens.index("<|im_end|>")], "bos_token_id": None}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return folder
+
+
+def write_chat_model(folder: str | Path, vocab_size: int = 512, family: str = "qwen2", **shape: Any) -> Path:
+    """A small random chat model in ``folder``: :func:`write_random_checkpoint` of ``family`` (hidden size 64, two
+    layers, one head of 64, 2,048 positions unless ``shape`` says otherwise) with :func:`write_chat_tokenizer`'s
+    byte-level ChatML tokenizer, for trying a config on your own data before a real model is at hand. It generates
+    random text: its rewards stay near 0."""
+    shape = {"hidden_size": 64, "num_heads": 1, "num_kv_heads": 1, "head_dim": 64, "intermediate_size": 128,
+             "max_position_embeddings": 2048, "bos_token_id": None, "eos_token_id": 0} | shape  # fmt: skip
+    write_random_checkpoint(folder, family, vocab_size=vocab_size, **shape)
+    return write_chat_tokenizer(folder, vocab_size)

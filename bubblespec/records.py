@@ -1,4 +1,5 @@
-"""What a run records: one :class:`StepRecord` per RL step (a line of RUN_DIR/steps.jsonl) and one
+"""What a run records: one :class:`StepRecord` per RL step (a line of RUN_DIR/steps.jsonl), a few prompts of each
+step with their responses, rewards and advantages (:class:`PromptSamples`, lines of RUN_DIR/samples.jsonl), and one
 :class:`GenerationRecord` per generation batch of a trainer of another framework (``bubblespec.integrations``).
 
 Records are read by attribute; the JSON on disk is written and read here only (:meth:`StepRecord.to_json`,
@@ -70,6 +71,13 @@ class StepRecord(BaseModel):
     """Per rank, its drafting while the trainer ran (speculation.draft_during_training only)."""
     reward_timeouts: int = 0
     reward_errors: int = 0
+    reward_calls: int = 0
+    """Reward calls of the step's scoring; ``reward_timeouts`` and ``reward_errors`` of them failed (scored 0)."""
+    reward_means: dict[str, float] = {}
+    """Each named reward's mean score (unweighted) where the task's reward is a sum of named ones."""
+    rollout_seconds_saved: float | None = None
+    """Rollout seconds the drafts saved (negative: cost): the rollout replayed without drafts, estimated from this
+    run's own forward passes (docs/design.md §8), minus the rollout phase; None where not estimated."""
     rollout_digest: str = ""
     """A fingerprint of the step's rollouts: equal digests, equal rollouts."""
     draft_store: dict[str, int] | None = None
@@ -81,6 +89,17 @@ class StepRecord(BaseModel):
     eval_reward_before_training: float | None = None
     """The same for the initial policy (step 0 only)."""
 
+    @property
+    def rollout_seconds_without_drafts(self) -> float | None:
+        if self.rollout_seconds_saved is None:
+            return None
+        return self.phase_seconds.rollout + self.rollout_seconds_saved
+
+    @property
+    def trained(self) -> bool:
+        """Whether the learner updated the policy (not a step whose loss had no gradient)."""
+        return not self.train.get("skipped")
+
     def to_json(self) -> str:
         """One line of steps.jsonl. Fields without a value (an evaluation that did not run) are left out."""
         return json.dumps(self.model_dump(exclude_none=True))
@@ -90,6 +109,35 @@ class StepRecord(BaseModel):
         """Raises ``ValueError`` (a ``json.JSONDecodeError`` or pydantic's ``ValidationError``) for a line that is
         not a step record."""
         return cls.model_validate(json.loads(line))
+
+
+class SampledResponse(BaseModel):
+    """One response of :class:`PromptSamples`: what the model wrote and what the reward and the learner made of it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sample: int
+    text: str
+    tokens: int
+    finish_reason: str
+    reward: float
+    rewards: dict[str, float] = {}
+    """Each named reward's own score, where the task's reward is a sum of named ones."""
+    advantage: float
+
+
+class PromptSamples(BaseModel):
+    """A line of RUN_DIR/samples.jsonl: one prompt of a step, as the model saw it, with all its responses."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    prompt_uid: str
+    prompt: str
+    """The prompt's text as the model read it (chat template and system prompt applied)."""
+    answer: str
+    """The reference answer as the rewards got it."""
+    responses: list[SampledResponse]
 
 
 class GenerationRecord(BaseModel):

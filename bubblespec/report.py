@@ -24,7 +24,8 @@ from typing import Literal
 
 from bubblespec.errors import BubblespecError, CheckpointError
 from bubblespec.interfaces import acceptance_length
-from bubblespec.records import StepRecord, read_step_lines
+from bubblespec.records import PromptSamples, StepRecord, read_step_lines
+from bubblespec.rollout import bubble_use
 
 SegmentKind = Literal["generate", "draft", "idle", "train", "weight_sync"]
 SEGMENT_LABELS: dict[str, str] = {
@@ -67,7 +68,7 @@ class Segment:
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Writes RUN_DIR/report/ (timeline.png, steps.png, summary.md) and returns the report folder."""
+    """Writes RUN_DIR/report/ (timeline.png, steps.png, training.png, summary.md) and returns the report folder."""
     from bubblespec.run_dir import RunDirectory
 
     path = Path(run_dir)
@@ -78,7 +79,8 @@ def write_report(run_dir: str | Path) -> Path:
     draw_timeline(records, config.clock.kind, report / "timeline.png")
     draw_steps(records, report / "steps.png")
     draw_training(records, report / "training.png")
-    (report / "summary.md").write_text(summary_markdown(config, records, _summary(path, config, records)))
+    samples = RunDirectory(path).read_samples()
+    (report / "summary.md").write_text(summary_markdown(config, records, _summary(path, config, records), samples))
     return report
 
 
@@ -342,12 +344,16 @@ HEADLINE = (
     ("speculation", "speculation"),
     ("reward_first", "reward, first step"),
     ("reward_last", "reward, last step"),
+    ("reward_failures", "reward calls that failed (scored 0)"),
+    ("steps_not_trained", "steps that trained nothing (every group's rewards equal)"),
     ("generated_tokens", "generated tokens"),
     ("decode_steps", "decode steps"),
+    ("decode_steps_saved", "decode steps saved"),
     ("acceptance_length_mean", "acceptance length (mean)"),
     ("draft_coverage_mean", "draft coverage (mean over steps)"),
     ("bubble_utilization", "bubble utilisation (last step left out)"),
     ("rollout_seconds", "rollout seconds"),
+    ("rollout_seconds_saved", "rollout seconds saved by drafts (estimated; negative: cost)"),
     ("rollout_tokens_per_second", "rollout tokens per second"),
     ("wall_seconds", "wall seconds of the whole run"),
 )
@@ -362,14 +368,18 @@ STEP_COLUMNS = (
     "coverage",
     "bubble use",
     "rollout s",
+    "saved s",
     "train s",
     "sync s",
 )
 RANK_COLUMNS = ("rank", "requests", "tokens", "decode steps", "accepted / proposed", "bubble s", "drafting s", "use")
 
 
-def summary_markdown(config, records: list[StepRecord], summary: dict) -> str:
-    """summary.md: headline numbers (from ``summary``), one table row per step and one per rank, the pictures."""
+def summary_markdown(
+    config, records: list[StepRecord], summary: dict, samples: list[PromptSamples] | None = None
+) -> str:
+    """summary.md: headline numbers (from ``summary``), one table row per step and one per rank, the pictures, and
+    the last of the logged ``samples``."""
     clock = config.clock.kind
     lines = [
         f"# Run {config.name}",
@@ -381,18 +391,24 @@ def summary_markdown(config, records: list[StepRecord], summary: dict) -> str:
         "|---|---:|",
     ]
     lines += [f"| {label} | {_format(summary[key])} |" for key, label in HEADLINE if key in summary]
+    means = summary.get("reward_means") or {}
+    lines += [f"| reward {name} (mean, unweighted) | {_format(mean)} |" for name, mean in means.items()]
     evals = summary.get("eval_rewards") or {}
     if evals:
         shown = "  ".join(
             f"{'before training' if k == 'start' else f'after {k}'}: {_format(v)}" for k, v in evals.items()
         )
         lines.append(f"| held-out eval reward | {shown} |")
+    if "speculation_effect" in summary:
+        lines += ["", f"**Did speculation help?** {summary['speculation_effect']}."]
     lines += ["", "## Timeline", "", "![what each rank did](timeline.png)", "", "## Steps", ""]
     lines += _table(STEP_COLUMNS, [_step_row(r) for r in records])
     lines += [
         "",
         "Eval after update: held-out reward of the policy trained in that step. Decode steps saved: "
-        "1 - decode steps / tokens. Acceptance length: tokens per verify step (— when no draft was verified).",
+        "1 - decode steps / tokens. Acceptance length: tokens per verify step (— when no draft was verified). "
+        "Saved s: rollout seconds the drafts saved (negative: cost), estimated by replaying the step's responses "
+        "without drafts under the run's own forward-pass timings.",
         "",
         "![per-step measures](steps.png)",
         "",
@@ -403,8 +419,49 @@ def summary_markdown(config, records: list[StepRecord], summary: dict) -> str:
         "## Ranks over the whole run",
         "",
     ]
-    lines += _table(RANK_COLUMNS, [_rank_row(rank, totals) for rank, totals in sorted(rank_totals(records).items())])
+    uses = rank_bubble_use(records, config.num_steps)
+    lines += _table(
+        RANK_COLUMNS, [_rank_row(rank, totals, uses[rank]) for rank, totals in sorted(rank_totals(records).items())]
+    )
+    lines.append("")
+    lines.append("Use: the rank's bubble seconds spent drafting, the run's last step left out (as in the headline).")
+    if samples:
+        lines += ["", "## Samples", "", f"The last logged prompt of the run (step {samples[-1].step}), every response "
+                  "with its reward and advantage; all logged prompts are in samples.jsonl.", ""]  # fmt: skip
+        lines += _samples_markdown(samples[-1])
     return "\n".join(lines) + "\n"
+
+
+def rank_bubble_use(records: list[StepRecord], num_steps: int) -> dict[int, float]:
+    """Per rank, :func:`~bubblespec.rollout.bubble_use` over the run's steps but its last."""
+    by_rank: dict[int, list] = {}
+    for record in records:
+        for rank in record.ranks:
+            by_rank.setdefault(rank.rank, [])
+            if record.step < num_steps - 1:
+                by_rank[rank.rank].append(rank)
+    return {rank: bubble_use(ranks) for rank, ranks in by_rank.items()}
+
+
+def _samples_markdown(logged: PromptSamples, width: int = 600) -> list[str]:
+    lines = ["Prompt, as the model read it:", "", "```text", _cut(logged.prompt, width), "```", "",
+             f"Reference answer: `{logged.answer}`", ""]  # fmt: skip
+    for response in logged.responses:
+        parts = ", ".join(f"{name} {score:.3f}" for name, score in response.rewards.items())
+        lines += [
+            f"Sample {response.sample}: reward {response.reward:.3f}{f' ({parts})' if parts else ''}, advantage "
+            f"{response.advantage:+.3f}, {response.tokens} tokens ({response.finish_reason})",
+            "",
+            "```text",
+            _cut(response.text, width),
+            "```",
+            "",
+        ]
+    return lines
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else f"{text[:width]}… ({len(text) - width} more characters)"
 
 
 def rank_totals(records: list[StepRecord]) -> dict[int, dict[str, float]]:
@@ -441,22 +498,22 @@ def _step_row(record: StepRecord) -> list[str]:
         f"{record.draft_coverage:.2f}",
         f"{record.bubble_utilization:.2f}",
         f"{phases.rollout:.3f}",
+        "—" if record.rollout_seconds_saved is None else f"{record.rollout_seconds_saved:+.3f}",
         f"{phases.train:.3f}",
         f"{phases.weight_sync:.3f}",
     ]
 
 
-def _rank_row(rank: int, totals: dict[str, float]) -> list[str]:
-    bubble, drafting = totals["bubble_seconds"], totals["drafting_seconds"]
+def _rank_row(rank: int, totals: dict[str, float], use: float) -> list[str]:
     return [
         str(rank),
         str(totals["num_requests"]),
         str(totals["shard_tokens"]),
         str(totals["decode_steps"]),
         f"{totals['draft_tokens_accepted']} / {totals['draft_tokens_proposed']}",
-        f"{bubble:.3f}",
-        f"{drafting:.3f}",
-        f"{min(drafting / bubble, 1.0):.2f}" if bubble > 0 else "—",
+        f"{totals['bubble_seconds']:.3f}",
+        f"{totals['drafting_seconds']:.3f}",
+        f"{use:.2f}",
     ]
 
 

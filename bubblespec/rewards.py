@@ -19,8 +19,10 @@ finite number is a :class:`~bubblespec.errors.RewardError` naming the reward and
 from __future__ import annotations
 
 import concurrent.futures
+import difflib
 import functools
 import importlib
+import logging
 import math
 import multiprocessing
 import numbers
@@ -66,6 +68,9 @@ def exact(prompt, response: str, answer: Any = None, pattern: str | None = None,
     return float(found is not None and answer is not None and normalise(found) == normalise(str(answer)))
 
 
+exact.options = {"pattern": "regex"}
+
+
 def math_answer(prompt, response: str, answer: Any = None, **columns) -> float:
     """1.0 if the response's final answer (its ``\\boxed{}``, else its last number or expression) is
     mathematically equivalent to the answer, as the ``math-verify`` package decides."""
@@ -73,10 +78,20 @@ def math_answer(prompt, response: str, answer: Any = None, **columns) -> float:
 
     if answer is None:
         return 0.0
-    # No timeouts of math-verify's own: they use SIGALRM, which the pool's time limit needs.
+    # No timeouts of math-verify's own: they use SIGALRM, which the pool's time limit needs. math-verify warns
+    # about that on every call; the filter drops exactly that warning.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_no_timeout_warning)
     gold = parse(_as_math(str(answer)), parsing_timeout=None)
     found = parse(response, parsing_timeout=None)
     return float(bool(gold) and bool(found) and verify(gold, found, timeout_seconds=None))
+
+
+math_answer.options = {}
+
+
+def _no_timeout_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Timeout is disabled")
 
 
 def _as_math(answer: str) -> str:
@@ -89,6 +104,9 @@ def format_match(prompt, response: str, pattern: str | None = None, **columns) -
     if pattern is None:
         raise TypeError("the format reward needs a pattern, e.g. {name: format, pattern: '<think>.*</think>.*'}")
     return float(re.fullmatch(pattern, response.strip(), re.DOTALL) is not None)
+
+
+format_match.options = {"pattern": "regex, required"}
 
 
 # -- naming and loading -------------------------------------------------------------------------------------------
@@ -139,6 +157,45 @@ def load_reward(name: str) -> Callable[..., Any]:
             f"reward {name!r} is not known: use a built-in ({', '.join(BUILT_IN)}), a plugin of the entry point "
             f"group 'bubblespec.rewards', or 'module:function' for a function you can import ({error})"
         ) from None
+
+
+def check_options(spec: RewardSpec, where: str = "task.options.reward") -> None:
+    """Checks ``spec``'s options against those its function declares (``f.options``: name -> "regex" or
+    "regex, required"; the built-ins declare theirs): an unknown option, a missing required one or a pattern that
+    does not compile is a :class:`ConfigError`. A function that declares nothing gets its options unchecked."""
+    declared = getattr(load_reward(spec.name), "options", None)
+    if declared is None:
+        return
+    for option, value in spec.options.items():
+        if option not in declared:
+            allowed = ", ".join(declared) or "none"
+            raise ConfigError(
+                f"{where}: reward {spec.name!r} has no option {option!r}{did_you_mean(option, declared)}; its "
+                f"options: {allowed}"
+            )
+        if "regex" in declared[option]:
+            try:
+                re.compile(value)
+            except (re.error, TypeError) as error:
+                raise ConfigError(f"{where}.{option}: {value!r} is not a regular expression: {error}") from None
+    missing = [o for o, kind in declared.items() if "required" in kind and o not in spec.options]
+    if missing:
+        raise ConfigError(f"{where}: reward {spec.name!r} needs option {missing[0]!r}")
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def reward_labels(specs: Sequence[RewardSpec]) -> list[str]:
+    """How records and logs name each reward: its name, with ``#2``, ``#3``, ... for a name given again."""
+    labels, seen = [], {}
+    for spec in specs:
+        seen[spec.name] = seen.get(spec.name, 0) + 1
+        labels.append(spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}")
+    return labels
 
 
 def _import_function(name: str) -> Callable[..., Any]:
@@ -234,20 +291,31 @@ class RewardScorer:
     (:meth:`take_failures`). ``workers == 0``: in this process, without a time limit, and an exception propagates.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec], workers: int = 2, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, specs: Sequence[RewardSpec], workers: int = 2, timeout_s: float = 10.0, failure_limit: float = 1.0
+    ) -> None:
         for spec in specs:
-            load_reward(spec.name)  # fails now, with the reward's name, if it cannot be loaded
+            check_options(spec)  # fails now, with the reward's name, if it cannot be loaded or is misconfigured
         self.specs = tuple(specs)
-        self.workers, self.timeout_s = workers, timeout_s
+        self.labels = reward_labels(self.specs)
+        self.workers, self.timeout_s, self.failure_limit = workers, timeout_s, failure_limit
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._failures = RewardFailures()
 
     def __call__(self, items: Sequence[RewardItem]) -> list[float]:
+        return self.score(items)[0]
+
+    def score(self, items: Sequence[RewardItem]) -> tuple[list[float], dict[str, list[float]]]:
+        """The weighted sums of ``items``' rewards, and each reward's own (unweighted) scores by its label. A
+        reward whose calls fail (time out or raise) on ``failure_limit`` or more of them raises a
+        :class:`RewardError`: a broken reward stops the run instead of training on zeros."""
         totals = [0.0] * len(items)
-        for spec in self.specs:
-            for index, score in enumerate(self._scores(spec, items)):
+        parts = {}
+        for spec, label in zip(self.specs, self.labels, strict=True):
+            parts[label] = self._scores(spec, items)
+            for index, score in enumerate(parts[label]):
                 totals[index] += spec.weight * score
-        return totals
+        return totals, parts
 
     def take_failures(self) -> RewardFailures:
         failures, self._failures = self._failures, RewardFailures()
@@ -263,6 +331,7 @@ class RewardScorer:
         calls = [list(items)] if batched else [[item] for item in items]
         outcomes = self._run(spec, calls)
         scores: list[float] = []
+        failed, first = 0, None
         for call, (status, value) in zip(calls, outcomes, strict=True):
             if status == "ok":
                 scores += self._checked(spec.name, call, value)
@@ -271,8 +340,17 @@ class RewardScorer:
                 self._failures.timeouts += 1
             else:
                 self._failures.errors += 1
-            self._failures.first_error = self._failures.first_error or f"{value} on row {call[0].row!r}"
+            failed, first = failed + 1, first or f"{value} on row {call[0].row!r}"
+            self._failures.first_error = self._failures.first_error or first
             scores += [0.0] * len(call)
+        self._failures.calls += len(calls)
+        if calls and failed / len(calls) >= self.failure_limit:
+            raise RewardError(
+                f"reward {spec.name!r} failed (timed out or raised) on {failed} of its {len(calls)} calls for "
+                f"{len(items)} responses; the first: {first}. Fix the reward, or let a run go on past a share of "
+                f"failures with task.options.reward_failure_limit (now {self.failure_limit:g}: the run stops when "
+                "that share of a step's calls fail)"
+            )
         return scores
 
     def _run(self, spec: RewardSpec, calls: list[list[RewardItem]]) -> list[tuple[str, Any]]:

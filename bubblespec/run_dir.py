@@ -22,7 +22,7 @@ import yaml
 from bubblespec.config import RunConfig, validate
 from bubblespec.errors import CheckpointError, ConfigError
 from bubblespec.interfaces import Draft, RolloutKey
-from bubblespec.records import StepRecord, read_step_lines
+from bubblespec.records import PromptSamples, StepRecord, read_step_lines
 
 CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.json")
 
@@ -58,6 +58,22 @@ class RunDirectory:
         with self.steps_file.open("a") as out:
             out.write(record.to_json() + "\n")
 
+    @property
+    def samples_file(self) -> Path:
+        return self.path / "samples.jsonl"
+
+    def append_samples(self, samples: list[PromptSamples]) -> None:
+        if samples:
+            with self.samples_file.open("a") as out:
+                out.write("".join(s.model_dump_json() + "\n" for s in samples))
+
+    def read_samples(self) -> list[PromptSamples]:
+        """The logged samples; a last line a crash cut off is left out."""
+        if not self.samples_file.exists():
+            return []
+        lines = self.samples_file.read_text().split("\n")
+        return [PromptSamples.model_validate_json(line) for line in lines[:-1] if line.strip()]
+
     def read_steps(self) -> list[StepRecord]:
         """The step records. A last line without its newline is a write the process did not finish (it was
         killed): it is left out. Any other line that is not a step record is an error naming the file and line."""
@@ -72,6 +88,10 @@ class RunDirectory:
         partial = self.steps_file.with_name(".steps.jsonl.partial")
         partial.write_text("".join(r.to_json() + "\n" for r in kept))
         partial.replace(self.steps_file)
+        samples = [s for s in self.read_samples() if s.step <= last_step]
+        partial = self.samples_file.with_name(".samples.jsonl.partial")
+        partial.write_text("".join(s.model_dump_json() + "\n" for s in samples))
+        partial.replace(self.samples_file)
 
     def save_checkpoint(
         self,

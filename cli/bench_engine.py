@@ -368,15 +368,18 @@ def _shipped_model_path() -> Path:
     return ArithmeticTask.model_path()
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict, console=None) -> None:
+    """The speed tables (without, then with drafts), the drafts, exactness and keyed sampling; each table fits
+    80 columns."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = console or Console()
     settings = report["settings"]
     title = f"Engine speed: {settings['dtype']}, {Path(settings['model_path']).name}"
-    speed = Table("backend", "batch", "HF generate tok/s", "engine tok/s", "engine / HF", "engine + drafts tok/s",
-                  "speedup with drafts", "engine steps (no draft -> draft)", "identical", title=title)  # fmt: skip
+    speed = Table("backend", "batch", "HF generate tok/s", "engine tok/s", "engine / HF", title=title)
+    with_drafts = Table("backend", "batch", "tok/s", "speedup", "engine steps\nwithout -> with", "identical",
+                        title="Engine speed with drafts from one policy step older")  # fmt: skip
     for backend, rows in report["backends"].items():
         for key in rows["engine_tokens_per_s"]:
             hf_rate, versus = report["hf_generate_tokens_per_s"].get(key), rows["engine_vs_hf_generate"].get(key)
@@ -386,12 +389,17 @@ def print_report(report: dict) -> None:
                 "-" if hf_rate is None else f"{hf_rate:.0f}",
                 f"{rows['engine_tokens_per_s'][key]:.0f}",
                 "-" if versus is None else f"{versus:.2f}x",
+            )
+            with_drafts.add_row(
+                backend,
+                key,
                 f"{rows['engine_tokens_per_s_with_draft'][key]:.0f}",
                 f"{rows['speedup_with_draft'][key]:.2f}x",
                 f"{rows['forward_passes_no_draft'][key]} -> {rows['forward_passes_with_draft'][key]}",
                 str(rows["identical_outputs"][key]),
             )
     console.print(speed)
+    console.print(with_drafts)
     names = ("decode_steps_no_draft", "decode_steps_with_draft", "decode_step_reduction", "acceptance_length_mean",
              "draft_acceptance_rate", "undecided_steps", "fully_accepted_responses",
              "steps_over_ceil_l_over_k")  # fmt: skip
@@ -400,7 +408,7 @@ def print_report(report: dict) -> None:
         values = [rows.get(name) for rows in report["backends"].values()]
         drafts.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
     console.print(drafts)
-    exactness = Table("backend", "dtype", "responses", "differing with drafts", "differing between plain batches",
+    exactness = Table("backend", "dtype", "responses", "differing\nwith drafts", "differing between\nplain batches",
                       title="Exactness")  # fmt: skip
     for backend, rows in report["exactness"].items():
         for dtype, row in rows.items():

@@ -202,49 +202,72 @@ def _rollouts(identical: bool | None) -> str:
     return "in distribution" if identical is None else "identical" if identical else "DIFFERENT"
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict, console=None) -> None:
+    """Per step, then steps 2 to N and the steady state: decode steps and speed in one table, drafts in another
+    (each fits 80 columns); then what each variant is measured against."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
-    title = f"{report['config']}: draft sources per step (from 1), against the baseline ({report['clock']} clock)"
-    table = Table(title=title)
-    columns = ("source", "vs", "step", "decode steps", "tokens", "reduction", "acceptance", "draft cov")
-    for column in (*columns, "proposal cov", "speed", "rollouts"):
-        table.add_column(column, justify="right")
+    console = console or Console()
+    speed = Table(title=f"{report['config']} ({report['clock']} clock): decode steps and speed per step (from 1)")
+    drafts = Table(title="drafts per step")
+    first = {"from_step_2": 2, "steady_state": report["epoch_steps"] + 1}
+    ranges = ", ".join(f"{label.replace('_', ' ')}: {n}-{report['num_steps']}" for label, n in first.items())
+    speed_summary, drafts_summary = Table(title=f"decode steps and speed ({ranges})"), Table(title=f"drafts ({ranges})")
+    for table, columns in (
+        (speed, ("source", "step", "decode steps", "tokens", "reduction", "speed")),
+        (drafts, ("source", "step", "acceptance", "draft\ncov", "proposal\ncov", "rollouts")),
+        (speed_summary, ("source", "steps", "tokens", "reduction", "throughput")),
+        (drafts_summary, ("source", "steps", "acceptance", "draft cov", "proposal cov")),
+    ):
+        for column in columns:
+            table.add_column(column, justify="right")
     for variant in report["variants"]:
         for s in report["per_step"][variant]:
-            table.add_row(
+            step = str(s["step"] + 1)
+            speed.add_row(
                 variant,
-                report["baselines"][variant],
-                str(s["step"] + 1),
+                step,
                 str(s["decode_steps"]),
                 str(s["generated_tokens"]),
                 f"{s['decode_step_reduction']:.1%}",
+                f"{s['throughput_ratio']:.2f}x",
+            )
+            drafts.add_row(
+                variant,
+                step,
                 f"{s['acceptance_length_mean']:.2f}",
                 f"{s['draft_coverage']:.2f}",
                 f"{s['proposal_coverage']:.2f}",
-                f"{s['throughput_ratio']:.2f}x",
                 _rollouts(s["identical_rollouts"]),
             )
-    console.print(table)
-    for label in ("from_step_2", "steady_state"):
-        first = 2 if label == "from_step_2" else report["epoch_steps"] + 1
-        summary = Table(title=f"{label.replace('_', ' ')}: steps {first} to {report['num_steps']}")
-        for column in ("source", "vs", "tokens", "reduction", "acceptance", "draft cov", "proposal cov", "throughput"):
-            summary.add_column(column, justify="right")
+    for label, n in first.items():
+        steps = f"{n}-{report['num_steps']}"
         for variant, a in report[label].items():
-            summary.add_row(
+            speed_summary.add_row(
                 variant,
-                report["baselines"][variant],
+                steps,
                 str(a["generated_tokens"]),
                 f"{a['decode_step_reduction']:.1%}",
+                f"{a['throughput_ratio']:.2f}x",
+            )
+            drafts_summary.add_row(
+                variant,
+                steps,
                 f"{a['acceptance_length_mean']:.2f}",
                 f"{a['draft_coverage']:.2f}",
                 f"{a['proposal_coverage']:.2f}",
-                f"{a['throughput_ratio']:.2f}x",
             )
-        console.print(summary)
+        speed_summary.add_section()
+        drafts_summary.add_section()
+    for table in (speed, drafts, speed_summary, drafts_summary):
+        console.print(table)
+    users: dict[str, list[str]] = {}
+    for variant, baseline in report["baselines"].items():
+        if variant != baseline:
+            users.setdefault(baseline, []).append(variant)
+    if users:
+        console.print("; ".join(f"against {baseline}: {', '.join(variants)}" for baseline, variants in users.items()))
     if any(v != "coupled" for v in report["verification"].values()):
         console.print(
             "one-hot variants sample each policy version with its own noise stream: their rollouts are other "

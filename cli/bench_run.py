@@ -72,6 +72,7 @@ def _compare(off: StepRecord, on: StepRecord) -> dict:
         "draft_coverage": on.draft_coverage,
         "rollout_seconds_off": off.phase_seconds.rollout,
         "rollout_seconds_on": on.phase_seconds.rollout,
+        "rollout_seconds_off_estimated_by_on": on.rollout_seconds_without_drafts,
         "throughput_ratio": off.phase_seconds.rollout / on.phase_seconds.rollout,
         "identical_rollouts": off.rollout_digest == on.rollout_digest and off.reward_mean == on.reward_mean,
     }
@@ -97,46 +98,59 @@ def _aggregate(off: list[StepRecord], on: list[StepRecord], clock: str, num_step
         "draft_coverage": sum(s.draft_coverage for s in on) / len(on),
         "throughput_ratio_virtual": ratio if clock == "virtual" else None,
         "throughput_ratio_wall": ratio if clock == "wall" else None,
+        # what the speculation-on run estimated of the same ratio on its own (bubblespec.speculation_effect)
+        "throughput_ratio_estimated_in_run": _estimated_ratio(on),
         # rollout + train + weight sync: drafting while training on shared hardware may slow the trainer
         "step_seconds_ratio": step_off / step_on,
     }
 
 
-def print_report(report: dict) -> None:
+def _estimated_ratio(on: list[StepRecord]) -> float | None:
+    estimates = [s.rollout_seconds_without_drafts for s in on]
+    if any(e is None for e in estimates):
+        return None
+    return sum(estimates) / sum(s.phase_seconds.rollout for s in on)
+
+
+def print_report(report: dict, console=None) -> None:
+    """Two tables per step (decode steps, rollout seconds; each fits 80 columns), then the aggregates."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    table = Table(title=f"{report['config']}: speculation off vs on ({report['clock']} clock)")
-    for column in (
-        "step",
-        "decode steps off -> on",
-        "reduction",
-        "acceptance",
-        "coverage",
-        "bubble use",
-        "rollout s off -> on",
-        "throughput",
-        "identical",
+    console = console or Console()
+    title = f"{report['config']}: decode steps, speculation off vs on ({report['clock']} clock)"
+    decode, rollout = Table(title=title), Table(title="rollout seconds, speculation off vs on")
+    for table, columns in (
+        (decode, ("step", "off", "on", "reduction", "acceptance", "coverage", "bubble use")),
+        (rollout, ("step", "off", "off (est.)", "on", "throughput", "identical")),
     ):
-        table.add_column(column, justify="right")
+        for column in columns:
+            table.add_column(column, justify="right")
     for s in report["per_step"]:
-        table.add_row(
+        decode.add_row(
             str(s["step"]),
-            f"{s['decode_steps_off']} -> {s['decode_steps_on']}",
+            str(s["decode_steps_off"]),
+            str(s["decode_steps_on"]),
             f"{s['decode_step_reduction']:.1%}",
             f"{s['acceptance_length_mean']:.2f}",
             f"{s['draft_coverage']:.2f}",
             f"{s['bubble_utilization']:.2f}",
-            f"{s['rollout_seconds_off']:.3f} -> {s['rollout_seconds_on']:.3f}",
+        )
+        rollout.add_row(
+            str(s["step"]),
+            f"{s['rollout_seconds_off']:.3f}",
+            _fmt(s["rollout_seconds_off_estimated_by_on"]),
+            f"{s['rollout_seconds_on']:.3f}",
             f"{s['throughput_ratio']:.2f}x",
             "yes" if s["identical_rollouts"] else "NO",
         )
-    console.print(table)
+    console.print(decode)
+    console.print(rollout)
+    console.print("off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes")
     for label in ("overall", "from_step_2"):
         console.print(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in report[label].items()))
     console.print(f"identical_rollouts={report['identical_rollouts']}  identical_weights={report['identical_weights']}")
 
 
 def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    return f"{value:.3f}" if isinstance(value, float) else "—" if value is None else str(value)

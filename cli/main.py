@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from bubblespec.plugins import KINDS
+
 app = typer.Typer(
     help="Faster synchronous RL rollouts: idle ranks draft the next step, the updated policy verifies exactly.",
     no_args_is_help=True,
@@ -34,11 +36,10 @@ def user_errors(command):
     return wrapper
 
 
-@app.command()
+@app.command(help=f"List the installed plugins by kind: {', '.join(KINDS)}.")
 @user_errors
 def plugins() -> None:
-    """List the installed plugins (engine backends, draft stores, policies, tasks) by kind."""
-    from bubblespec.plugins import KINDS, available
+    from bubblespec.plugins import available
 
     for kind in KINDS:
         typer.secho(kind, bold=True)
@@ -56,16 +57,26 @@ def validate(
     config_path: Annotated[Path, typer.Argument(help="A run config (YAML).", metavar="CONFIG")],
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
 ) -> None:
-    """Check a run config: print it resolved (defaults filled in), or every error with its field path. The task is
-    built too, so a dataset, tokenizer or reward that does not load is reported here."""
+    """Check a run config: print it resolved (defaults filled in) and what the model and rewards will see (row
+    counts, the first prompt fully rendered, prompt lengths, the rewards), or every error with its field path. The
+    task is built, so a dataset, tokenizer or reward that does not load is reported here."""
     import yaml
 
     from bubblespec.assembly import close_tasks, make_tasks
     from bubblespec.config import load_config
+    from bubblespec.task_summary import summarize_task
 
     config = load_config(config_path, overrides or [])
-    close_tasks(*make_tasks(config))
+    tasks = make_tasks(config)
+    try:
+        summary = summarize_task(*tasks)
+    finally:
+        close_tasks(*tasks)
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
+    typer.secho(f"\ntask {config.task.name!r}", bold=True)
+    typer.echo("\n".join(summary.lines))
+    for warning in summary.warnings:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()
@@ -141,8 +152,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written
     from bubblespec.report import write_report
 
     folder = write_report(run_dir)
-    for name in ("summary.md", "timeline.png", "steps.png"):
-        typer.echo(str(folder / name))
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        typer.echo(str(path))
 
 
 @app.command()

@@ -60,3 +60,7 @@ NOT_CALLABLE = 3
 def digit_share(prompt, response, **columns):
     """A reward any response earns some of (a random model's too): the share of its characters that are digits."""
     return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def always_raises(prompt, response, **columns):
+    raise KeyError("no column 'solution' in this row")

@@ -102,7 +102,7 @@ def test_the_live_display_shows_what_each_rank_is_doing_now():
     printer.activity(1, "draft", "12 keys of step 4 in the bubble")
     console.print(printer._render())
     text = console.export_text()
-    assert "step 3: rollout" in text
+    assert "step 3 (4/10): rollout" in text
     assert "generate" in text and "64 requests, 60 with a draft" in text
     assert "draft" in text and "12 keys of step 4 in the bubble" in text
 
@@ -125,7 +125,10 @@ def test_report_command_writes_the_report_and_explains_a_bad_folder(tmp_path):
     run(config)
     result = runner.invoke(app, ["report", str(config.run_dir)])
     assert result.exit_code == 0, result.output
-    assert (config.run_dir / "report" / "timeline.png").is_file()
+    folder = config.run_dir / "report"
+    listed = [line for line in result.output.splitlines() if line.startswith(str(folder))]
+    assert listed == sorted(str(path) for path in folder.iterdir())  # every file it wrote
+    assert {"summary.md", "timeline.png", "steps.png", "training.png"} <= {path.rsplit("/", 1)[1] for path in listed}
     assert (config.run_dir / "report" / "summary.md").read_text().count("|") > 10
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "not a run directory" in result.output and "steps.jsonl" in result.output
@@ -158,8 +161,9 @@ def test_run_logs_one_structured_line_per_step_unless_quiet(tmp_path, flag):
     if flag == "--quiet":
         assert not lines and "run directory:" in result.output
     else:
-        assert any("step=0 reward=" in line for line in lines) and any("step=1 reward=" in line for line in lines)
-        assert "report:" in result.output
+        assert any("step=0 done=1/2 left=" in line for line in lines)
+        assert any("step=1 done=2/2 left=0m00s reward=" in line for line in lines)
+        assert "report:" in result.output and "speculation " in result.output  # what it saved or cost
     assert (tmp_path / "runs" / "run" / "report" / "summary.md").is_file()
 
 
@@ -235,3 +239,115 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypat
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert "interrupted: 2 steps done, none checkpointed yet" in result.output
     assert f"bubblespec run --resume {tmp_path / 'stopped'}" in result.output
+
+
+def test_plugins_help_names_every_kind():
+    result = runner.invoke(app, ["plugins", "--help"])
+    assert result.exit_code == 0, result.output
+    for kind in plugins.KINDS:
+        assert kind in result.output
+
+
+def _bench_reports() -> dict[str, dict]:
+    """A report of each bench printer with the keys it reads, numbers as wide as real runs have."""
+    run_step = {
+        "decode_steps_off": 148713,
+        "decode_steps_on": 13391,
+        "decode_step_reduction": 0.91,
+        "acceptance_length_mean": 14.1,
+        "draft_coverage": 1.0,
+        "bubble_utilization": 1.0,
+        "rollout_seconds_off": 123.456,
+        "rollout_seconds_on": 45.678,
+        "rollout_seconds_off_estimated_by_on": 123.123,
+        "throughput_ratio": 12.41,
+        "identical_rollouts": True,
+    }
+    aggregate = {"decode_step_reduction": 0.92, "acceptance_length_mean": 14.2, "step_seconds_ratio": 1.5}
+    run = {
+        "config": "arithmetic-example",
+        "clock": "virtual",
+        "per_step": [run_step | {"step": step} for step in range(12)],
+        "overall": aggregate,
+        "from_step_2": aggregate,
+        "identical_rollouts": True,
+        "identical_weights": True,
+    }
+    variants = ["none", "ngram", "history+group+ngram", "bubble+group+ngram", "none:one-hot", "bubble:one-hot"]
+    peer_step = {
+        "decode_steps": 123456,
+        "generated_tokens": 1234567,
+        "decode_step_reduction": -0.917,
+        "acceptance_length_mean": 14.1,
+        "draft_coverage": 1.0,
+        "proposal_coverage": 0.95,
+        "throughput_ratio": 12.41,
+        "identical_rollouts": True,
+    }
+    peer_aggregate = {
+        "decode_step_reduction": -0.917,
+        "acceptance_length_mean": 14.1,
+        "draft_coverage": 1.0,
+        "proposal_coverage": 0.95,
+        "generated_tokens": 12345678,
+        "throughput_ratio": 12.41,
+    }
+    peers = {
+        "config": "bench-peers",
+        "clock": "virtual",
+        "num_steps": 12,
+        "epoch_steps": 4,
+        "variants": variants,
+        "baselines": {v: "none:one-hot" if v.endswith(":one-hot") else "none" for v in variants},
+        "verification": {v: "one_hot" if v.endswith(":one-hot") else "coupled" for v in variants},
+        "per_step": {v: [peer_step | {"step": step} for step in range(12)] for v in variants},
+        "from_step_2": dict.fromkeys(variants, peer_aggregate),
+        "steady_state": dict.fromkeys(variants, peer_aggregate),
+        "identical_rollouts": True,
+    }
+    per_batch = {
+        "engine_tokens_per_s": 12345.0,
+        "engine_tokens_per_s_with_draft": 23456.0,
+        "speedup_with_draft": 13.4,
+        "forward_passes_no_draft": 1287,
+        "forward_passes_with_draft": 122,
+        "identical_outputs": True,
+    }
+    rows = {name: dict.fromkeys(("1", "16", "32"), value) for name, value in per_batch.items()}
+    rows |= {"engine_vs_hf_generate": {"1": 1.24, "16": 11.36}, "decode_steps_no_draft": 4000, "undecided_steps": 0}
+    exact = {"responses": 64, "differing": 0, "mismatch_rate": 0.0}
+    exact |= {"differing_between_plain_batches": 12, "plain_batch_mismatch_rate": 12 / 64}
+    keyed = {"keyed_sample_s": 1e-3, "forward_pass_s": 1e-2, "share_of_forward_pass": 0.1}
+    engine = {
+        "settings": {"dtype": "bfloat16", "model_path": "/models/Qwen2.5-0.5B-Instruct"},
+        "backends": {"torch": rows, "vllm": rows},
+        "hf_generate_tokens_per_s": {"1": 9876.0, "16": 10850.0},
+        "exactness": {"torch": {"float64": exact, "bfloat16": exact}, "vllm": {"float32": exact}},
+        "keyed_sampling": keyed | {"batch_size": 16, "vocab_size": 151936, "context_tokens": 100},
+        "policy_update": {"weight_noise": 1e-4},
+        "benchmark_seconds": {"batch 1": 10.0},
+    }
+    return {"run": run, "peers": peers, "engine": engine}
+
+
+@pytest.mark.parametrize(
+    ("bench", "shown"),
+    [
+        ("run", ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes"]),
+        ("peers", ["history+group+ngram", "123456", "1234567", "-91.7%", "12.41x", "12345678", "0.95", "identical"]),
+        ("engine", ["9876", "12345", "11.36x", "23456", "13.40x", "1287 -> 122", "0 (0.0%)", "12 (18.8%)"]),
+    ],
+)
+def test_bench_tables_fit_80_columns(bench, shown):
+    import importlib
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    importlib.import_module(f"bubblespec.cli.bench_{bench}").print_report(_bench_reports()[bench], console)
+    text = console.export_text()
+    assert "…" not in text  # rich cuts a header or cell that does not fit with an ellipsis
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for number in shown:
+        assert number in text

@@ -135,10 +135,52 @@ def test_the_time_limit_holds_against_rewards_that_catch_it_and_is_always_counte
     scorer = RewardScorer([RewardSpec(f"tests.reward_functions:{name}")], workers=1, timeout_s=0.5)
     try:
         start = time.monotonic()
-        assert scorer(_items("x")) == [0.0]
+        with pytest.raises(RewardError, match="failed .* on 1 of its 1 calls.*did not return within 0.5 s"):
+            scorer(_items("x"))  # every call of the step failed: the run stops
         assert time.monotonic() - start < 20  # the call sleeps 60 s (twice) unless the limit ends it
         failures = scorer.take_failures()
         assert (failures.timeouts, failures.errors) == (1, 0)
         assert "did not return within 0.5 s" in failures.first_error
     finally:
         scorer.close()
+
+
+def test_a_reward_failing_on_a_share_of_its_calls_stops_the_run_at_the_limit_it_is_given():
+    """raises_on_bad raises for the response "bad": 1 of 3 calls fails. The default stops only when every call of a
+    step fails; a limit of a third stops at one in three."""
+    items = _items("fine", "bad", "fine")
+    lenient = RewardScorer([RewardSpec("tests.reward_functions:raises_on_bad")], workers=1)
+    strict = RewardScorer([RewardSpec("tests.reward_functions:raises_on_bad")], workers=1, failure_limit=0.3)
+    try:
+        assert lenient(items) == [1.0, 0.0, 1.0]
+        failures = lenient.take_failures()
+        assert (failures.errors, failures.calls) == (1, 3)
+        with pytest.raises(RewardError, match=r"raises_on_bad' failed .* on 1 of its 3 calls.*reward_failure_limit"):
+            strict(items)
+    finally:
+        lenient.close()
+        strict.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"name": "format", "patern": "x"}, "reward 'format' has no option 'patern' (did you mean 'pattern'?)"),
+        ({"name": "format"}, "reward 'format' needs option 'pattern'"),
+        ({"name": "exact", "pattern": "(unclosed"}, "pattern: '(unclosed' is not a regular expression"),
+        ({"name": "math", "pattern": "x"}, "reward 'math' has no option 'pattern'; its options: none"),
+    ],
+)
+def test_built_in_reward_options_are_checked_when_the_scorer_is_built(spec, message):
+    with pytest.raises(ConfigError) as raised:
+        RewardScorer(parse_specs(spec), workers=0)
+    assert message in str(raised.value)
+
+
+def test_each_reward_scores_on_its_own_beside_the_weighted_sum():
+    specs = parse_specs(
+        [{"name": "exact"}, {"name": "format", "weight": 0.5, "pattern": "4.*"}, {"name": "format", "pattern": "x"}]
+    )
+    scorer = RewardScorer(specs, workers=0)
+    totals, parts = scorer.score([RewardItem("train-0", "2+2", "4", {"answer": "4"})])
+    assert totals == [1.5] and parts == {"exact": [1.0], "format": [1.0], "format#2": [0.0]}

@@ -24,16 +24,17 @@ import glob
 import json
 import logging
 import random
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from bubblespec.config import Section
+from bubblespec.config import Section, format_validation_error
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import Prompt, Task
-from bubblespec.rewards import RewardItem, RewardScorer, parse_specs
+from bubblespec.rewards import RewardItem, RewardScorer, extract, parse_specs
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class PromptOptions(Section):
     """Worker processes that run rewards, each call under ``reward_timeout_s``; 0: in the controller, no limit."""
     reward_timeout_s: float = Field(10.0, gt=0)
     """Time a reward call has to return; a call that times out or raises scores 0 and is counted."""
+    reward_failure_limit: float = Field(1.0, gt=0, le=1)
+    """The run stops when this share of a step's calls of one reward fail (time out or raise); 1: only when every
+    call fails."""
 
 
 class DatasetOptions(PromptOptions):
@@ -80,12 +84,34 @@ class DatasetOptions(PromptOptions):
     """The column with the prompt: plain text, or a list of ``{role, content}`` messages."""
     answer_column: str | None = "answer"
     """The column with the reference answer (given to rewards as ``answer``); None: the rows have none."""
+    answer_pattern: str | None = None
+    """A regular expression whose last match in the answer column (its first group, if it has one) is the answer
+    rewards get, e.g. ``'####\\s*(.+)'`` for GSM8K's ``#### 72``; a row it does not match is an error."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"{pattern!r} is not a regular expression: {error}") from None
+        return pattern
 
     @model_validator(mode="after")
     def _one_held_out_source(self) -> DatasetOptions:
         if self.eval_path is not None and self.eval_fraction is not None:
             raise ValueError("give eval_path or eval_fraction, not both")
         return self
+
+
+def task_options(model: type[PromptOptions], options: Mapping[str, Any]) -> PromptOptions:
+    """``options`` validated as ``model``: every problem in one :class:`ConfigError` under ``task.options``, a
+    misspelled option with the closest allowed name."""
+    try:
+        return model(**options)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, "task.options", model)) from None
 
 
 class RowsTask(Task):
@@ -104,7 +130,9 @@ class RowsTask(Task):
         self.tokenizer = load_tokenizer(model_path)
         self.context_length = _context_length(model_path)
         self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, options.stop_tokens)
-        self.scorer = RewardScorer(parse_specs(options.reward), options.reward_workers, options.reward_timeout_s)
+        self.scorer = RewardScorer(
+            parse_specs(options.reward), options.reward_workers, options.reward_timeout_s, options.reward_failure_limit
+        )
         rows, source = self._rows()
         self.prompts = self._prompts(rows, source)
         if split == "eval":
@@ -153,7 +181,13 @@ class RowsTask(Task):
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
         """The configured rewards' weighted sum for each (prompt, response token ids), in one pass over the pool."""
-        return self.scorer([self._reward_item(p, ids) for p, ids in zip(prompts, responses, strict=True)])
+        return self.score_parts(prompts, responses)[0]
+
+    def score_parts(
+        self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """The weighted sums and each configured reward's own scores, by its label."""
+        return self.scorer.score([self._reward_item(p, ids) for p, ids in zip(prompts, responses, strict=True)])
 
     def take_reward_failures(self):
         """Reward calls that timed out or raised since the last call (:class:`bubblespec.interfaces.RewardFailures`)."""
@@ -169,7 +203,7 @@ class RowsTask(Task):
         row = dict(prompt.columns)
         original = row.pop(self.prompt_column)
         if self.answer_column is not None:  # the gold answer, even where the row has another column named "answer"
-            row["answer"] = row[self.answer_column]
+            row["answer"] = prompt.answer
         return RewardItem(prompt.uid, original, self.decode(response_token_ids), row)
 
     # -- loading ------------------------------------------------------------------------------------------------
@@ -183,6 +217,7 @@ class RowsTask(Task):
                 raise ConfigError(
                     f"task.options: {column!r} is not a column of {source}; its columns: {', '.join(rows[0])}"
                 )
+        self.own_system_prompts = 0
         texts = [self._render(row[self.prompt_column], f"{self.split}-{i}") for i, row in enumerate(rows)]
         encoded = self.tokenizer(texts, add_special_tokens=not self._uses_template)["input_ids"]
         limit = min(options.max_prompt_tokens or self.context_length, self.context_length - 1)
@@ -198,13 +233,45 @@ class RowsTask(Task):
                     )
                 dropped += 1
                 continue
-            answer = "" if self.answer_column is None else str(row[self.answer_column])
-            prompts.append(Prompt(uid=uid, token_ids=tuple(ids), text=text, answer=answer, columns=row))
+            prompts.append(Prompt(uid=uid, token_ids=tuple(ids), text=text, answer=self._answer(row, uid, source),
+                                  columns=row))  # fmt: skip
         if dropped:
             logger.warning("dataset task: dropped %d of %d %s prompts longer than %d tokens", dropped, len(rows),
                            self.split, limit)  # fmt: skip
+        if self.own_system_prompts:
+            logger.warning("dataset task: %d of %d %s rows begin with their own system message; system_prompt is "
+                           "not added to them", self.own_system_prompts, len(rows), self.split)  # fmt: skip
         self.num_dropped_prompts = dropped
+        self.unknown_token_share = _unknown_share(self.tokenizer, [p.token_ids for p in prompts])
+        if self.unknown_tokens_warning() is not None:
+            logger.warning("dataset task: %s", self.unknown_tokens_warning())
         return prompts
+
+    def unknown_tokens_warning(self) -> str | None:
+        """A warning when more than :data:`UNKNOWN_TOKENS_WARNING` of the prompts' tokens are the unknown token."""
+        if self.unknown_token_share <= UNKNOWN_TOKENS_WARNING:
+            return None
+        return (
+            f"{self.unknown_token_share:.1%} of the {self.split} prompts' tokens are the tokenizer's unknown token "
+            f"{self.tokenizer.unk_token!r}: the model's vocabulary does not cover this text (is model.path the "
+            "model the data was written for?)"
+        )
+
+    def _answer(self, row: dict, uid: str, source: str) -> str:
+        """The row's answer as rewards get it: the answer column, or what ``answer_pattern`` extracts from it."""
+        if self.answer_column is None:
+            return ""
+        text = str(row[self.answer_column])
+        pattern = getattr(self.options, "answer_pattern", None)
+        if pattern is None:
+            return text
+        found = extract(text, pattern)
+        if found is None:
+            raise ConfigError(
+                f"task.options.answer_pattern {pattern!r} does not match row {uid}'s {self.answer_column!r} of "
+                f"{source}: {text[-200:]!r}"
+            )
+        return found.strip()
 
     @functools.cached_property
     def _uses_template(self) -> bool:
@@ -229,13 +296,19 @@ class RowsTask(Task):
             return prompt
         if messages is None:
             messages = [{"role": "user", "content": prompt}]
-        if self.options.system_prompt is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.options.system_prompt}, *messages]
+        if self.options.system_prompt is not None:
+            if messages[0]["role"] == "system":
+                self.own_system_prompts += 1  # the row's own system message wins; counted and logged
+            else:
+                messages = [{"role": "system", "content": self.options.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class DatasetTask(RowsTask):
     """The ``dataset`` task: rows from the user's local files (see the module docstring)."""
+
+    path_options = ("path", "eval_path")
+    """Options that are input paths: a config file's relative ones are read from the config file's folder."""
 
     def __init__(
         self,
@@ -246,7 +319,7 @@ class DatasetTask(RowsTask):
         split: Literal["train", "eval"] = "train",
         **options: Any,
     ) -> None:
-        dataset_options = DatasetOptions(**options)
+        dataset_options = task_options(DatasetOptions, options)
         self.prompt_column, self.answer_column = dataset_options.prompt_column, dataset_options.answer_column
         super().__init__(seed, prompts_per_step, model_path, split, dataset_options)
 
@@ -360,6 +433,18 @@ def _stop_token_ids(tokenizer, model_path: str, stop_tokens: Sequence[str]) -> t
             raise ConfigError(f"task.options.stop_tokens: {token!r} is not a token of the model's tokenizer")
         ids.add(vocab[token])
     return tuple(sorted(ids))
+
+
+UNKNOWN_TOKENS_WARNING = 0.02
+"""Share of prompt tokens that are the unknown token above which the task warns (and ``validate`` says so)."""
+
+
+def _unknown_share(tokenizer, prompts: Sequence[Sequence[int]]) -> float:
+    unknown = tokenizer.unk_token_id
+    total = sum(len(ids) for ids in prompts)
+    if unknown is None or not total:
+        return 0.0
+    return sum(ids.count(unknown) for ids in prompts) / total
 
 
 def _describe(path: str | list[str]) -> str:

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 
 from bubblespec.errors import ConfigError
 from bubblespec.rewards import extract
-from bubblespec.tasks.dataset import PromptOptions, RowsTask
+from bubblespec.tasks.dataset import PromptOptions, RowsTask, task_options
 
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out split's seed is the task's seed plus this (reasoning-gym draws problems from the seed)."""
@@ -67,7 +67,7 @@ class ReasoningGymTask(RowsTask):
         split: Literal["train", "eval"] = "train",
         **options: Any,
     ) -> None:
-        super().__init__(seed, prompts_per_step, model_path, split, ReasoningGymOptions(**options))
+        super().__init__(seed, prompts_per_step, model_path, split, task_options(ReasoningGymOptions, options))
 
     def _rows(self) -> tuple[list[dict], str]:
         import reasoning_gym
