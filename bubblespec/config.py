@@ -7,7 +7,6 @@ the resolved config or every error with its field path.
 
 from __future__ import annotations
 
-import difflib
 import os
 import typing
 from pathlib import Path
@@ -26,7 +25,7 @@ from pydantic import (
 )
 
 from bubblespec.draft_sources import REQUEST_DRAFT
-from bubblespec.errors import ConfigError
+from bubblespec.errors import ConfigError, did_you_mean
 
 
 class Section(BaseModel):
@@ -670,9 +669,7 @@ def format_validation_error(error: ValidationError, source: str, model: type[Bas
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
         hint = ""
         if problem["type"] == "extra_forbidden" and problem["loc"]:
-            allowed = _field_names(model, problem["loc"][:-1])
-            close = difflib.get_close_matches(str(problem["loc"][-1]), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(problem["loc"][-1], _field_names(model, problem["loc"][:-1]))
         lines.append(f"  {where}: {problem['msg']}{shown}{hint}")
     return "\n".join(lines)
 

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` with the closest of ``choices`` to a misspelled ``word``, or nothing."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 class BubblespecError(Exception):
     """Base class of errors caused by user input (configs, model paths, plugin names, drafts)."""

@@ -19,7 +19,6 @@ finite number is a :class:`~bubblespec.errors.RewardError` naming the reward and
 from __future__ import annotations
 
 import concurrent.futures
-import difflib
 import functools
 import importlib
 import logging
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bubblespec import plugins
-from bubblespec.errors import ConfigError, PluginNotFoundError, RewardError
+from bubblespec.errors import ConfigError, PluginNotFoundError, RewardError, did_you_mean
 from bubblespec.interfaces import RewardFailures
 
 BUILT_IN = ("exact", "math", "format")
@@ -181,12 +180,6 @@ def check_options(spec: RewardSpec, where: str = "task.options.reward") -> None:
     missing = [o for o, kind in declared.items() if "required" in kind and o not in spec.options]
     if missing:
         raise ConfigError(f"{where}: reward {spec.name!r} needs option {missing[0]!r}")
-
-
-def did_you_mean(word: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def reward_labels(specs: Sequence[RewardSpec]) -> list[str]:

@@ -85,7 +85,7 @@ def test_validate_warns_when_the_model_s_vocabulary_does_not_cover_the_text(tmp_
     [
         (
             {"task": {"options": {"patth": "x"}}},
-            "patth: Extra inputs are not permitted (got 'x'); did you mean 'path'?",
+            "patth: Extra inputs are not permitted (got 'x') (did you mean 'path'?)",
         ),
         ({"task": {"options": {"reward": {"name": "format", "patern": "x"}}}}, "did you mean 'pattern'?"),
         ({"task": {"options": {"answer_pattern": "(#"}}}, "answer_pattern"),
