@@ -6,7 +6,9 @@ Runs the same TRL GRPO training twice, speculation off and on, and compares them
 
 ``out.json`` holds, for each run, the decode steps, rollout seconds (of the service's clock) and a digest of every
 generation batch's completions, and ``identical_completions`` / ``identical_weights`` / ``decode_step_reduction``
-across the two. Needs the test extra (TRL): ``pip install -e ".[dev]"``.
+across the two. ``--resume-at K`` stops the speculation-on run after K steps and resumes it from its checkpoint
+(``trainer.train(resume_from_checkpoint=...)``): its generations from there on must equal the uninterrupted run's.
+Needs the test extra (TRL): ``pip install -e ".[dev]"``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
 
 
-def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
+def train(speculation: bool, steps: int, clock: str, output_dir: str, stop_at: int | None = None) -> dict:
+    """One TRL run of ``steps`` optimizer steps. With ``stop_at``, it stops after that many steps with a checkpoint
+    and a second trainer resumes from it (``trainer.train(resume_from_checkpoint=...)``) to the end: the result
+    describes the resumed part."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,7 +54,8 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
         learning_rate=1e-4,
         max_steps=steps,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="no" if stop_at is None else "steps",
+        save_steps=stop_at or 500,
         report_to="none",
         seed=0,
         disable_tqdm=True,
@@ -63,8 +69,9 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
         "clock": {"kind": clock, "profile": "h100-7b"},
         "metrics": {"enabled": False},
     }
-    with BubblespecRollout(service, path) as rollout:
-        trainer = GRPOTrainer(
+
+    def trainer_with(rollout, model):
+        return GRPOTrainer(
             model=model,
             reward_funcs=reward,
             args=args,
@@ -72,7 +79,17 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
             processing_class=AutoTokenizer.from_pretrained(path),
             rollout_func=rollout,
         )
-        trainer.train()
+
+    if stop_at is not None:  # the first part, stopped with a checkpoint as a crash after a save would leave it
+        with BubblespecRollout(service, path) as rollout:
+            trainer = trainer_with(rollout, model)
+            trainer.add_callback(stop_after(stop_at))
+            trainer.train()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    with BubblespecRollout(service, path) as rollout:
+        trainer = trainer_with(rollout, model)
+        checkpoint = None if stop_at is None else str(Path(output_dir) / f"checkpoint-{stop_at}")
+        trainer.train(resume_from_checkpoint=checkpoint)
         steps_done = rollout.steps
     weights = {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
     return {
@@ -84,21 +101,44 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str) -> dict:
     }
 
 
+def stop_after(step: int):
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= step:
+                control.should_training_stop = True
+
+    return StopAt()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="TRL optimizer steps per run")
     parser.add_argument("--json", type=Path, help="write the comparison here")
     clock_help = "virtual: ranks in this process, seconds of an 8xH100 cost model; wall: Ray Serve ranks"
     parser.add_argument("--clock", choices=["virtual", "wall"], default="virtual", help=clock_help)
+    resume_help = "stop the speculation-on run after K steps and resume it from its checkpoint"
+    parser.add_argument("--resume-at", type=int, metavar="K", help=resume_help)
     args = parser.parse_args(argv)
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for speculation in (False, True):
-            runs[speculation] = train(speculation, args.steps, args.clock, str(Path(scratch) / str(speculation)))
+            stop_at = args.resume_at if speculation else None
+            runs[speculation] = train(
+                speculation, args.steps, args.clock, str(Path(scratch) / str(speculation)), stop_at
+            )
+    if args.resume_at is not None:  # the resumed run describes its generations from the checkpoint on
+        first = runs[True]["generations"][0]["generation"]
+        off = runs[False]
+        off["generations"] = [g for g in off["generations"] if g["generation"] >= first]
+        for name in ("decode_steps", "generated_tokens", "rollout_seconds"):
+            off[name] = sum(g[name] for g in off["generations"])
     off, on = runs[False], runs[True]
     weights_off, weights_on = off.pop("_weights"), on.pop("_weights")
     report = {
         "steps": args.steps,
+        "resumed_at": args.resume_at,
         "clock": args.clock,
         "speculation_off": off,
         "speculation_on": on,

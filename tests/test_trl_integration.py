@@ -35,6 +35,48 @@ def test_trl_grpo_gives_identical_completions_and_fewer_decode_steps_with_specul
     assert [g["global_step"] for g in on] == [0, 1, 2]
 
 
+@pytest.mark.slow
+def test_a_resumed_trl_run_gives_the_uninterrupted_run_s_completions_and_weights(tmp_path):
+    """The speculation-on run stops after 2 of 4 steps with a checkpoint and a new trainer resumes from it: its
+    generations 2 and 3 have the keys, completions and final weights of the uninterrupted speculation-off run."""
+    out = tmp_path / "out.json"
+    assert _example().main(["--steps", "4", "--resume-at", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    resumed = report["speculation_on"]["generations"]
+    assert [(g["generation"], g["global_step"]) for g in resumed] == [(2, 2), (3, 3)]
+    assert report["identical_completions"] and report["identical_weights"]
+    assert resumed[1]["draft_coverage"] > 0  # the resumed service drafts again from its first generation on
+
+
+@pytest.mark.parametrize(
+    ("global_step", "accumulation", "per_generation", "iterations", "before", "exact"),
+    [
+        (0, 1, 1, 1, 0, True),  # a run's start
+        (2, 1, 1, 1, 2, True),  # one generation batch per optimizer step
+        (4, 2, 2, 2, 2, True),  # a batch every 4 micro-steps, 2 per optimizer step: 8 micro-steps done
+        (3, 2, 2, 2, 2, False),  # 6 micro-steps: inside the second batch, TRL generates afresh as the third
+    ],
+)
+def test_a_resumed_run_s_generation_index_goes_on_from_the_checkpoint_s_steps(
+    global_step, accumulation, per_generation, iterations, before, exact
+):
+    from types import SimpleNamespace
+
+    from bubblespec.integrations.trl import _generations_before
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(gradient_accumulation_steps=accumulation, steps_per_generation=per_generation),
+        num_iterations=iterations,
+        state=SimpleNamespace(global_step=global_step),
+        _step=0,
+    )
+    if exact:
+        assert _generations_before(trainer) == before
+    else:
+        with pytest.warns(UserWarning, match="inside a generation batch.*save_steps a multiple of 2 resumes exactly"):
+            assert _generations_before(trainer) == before
+
+
 def test_an_unsupported_trl_version_names_the_supported_range():
     check_trl_version("1.16.0")
     for version in ("1.15.2", "1.17.0", "2.0.0"):

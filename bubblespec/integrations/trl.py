@@ -9,7 +9,8 @@ batch of an evaluation (``trainer.model.training`` False: TRL's own "eval" mode)
                        (text: ``processing_class(text=...)``; messages: ``apply_chat_template(...,
                        add_generation_prompt=True, **chat_template_kwargs)``)
     keys               (TRL's seed, generation index, prompt position and content, sample index): the same prompts at
-                       the same point of a run give the same completions, with or without speculation
+                       the same point of a run give the same completions, with or without speculation, resumed from
+                       a checkpoint or not (the index goes on from the checkpoint's optimizer steps)
     weights            the trainer's model goes to the ranks whenever ``trainer.state.global_step`` changed, by
                        Hugging Face name; a peft (LoRA) model's adapter merged into the base weights (W + scale *
                        B @ A, as peft's ``merge_and_unload`` merges it, the trained model untouched)
@@ -42,6 +43,7 @@ import contextlib
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,6 +102,26 @@ def evaluation_step(index: int) -> int:
     return -1 - index
 
 
+def _generations_before(trainer) -> int:
+    """Generation batches done before this ``train()`` call: 0 from a run's start; after
+    ``trainer.train(resume_from_checkpoint=...)``, those of the optimizer steps the checkpoint had done (TRL restarts
+    its micro-step count, the run's keys and peek go on). A checkpoint inside a generation batch (TRL reuses one batch
+    for ``steps_per_generation x num_iterations`` micro-steps and keeps none in its checkpoints) makes TRL generate
+    afresh at once: that batch gets the next unused index, and the run cannot repeat the uninterrupted one."""
+    args = trainer.args
+    period = args.steps_per_generation * trainer.num_iterations
+    done = trainer.state.global_step * args.gradient_accumulation_steps - trainer._step
+    if done % period:
+        warnings.warn(
+            f"resumed at step {trainer.state.global_step}, inside a generation batch (TRL generates every "
+            f"{period} micro-steps and keeps no generation batch in its checkpoints): TRL generates afresh now, so "
+            "from here on the completions differ from an uninterrupted run's; save_steps a multiple of "
+            f"{period // math.gcd(period, args.gradient_accumulation_steps)} resumes exactly",
+            stacklevel=2,
+        )
+    return -(-done // period)
+
+
 class BubblespecRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` on a bubblespec rollout service.
 
@@ -140,6 +162,7 @@ class BubblespecRollout:
         self._order: list[int] = []  # dataset indices in TRL's sampler order
         self._peeked: dict[int, list[str]] = {}  # generation -> the uids peek said it would ask for
         self._sampler = None
+        self._generations_before = 0  # generation batches a checkpoint this run resumed from had done
 
     # -- the rollout_func -------------------------------------------------------------------------------------------
 
@@ -218,6 +241,7 @@ class BubblespecRollout:
             raise ConfigError("bubblespec's TRL rollout needs a map-style dataset (its sampler order is peekable)")
         check_mergeable(trainer.accelerator.unwrap_model(trainer.model))
         self._trainer = trainer
+        self._generations_before = _generations_before(trainer)
         self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
         trainer.add_callback(_on_evaluate(self._training_starts))  # TRL's evaluation is over: it trains again
         tokenizer = trainer.processing_class
@@ -263,8 +287,10 @@ class BubblespecRollout:
         return distinct
 
     def _generation_index(self, trainer) -> int:
-        """Which generation batch this is: TRL generates every steps_per_generation x num_iterations micro-steps."""
-        return trainer._step // (trainer.args.steps_per_generation * trainer.num_iterations)
+        """Which generation batch this is: TRL generates every steps_per_generation x num_iterations micro-steps,
+        counted from the run's start: a resumed run's micro-steps restart at 0 in TRL, so the generation batches the
+        checkpoint had done are added (:func:`_generations_before`)."""
+        return trainer._step // (trainer.args.steps_per_generation * trainer.num_iterations) + self._generations_before
 
     def _prompts(self, raw: Sequence) -> list[Prompt]:
         """bubblespec prompts: ids as TRL would tokenize them; uid = position + content, stable across runs."""
