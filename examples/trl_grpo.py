@@ -8,6 +8,12 @@ Runs the same TRL GRPO training twice, speculation off and on, and compares them
 generation batch's completions, and ``identical_completions`` / ``identical_weights`` / ``decode_step_reduction``
 across the two. ``--resume-at K`` stops the speculation-on run after K steps and resumes it from its checkpoint
 (``trainer.train(resume_from_checkpoint=...)``): its generations from there on must equal the uninterrupted run's.
+``--save-weights FILE`` keeps the speculation-on run's final weights (``torch.save``) to compare runs.
+
+On several processes the generation batch stays 16 completions (4 prompts x 4), split over the processes; on a CPU:
+
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo.py --json out.json
+
 Needs the test extra (TRL): ``pip install -e ".[dev]"``.
 """
 
@@ -22,12 +28,16 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
 
+GENERATION_BATCH = 16
+"""Completions per optimizer step over all processes: 4 prompts x 4 samples."""
+
 
 def train(speculation: bool, steps: int, clock: str, output_dir: str, stop_at: int | None = None) -> dict:
     """One TRL run of ``steps`` optimizer steps. With ``stop_at``, it stops after that many steps with a checkpoint
     and a second trainer resumes from it (``trainer.train(resume_from_checkpoint=...)``) to the end: the result
     describes the resumed part."""
     import torch
+    from accelerate import PartialState
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -37,6 +47,9 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str, stop_at: i
     from bubblespec.tasks import ArithmeticTask
 
     torch.manual_seed(0)
+    processes = PartialState(cpu=not torch.cuda.is_available()).num_processes
+    if GENERATION_BATCH % processes:
+        raise SystemExit(f"{processes} processes cannot split a generation batch of {GENERATION_BATCH} completions")
     task = ArithmeticTask(seed=0, prompts_per_step=64)
     path = str(ArithmeticTask.model_path())
     rows = [{"prompt": p.text, "answer": p.answer} for p in task.batch(0)]
@@ -48,7 +61,7 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str, stop_at: i
         output_dir=output_dir,
         use_vllm=False,
         bf16=False,
-        per_device_train_batch_size=16,  # 4 prompts x 4 samples per step
+        per_device_train_batch_size=GENERATION_BATCH // processes,  # 4 prompts x 4 samples per step, all processes
         num_generations=4,
         max_completion_length=task.max_new_tokens,
         learning_rate=1e-4,
@@ -120,14 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=["virtual", "wall"], default="virtual", help=clock_help)
     resume_help = "stop the speculation-on run after K steps and resume it from its checkpoint"
     parser.add_argument("--resume-at", type=int, metavar="K", help=resume_help)
+    parser.add_argument("--save-weights", type=Path, metavar="FILE", help="the speculation-on run's final weights")
     args = parser.parse_args(argv)
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # as TRL's GRPOConfig will see it: gloo on a CPU
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
+        scratch = broadcast_object_list([scratch], from_process=0)[0]  # one output_dir for every process
         for speculation in (False, True):
             stop_at = args.resume_at if speculation else None
             runs[speculation] = train(
                 speculation, args.steps, args.clock, str(Path(scratch) / str(speculation)), stop_at
             )
+            state.wait_for_everyone()  # no process removes the scratch folder while another still uses it
     if args.resume_at is not None:  # the resumed run describes its generations from the checkpoint on
         first = runs[True]["generations"][0]["generation"]
         off = runs[False]
@@ -138,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     weights_off, weights_on = off.pop("_weights"), on.pop("_weights")
     report = {
         "steps": args.steps,
+        "processes": state.num_processes,
         "resumed_at": args.resume_at,
         "clock": args.clock,
         "speculation_off": off,
@@ -151,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         / max(sum(g["decode_steps"] for g in off["generations"][1:]), 1),
         "rollout_seconds": {"off": off["rollout_seconds"], "on": on["rollout_seconds"]},
     }
-    print(json.dumps({k: v for k, v in report.items() if not k.startswith("speculation_")}, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if state.is_main_process:
+        print(json.dumps({k: v for k, v in report.items() if not k.startswith("speculation_")}, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        if args.save_weights:
+            torch.save(weights_on, args.save_weights)
     return 0 if report["identical_completions"] else 1
 
 

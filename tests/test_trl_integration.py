@@ -23,16 +23,62 @@ def _example():
 
 
 @pytest.mark.slow
-def test_trl_grpo_gives_identical_completions_and_fewer_decode_steps_with_speculation(tmp_path):
-    out = tmp_path / "out.json"
-    assert _example().main(["--steps", "3", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["identical_completions"] and report["identical_weights"]
-    off, on = report["speculation_off"]["generations"], report["speculation_on"]["generations"]
-    assert len(off) == len(on) == 3 and on[0]["decode_steps"] == off[0]["decode_steps"]  # nothing to draft yet
-    assert all(d["decode_steps"] < p["decode_steps"] for d, p in zip(on[1:], off[1:], strict=True))
-    assert all(g["draft_coverage"] > 0 for g in on[1:]) and report["decode_step_reduction_from_step_2"] > 0.2
-    assert [g["global_step"] for g in on] == [0, 1, 2]
+def test_trl_grpo_gives_identical_completions_and_fewer_decode_steps_with_speculation_on_one_and_two_processes(
+    tmp_path,
+):
+    """The example on one process, then under ``accelerate launch`` on two (gloo, CPU) with the same generation
+    batch split between them: each run is identical with speculation off and on, and the two runs' completions are
+    identical (the main process generates the whole batch under the same keys)."""
+    import torch
+
+    reports, weights = [], []
+    for processes in (1, 2):
+        out, saved = tmp_path / f"out-{processes}.json", tmp_path / f"weights-{processes}.pt"
+        example = ["--steps", "3", "--json", str(out), "--save-weights", str(saved)]
+        if processes == 1:
+            assert _example().main(example) == 0
+        else:
+            _launch(processes, example)
+        reports.append(json.loads(out.read_text()))
+        weights.append(torch.load(saved))
+    for report, processes in zip(reports, (1, 2), strict=True):
+        assert report["processes"] == processes
+        assert report["identical_completions"] and report["identical_weights"]
+        off, on = report["speculation_off"]["generations"], report["speculation_on"]["generations"]
+        assert len(off) == len(on) == 3 and on[0]["decode_steps"] == off[0]["decode_steps"]  # nothing to draft yet
+        assert all(d["decode_steps"] < p["decode_steps"] for d, p in zip(on[1:], off[1:], strict=True))
+        assert all(g["draft_coverage"] > 0 for g in on[1:]) and report["decode_step_reduction_from_step_2"] > 0.2
+        assert [g["global_step"] for g in on] == [0, 1, 2]
+    one, two = reports
+    for run in ("speculation_off", "speculation_on"):
+        assert [g["completions_digest"] for g in one[run]["generations"]] == [
+            g["completions_digest"] for g in two[run]["generations"]
+        ]
+        assert [g["decode_steps"] for g in one[run]["generations"]] == [
+            g["decode_steps"] for g in two[run]["generations"]
+        ]
+    # The weights are TRL's: its two-process all-reduce sums the gradient in another order, and Adam magnifies those
+    # last-bit differences where a gradient is near 0; one step's update is about 1e-4.
+    for name, tensor in weights[0].items():
+        assert torch.allclose(tensor, weights[1][name], rtol=0, atol=1e-5), name
+
+
+def _launch(processes: int, example: list[str]) -> None:
+    """examples/trl_grpo.py under ``accelerate launch`` on ``processes`` CPU processes (gloo)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", str(port), str(EXAMPLE), *example]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
 @pytest.mark.slow
@@ -75,6 +121,21 @@ def test_a_resumed_run_s_generation_index_goes_on_from_the_checkpoint_s_steps(
     else:
         with pytest.warns(UserWarning, match="inside a generation batch.*save_steps a multiple of 2 resumes exactly"):
             assert _generations_before(trainer) == before
+
+
+def test_an_error_on_the_main_process_reaches_the_others_with_its_message():
+    from bubblespec.integrations.trl import _portable
+
+    refused = _portable(ConfigError("bubblespec's TRL rollout takes text or chat prompts; this one carries images"))
+    assert isinstance(refused, ConfigError) and "carries images" in str(refused)
+
+    class Unpicklable(Exception):
+        def __init__(self, message, handle):
+            super().__init__(message)
+            self.handle = handle
+
+    travelled = _portable(Unpicklable("the ranks are gone", handle=lambda: None))
+    assert isinstance(travelled, RuntimeError) and str(travelled) == "Unpicklable: the ranks are gone"
 
 
 def test_an_unsupported_trl_version_names_the_supported_range():

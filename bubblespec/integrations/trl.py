@@ -28,13 +28,18 @@ their drafts, and an evaluation's completions are the same with speculation on o
 :attr:`BubblespecRollout.evaluations`, not in ``steps`` nor in TRL's ``bubblespec/`` log. The ranks count as
 generating from the first evaluation batch until TRL's ``on_evaluate``, then as training again.
 
-Supported: TRL 1.16 on one process, map-style datasets, text or chat prompts, evaluation (``eval_strategy``,
-``num_generations_eval``), full fine-tuning or one plain LoRA adapter (``peft_config=LoraConfig(...)`` or a
-``PeftModel``; ``model_path`` is then the base model's folder). Refused at the first call with a clear error:
-another TRL version, ``use_vllm=True`` (the ranks are the generation engine), multimodal prompts, several
-processes, iterable datasets, peft models whose merge is not W + scale * B @ A (DoRA and other LoRA variants,
-``lora_bias``, ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, several active adapters,
-non-LoRA peft methods).
+On several processes (``accelerate launch --num_processes N``), each process calls with its slice of the generation
+batch: the slices are gathered to the main process, which owns the service and generates the whole batch (its keys
+and peek as on one process, the weights synced once per update), and each process gets its slice's completions
+back, with the records (:attr:`~BubblespecRollout.steps`) or the main process's error.
+
+Supported: TRL 1.16 on one or several processes, map-style datasets, text or chat prompts, evaluation
+(``eval_strategy``, ``num_generations_eval``), full fine-tuning or one plain LoRA adapter
+(``peft_config=LoraConfig(...)`` or a ``PeftModel``; ``model_path`` is then the base model's folder), resuming from
+a checkpoint. Refused at the first call with a clear error: another TRL version, ``use_vllm=True`` (the ranks are
+the generation engine), multimodal prompts, iterable datasets, peft models whose merge is not W + scale * B @ A
+(DoRA and other LoRA variants, ``lora_bias``, ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``,
+several active adapters, non-LoRA peft methods).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import pickle
 import time
 import warnings
 from collections.abc import Sequence
@@ -157,6 +163,7 @@ class BubblespecRollout:
         self._stack = contextlib.ExitStack()
         self._service = None
         self._trainer = None
+        self._started = False  # the first call starts the service (on the main process)
         self._synced_step: int | None = None
         self._training_since: float | None = None  # when the last call returned: TRL has been training since
         self._order: list[int] = []  # dataset indices in TRL's sampler order
@@ -167,8 +174,40 @@ class BubblespecRollout:
     # -- the rollout_func -------------------------------------------------------------------------------------------
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        if self._service is None:
+        if not self._started:
             self._start(trainer)
+        accelerator = trainer.accelerator
+        if accelerator.num_processes == 1:
+            return self._generate(prompts, trainer)
+        # Several processes: each has its slice of the generation batch. The main process owns the service and
+        # generates the whole batch (the keys and the peek are the batch's, as on one process); each process takes
+        # back its slice, with the records, or the main process's error.
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        slices = gather_object([prompts])
+        reply: list = [None]
+        failure = None
+        if accelerator.is_main_process:
+            steps, evaluations = len(self.steps), len(self.evaluations)
+            try:
+                output = self._generate([p for part in slices for p in part], trainer)
+                reply = [(output, self.steps[steps:], self.evaluations[evaluations:], None)]
+            except Exception as error:  # every process raises it: none waits for a reply forever
+                failure = error
+                reply = [(None, [], [], _portable(error))]
+        output, steps, evaluations, error = broadcast_object_list(reply, from_process=0)[0]
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise error
+        if not accelerator.is_main_process:
+            self.steps += steps
+            self.evaluations += evaluations
+        start = sum(len(part) for part in slices[: accelerator.process_index])
+        return {name: values[start : start + len(prompts)] for name, values in output.items()}
+
+    def _generate(self, prompts: list, trainer) -> dict[str, list]:
+        """One call's completions, on the process that owns the service."""
         self._training_ended()
         if self._synced_step != trainer.state.global_step:
             self._sync_weights(trainer)
@@ -182,6 +221,7 @@ class BubblespecRollout:
         self._training_ended()
         self._stack.close()
         self._service = None
+        self._started = False  # a later call starts again
 
     def _generation_batch(self, prompts: list, trainer) -> dict[str, list]:
         """A training generation batch: ``num_generations`` samples per prompt, drafted in the last one's bubbles."""
@@ -230,17 +270,15 @@ class BubblespecRollout:
 
         args = trainer.args
         check_grpo_args(args)
-        if trainer.accelerator.num_processes != 1:
-            raise ConfigError(
-                f"bubblespec's TRL rollout runs on one process for now; this run has "
-                f"{trainer.accelerator.num_processes} (the ranks already spread generation over rollout.num_ranks)"
-            )
         from torch.utils.data import IterableDataset
 
         if isinstance(trainer.train_dataset, IterableDataset):
             raise ConfigError("bubblespec's TRL rollout needs a map-style dataset (its sampler order is peekable)")
         check_mergeable(trainer.accelerator.unwrap_model(trainer.model))
         self._trainer = trainer
+        if not trainer.accelerator.is_main_process:  # the main process owns the service (see __call__)
+            self._started = True
+            return
         self._generations_before = _generations_before(trainer)
         self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
         trainer.add_callback(_on_evaluate(self._training_starts))  # TRL's evaluation is over: it trains again
@@ -263,6 +301,7 @@ class BubblespecRollout:
         self._service = self._stack.enter_context(
             start_service(config, self.model_path, sampling, trainer.num_generations, peek=self._peek)
         )
+        self._started = True
 
     # -- prompts ----------------------------------------------------------------------------------------------------
 
@@ -379,6 +418,16 @@ class BubblespecRollout:
             train["bubblespec/decode_steps_saved"].append(1 - decode / tokens if tokens else 0.0)
             train["bubblespec/draft_coverage"].append(record.draft_coverage)
             train["bubblespec/rollout_seconds"].append(outcome.seconds)
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` as it can travel to the other processes: itself where it pickles, else a RuntimeError with its
+    type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any exception that cannot make the trip
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def _eos_ids(tokenizer, model) -> list[int | None]:
