@@ -161,9 +161,9 @@ def test_settings_the_rollout_cannot_honour_fail_at_construction(tmp_path):
 def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
     distinct = BubblespecRollout._distinct(["a", "a", "b", "b"], 2)
     assert distinct == ["a", "b"]
-    with pytest.raises(ValueError, match=r"repeated 2 times in a row \(its num_generations, or num_generations_eval"):
+    with pytest.raises(ValueError, match=r"repeated 2 times in a row \(TRL's num_generations, or num_generations_eval"):
         BubblespecRollout._distinct(["a", "b", "a", "b"], 2)
-    with pytest.raises(ValueError, match="3 prompts for 2 generations per prompt"):
+    with pytest.raises(ValueError, match="3 prompts for 2 samples per prompt"):
         BubblespecRollout._distinct(["a", "a", "b"], 2)
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
     with pytest.raises(ConfigError, match="carries images"):

@@ -45,7 +45,6 @@ several active adapters, non-LoRA peft methods).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import pickle
 import time
@@ -55,6 +54,15 @@ from pathlib import Path
 
 from bubblespec.config import ServiceConfig
 from bubblespec.errors import ConfigError
+from bubblespec.integrations.common import (
+    distinct,
+    eos_ids,
+    evaluation_record,
+    evaluation_step,
+    generation_record,
+    peek_matched,
+    prompt_uid,
+)
 from bubblespec.interfaces import Prompt, SamplingParams
 from bubblespec.records import GenerationRecord
 
@@ -100,12 +108,6 @@ def is_evaluation(trainer) -> bool:
     """Whether TRL is calling for an evaluation batch: its own signal, as ``GRPOTrainer._generate`` reads it
     (``mode = "train" if self.model.training else "eval"``)."""
     return not trainer.model.training
-
-
-def evaluation_step(index: int) -> int:
-    """The rollout-key step of the run's ``index``-th evaluation batch: negative, where no generation batch (0, 1,
-    ...) has keys or drafts."""
-    return -1 - index
 
 
 def _generations_before(trainer) -> int:
@@ -230,9 +232,7 @@ class BubblespecRollout:
         generation = self._generation_index(trainer)
         peeked = self._peeked.pop(generation, None)
         outcome = self._service.generate(generation, tokenized, generations)
-        # Drafts were made for the prompts peeked; other prompts would only make them useless, never wrong.
-        matched = None if peeked is None else peeked == [p.uid for p in tokenized]
-        self._record(generation, trainer.state.global_step, outcome, matched)
+        self._record(generation_record(generation, trainer.state.global_step, outcome, peek_matched(peeked, tokenized)))
         return _trl_output(tokenized, outcome.results)
 
     def _evaluation_batch(self, prompts: list, trainer) -> dict[str, list]:
@@ -244,7 +244,7 @@ class BubblespecRollout:
         requests = self._service.requests(evaluation_step(index), tokenized, generations)
         by_key = {result.key: result for result in self._service.evaluate(requests)}
         results = [by_key[r.key] for r in requests]
-        self.evaluations.append(_evaluation_record(index, trainer.state.global_step, generations, results))
+        self.evaluations.append(evaluation_record(index, trainer.state.global_step, generations, results))
         return _trl_output(tokenized, results)
 
     def _training_starts(self) -> None:
@@ -283,7 +283,7 @@ class BubblespecRollout:
         self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
         trainer.add_callback(_on_evaluate(self._training_starts))  # TRL's evaluation is over: it trains again
         tokenizer = trainer.processing_class
-        stop = tuple(sorted({t for t in _eos_ids(tokenizer, trainer.model) if t is not None}))
+        stop = eos_ids(tokenizer, getattr(trainer.model, "generation_config", None))
         sampling = SamplingParams(
             temperature=float(args.temperature),
             top_k=int(args.top_k or 0),
@@ -309,21 +309,10 @@ class BubblespecRollout:
     def _distinct(prompts: list, generations: int) -> list:
         """TRL's prompts without their repetition (each prompt ``generations`` times in a row: TRL's
         ``num_generations``, or ``num_generations_eval`` in an evaluation)."""
-        if len(prompts) % generations:
-            raise ValueError(
-                f"{len(prompts)} prompts for {generations} generations per prompt (TRL's num_generations, or "
-                f"num_generations_eval in an evaluation): TRL's contract changed?"
-            )
-        distinct = prompts[::generations]
-        for i, prompt in enumerate(distinct):
-            if any(p != prompt for p in prompts[i * generations : (i + 1) * generations]):
-                raise ValueError(
-                    f"TRL's prompts are not each repeated {generations} times in a row (its num_generations, or "
-                    f"num_generations_eval in an evaluation)"
-                )
-            if _is_multimodal(prompt):
-                raise ConfigError("bubblespec's TRL rollout takes text or chat prompts; this one carries images")
-        return distinct
+        firsts = distinct(prompts, generations, "TRL's num_generations, or num_generations_eval in an evaluation")
+        if any(_is_multimodal(prompt) for prompt in firsts):
+            raise ConfigError("bubblespec's TRL rollout takes text or chat prompts; this one carries images")
+        return firsts
 
     def _generation_index(self, trainer) -> int:
         """Which generation batch this is: TRL generates every steps_per_generation x num_iterations micro-steps,
@@ -336,8 +325,7 @@ class BubblespecRollout:
         prompts = []
         for position, prompt in enumerate(raw):
             token_ids = tuple(self._tokenize(prompt))
-            digest = hashlib.sha1(repr(token_ids).encode()).hexdigest()[:16]
-            prompts.append(Prompt(f"{position}-{digest}", token_ids, str(prompt), ""))
+            prompts.append(Prompt(prompt_uid(position, token_ids), token_ids, str(prompt), ""))
         return prompts
 
     def _tokenize(self, prompt) -> list[int]:
@@ -390,34 +378,17 @@ class BubblespecRollout:
         self._service.update_weights(weights, version=trainer.state.global_step)
         self._synced_step = trainer.state.global_step
 
-    def _record(self, generation: int, global_step: int, outcome, peek_matched: bool | None) -> None:
-        from bubblespec.controller import rollout_digest
-
-        ranks = outcome.ranks
-        tokens = sum(r.shard_tokens for r in ranks)
-        decode = sum(r.decode_steps for r in ranks)
-        record = GenerationRecord(
-            generation=generation,
-            global_step=global_step,
-            generated_tokens=tokens,
-            decode_steps=decode,
-            draft_tokens_accepted=sum(r.draft_tokens_accepted for r in ranks),
-            draft_coverage=sum(r.requests_with_draft for r in ranks) / max(len(outcome.results), 1),
-            rollout_seconds=outcome.seconds,
-            bubble_seconds=sum(r.bubble_seconds for r in ranks),
-            completions_digest=rollout_digest(outcome.results),
-            ranks=ranks,
-            peek_matched=peek_matched,
-        )
+    def _record(self, record: GenerationRecord) -> None:
         self.steps.append(record)
         if self.metrics is not None:
-            self.metrics.observe_ranks(ranks)
+            self.metrics.observe_ranks(record.ranks)
         metrics = getattr(self._trainer, "_metrics", None)
         if metrics is not None:  # TRL logs these with its own metrics
             train = metrics["train"]
-            train["bubblespec/decode_steps_saved"].append(1 - decode / tokens if tokens else 0.0)
+            tokens = record.generated_tokens
+            train["bubblespec/decode_steps_saved"].append(1 - record.decode_steps / tokens if tokens else 0.0)
             train["bubblespec/draft_coverage"].append(record.draft_coverage)
-            train["bubblespec/rollout_seconds"].append(outcome.seconds)
+            train["bubblespec/rollout_seconds"].append(record.rollout_seconds)
 
 
 def _portable(error: Exception) -> Exception:
@@ -428,14 +399,6 @@ def _portable(error: Exception) -> Exception:
     except Exception:  # noqa: BLE001 - any exception that cannot make the trip
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
-
-
-def _eos_ids(tokenizer, model) -> list[int | None]:
-    ids = [getattr(tokenizer, "eos_token_id", None)]
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    ids += eos if isinstance(eos, list) else [eos]
-    return ids
 
 
 def _is_multimodal(prompt) -> bool:
@@ -456,19 +419,6 @@ def _trl_output(prompts: list[Prompt], results) -> dict[str, list]:
         "prompt_ids": [list(by_uid[r.key.prompt_uid].token_ids) for r in results],
         "completion_ids": [list(r.token_ids) for r in results],
         "logprobs": [list(r.logprobs) for r in results],
-    }
-
-
-def _evaluation_record(index: int, global_step: int, generations: int, results) -> dict:
-    from bubblespec.controller import rollout_digest
-
-    return {
-        "evaluation": index,
-        "global_step": global_step,
-        "num_generations": generations,
-        "num_completions": len(results),
-        "generated_tokens": sum(len(r.token_ids) for r in results),
-        "completions_digest": rollout_digest(results),
     }
 
 
