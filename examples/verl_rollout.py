@@ -63,6 +63,20 @@ def write_inputs(folder: Path) -> Path:
     return folder
 
 
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """The task's reward as a verl reward function (``reward.custom_reward_function.path`` / ``name``): 1 for the
+    right sum, else 0."""
+    from bubblespec.interfaces import Prompt
+    from bubblespec.tasks import ArithmeticTask
+
+    task = ArithmeticTask(seed=0)
+    try:
+        ids = task.encode(solution_str)
+    except ValueError:  # a character outside the task's alphabet
+        return 0.0
+    return float(task(Prompt("", (), "", ground_truth), ids))
+
+
 def verl_config(folder: Path, *overrides: str):
     """verl's own trainer config (``ppo_trainer.yaml``) with the overrides a user of bubblespec's rollout writes."""
     import verl
@@ -79,6 +93,8 @@ def verl_config(folder: Path, *overrides: str):
                 f"data.max_prompt_length={PROMPT_LENGTH}",
                 f"data.max_response_length={RESPONSE_LENGTH}",
                 "trainer.total_epochs=2",
+                f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+                "reward.custom_reward_function.name=compute_score",
                 f"actor_rollout_ref.model.path={folder / 'model'}",
                 f"actor_rollout_ref.rollout.n={N}",
                 "actor_rollout_ref.rollout.calculate_log_probs=true",

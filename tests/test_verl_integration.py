@@ -241,10 +241,15 @@ def test_settings_the_rollout_cannot_honour_are_refused_with_what_to_set(folder)
     assert inbox().newer_than(None) is None  # nothing was handed over
 
 
-def test_on_ray_the_workers_weights_reach_the_manager_through_its_named_inbox(folder):
+def test_on_ray_weights_come_through_the_named_inbox_and_rewards_from_verl_s_reward_workers(folder):
     """verl's trainer workers are Ray actors in other processes: an adapter's update_weights in a Ray task hands the
-    weights to the inbox the manager made, and the manager's next rollout uses them."""
+    weights to the inbox the manager made, and the manager's next rollout uses them. With verl's reward workers
+    (its RewardLoopWorker as a Ray actor, the task's reward as verl's custom reward function) every response's score
+    is at its last token of ``rm_scores``, as verl's trainer reads it (``extract_reward``)."""
     import ray
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.trainer.ppo.reward import extract_reward
+    from verl.utils import hf_tokenizer
 
     from bubblespec.config import validate
     from bubblespec.ray_cluster import ray_session
@@ -259,26 +264,34 @@ def test_on_ray_the_workers_weights_reach_the_manager_through_its_named_inbox(fo
         adapter = BubblespecServerAdapter(config=rollout_config, model_config=model_config)
         asyncio.run(adapter.update_weights(iter(weights.items()), global_steps=7))
 
-    def responses(manager) -> torch.Tensor:
-        return manager.generate_sequences(gen_batch(DataProto.from_single_dict(batch_dict), 1)).batch["responses"]
+    def generate(manager):
+        return manager.generate_sequences(gen_batch(DataProto.from_single_dict(batch_dict), 1))
 
     with ray_session(validate({}), num_cpus=2):
+        reward_worker = ray.remote(RewardLoopWorker).options(num_cpus=0).remote(config)
         manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+        scored = BubblespecAgentLoopManager.create(
+            config=config, llm_client=None, reward_loop_worker_handles=[reward_worker]
+        )
         try:
-            before = responses(manager)
+            before = generate(manager).batch["responses"]
             ray.get(sync.remote(config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, weights))
-            after = responses(manager)
+            after = generate(manager).batch["responses"]
             assert manager._version == 7
+            output = generate(scored)
         finally:
             manager.close()
-    local = BubblespecAgentLoopManager.create(config=config, llm_client=None)
-    try:
-        asyncio.run(
-            BubblespecServerAdapter(
-                config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
-            ).update_weights(iter(weights.items()), global_steps=7)
-        )
-        assert torch.equal(after, responses(local))  # the same weights handed over in this process
-    finally:
-        local.close()
+            scored.close()
     assert not torch.equal(before, after)
+    tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
+    rm_scores, mask = output.batch["rm_scores"], output.batch["response_mask"]
+    sent = gen_batch(DataProto.from_single_dict(batch_dict), 1)
+    truths = [row["ground_truth"] for row in sent.non_tensor_batch["reward_model"]]
+    for row in range(len(output)):
+        last = int(mask[row].sum()) - 1
+        text = tokenizer.decode(output.batch["responses"][row, : last + 1], skip_special_tokens=True)
+        assert rm_scores[row, last] == example.compute_score("arithmetic", text, truths[row])
+        assert rm_scores[row].count_nonzero() <= 1
+    assert rm_scores.sum() > 0  # the shipped model gets some sums right
+    reward, _ = extract_reward(output)
+    assert torch.equal(reward, rm_scores)
