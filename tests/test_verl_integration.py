@@ -206,7 +206,13 @@ def test_settings_the_rollout_cannot_honour_are_refused_with_what_to_set(folder)
         BubblespecAgentLoopManager(verl_config(folder, "actor_rollout_ref.rollout.name=vllm"))
     with pytest.raises(ConfigError, match="not a local Hugging Face model folder"):
         BubblespecAgentLoopManager(verl_config(folder, "actor_rollout_ref.model.path=/nonexistent/model"))
-    with pytest.raises(ValueError, match="num_ranks"):
+    with pytest.raises(
+        ConfigError, match=r"custom.bubblespec: 1 error\(s\)\n  rollout.num_rank: .*did you mean 'num_ranks'"
+    ):
+        BubblespecAgentLoopManager(
+            verl_config(folder, "+actor_rollout_ref.rollout.custom.bubblespec.rollout.num_rank=2")
+        )
+    with pytest.raises(ConfigError, match="rollout.num_ranks"):
         BubblespecAgentLoopManager(
             verl_config(folder, "++actor_rollout_ref.rollout.custom.bubblespec.rollout.num_ranks=0")
         )

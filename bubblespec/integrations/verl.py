@@ -265,7 +265,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         rollout = config.actor_rollout_ref.rollout
         if rollout.name != NAME:
             raise ConfigError(f"{MANAGER} generates with actor_rollout_ref.rollout.name={NAME}, not {rollout.name!r}")
-        self.settings = ServiceConfig.model_validate(_plain((rollout.get("custom") or {}).get(NAME) or {}))
+        self.settings = _settings(_plain((rollout.get("custom") or {}).get(NAME) or {}))
         path = Path(str(config.actor_rollout_ref.model.path)).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(
@@ -523,6 +523,21 @@ class BubblespecAgentLoopManager(AgentLoopManager):
             calls.append(handle.compute_score.remote(DataProto(batch=sample, non_tensor_batch=fields)))
         results = ray.get(calls)
         return [r["reward_score"] for r in results], [r.get("reward_extra_info", {}) for r in results]
+
+
+def _settings(custom: dict) -> ServiceConfig:
+    """The rollout service's sections from ``actor_rollout_ref.rollout.custom.bubblespec``; a wrong one is a
+    :class:`ConfigError` naming each key and what is allowed."""
+    from pydantic import ValidationError
+
+    from bubblespec.config import format_validation_error
+
+    try:
+        return ServiceConfig.model_validate(custom)
+    except ValidationError as error:
+        raise ConfigError(
+            format_validation_error(error, "actor_rollout_ref.rollout.custom.bubblespec", ServiceConfig)
+        ) from None
 
 
 def _sampling(kwargs, rollout, stop: tuple[int, ...]) -> SamplingParams:
