@@ -158,6 +158,11 @@ class GenerationRecord(BaseModel):
     peek_matched: bool | None = None
     """Whether the prompts peeked for drafting were the ones the trainer then sent (None: nothing peeked)."""
 
+    @property
+    def decode_steps_saved(self) -> float:
+        """The share of generated tokens that took no decode step of their own (accepted draft tokens)."""
+        return 1 - self.decode_steps / self.generated_tokens if self.generated_tokens else 0.0
+
 
 def read_step_lines(path: Path) -> tuple[list[StepRecord], int | None]:
     """The records of a steps.jsonl file and the number of a last line cut off by a crash in the middle of writing

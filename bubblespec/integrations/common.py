@@ -4,10 +4,44 @@ and of an evaluation batch, and the stop tokens of a tokenizer and model."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
+from bubblespec.errors import ConfigError
 from bubblespec.interfaces import GenerationResult, Prompt
 from bubblespec.records import GenerationRecord
+
+
+def check_version(integration: str, framework: str, version: str, supported: tuple[str, str], why: str) -> None:
+    """A :class:`ConfigError` unless ``supported[0] <= version < supported[1]``: ``integration`` supports
+    ``framework`` in that range only, because ``why``."""
+    from packaging.version import Version
+
+    low, high = (Version(v) for v in supported)
+    if not low <= Version(version) < high:
+        raise ConfigError(
+            f"{integration} supports {framework} >= {supported[0]}, < {supported[1]} ({why}); this environment has "
+            f"{framework} {version}"
+        )
+
+
+class TrainingPhases:
+    """Tells a rollout service when another framework's trainer trains: from a batch's return until the next call
+    (``training_starts`` / ``training_ended`` with the seconds it really trained)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        """When the trainer started training; None while it generates."""
+
+    def starts(self, service) -> None:
+        if service is not None and self.since is None:
+            service.training_starts()
+            self.since = time.perf_counter()
+
+    def ended(self, service) -> None:
+        if self.since is not None:
+            service.training_ended(time.perf_counter() - self.since)
+            self.since = None
 
 
 def prompt_uid(position: int, token_ids: Sequence[int]) -> str:

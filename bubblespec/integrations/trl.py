@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
-import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +54,8 @@ from pathlib import Path
 from bubblespec.config import ServiceConfig
 from bubblespec.errors import ConfigError
 from bubblespec.integrations.common import (
+    TrainingPhases,
+    check_version,
     distinct,
     eos_ids,
     evaluation_record,
@@ -71,14 +72,8 @@ SUPPORTED_TRL = ("1.16.0", "1.17.0")
 
 
 def check_trl_version(version: str) -> None:
-    from packaging.version import Version
-
-    low, high = (Version(v) for v in SUPPORTED_TRL)
-    if not low <= Version(version) < high:
-        raise ConfigError(
-            f"bubblespec.integrations.trl supports TRL >= {SUPPORTED_TRL[0]}, < {SUPPORTED_TRL[1]} (its rollout_func "
-            f"contract is experimental and changes between releases); this environment has TRL {version}"
-        )
+    why = "its rollout_func contract is experimental and changes between releases"
+    check_version("bubblespec.integrations.trl", "TRL", version, SUPPORTED_TRL, why)
 
 
 def check_grpo_args(args) -> None:
@@ -167,7 +162,7 @@ class BubblespecRollout:
         self._trainer = None
         self._started = False  # the first call starts the service (on the main process)
         self._synced_step: int | None = None
-        self._training_since: float | None = None  # when the last call returned: TRL has been training since
+        self._training = TrainingPhases()  # TRL trains from a call's return until the next call
         self._order: list[int] = []  # dataset indices in TRL's sampler order
         self._peeked: dict[int, list[str]] = {}  # generation -> the uids peek said it would ask for
         self._sampler = None
@@ -248,14 +243,10 @@ class BubblespecRollout:
         return _trl_output(tokenized, results)
 
     def _training_starts(self) -> None:
-        if self._service is not None and self._training_since is None:
-            self._service.training_starts()
-            self._training_since = time.perf_counter()
+        self._training.starts(self._service)
 
     def _training_ended(self) -> None:
-        if self._training_since is not None:
-            self._service.training_ended(time.perf_counter() - self._training_since)
-            self._training_since = None
+        self._training.ended(self._service)
 
     def __enter__(self) -> BubblespecRollout:
         return self
@@ -385,8 +376,7 @@ class BubblespecRollout:
         metrics = getattr(self._trainer, "_metrics", None)
         if metrics is not None:  # TRL logs these with its own metrics
             train = metrics["train"]
-            tokens = record.generated_tokens
-            train["bubblespec/decode_steps_saved"].append(1 - record.decode_steps / tokens if tokens else 0.0)
+            train["bubblespec/decode_steps_saved"].append(record.decode_steps_saved)
             train["bubblespec/draft_coverage"].append(record.draft_coverage)
             train["bubblespec/rollout_seconds"].append(record.rollout_seconds)
 

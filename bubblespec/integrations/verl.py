@@ -60,6 +60,8 @@ from verl.workers.rollout.replica import RolloutReplica
 from bubblespec.config import ServiceConfig
 from bubblespec.errors import ConfigError
 from bubblespec.integrations.common import (
+    TrainingPhases,
+    check_version,
     distinct,
     eos_ids,
     evaluation_record,
@@ -70,6 +72,7 @@ from bubblespec.integrations.common import (
 )
 from bubblespec.interfaces import Prompt, SamplingParams
 from bubblespec.records import GenerationRecord
+from bubblespec.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +85,8 @@ SUPPORTED_VERL = ("0.9.1", "0.10.0")
 
 
 def check_verl_version(version: str) -> None:
-    from packaging.version import Version
-
-    low, high = (Version(v) for v in SUPPORTED_VERL)
-    if not low <= Version(version) < high:
-        raise ConfigError(
-            f"bubblespec's verl rollout supports verl >= {SUPPORTED_VERL[0]}, < {SUPPORTED_VERL[1]} (it implements "
-            f"verl's rollout registries and agent loop manager, which change between releases); this environment "
-            f"has verl {version}"
-        )
+    why = "it implements verl's rollout registries and agent loop manager, which change between releases"
+    check_version("bubblespec's verl rollout", "verl", version, SUPPORTED_VERL, why)
 
 
 def register() -> None:
@@ -117,12 +113,13 @@ class WeightInbox:
     def clear(self) -> None:
         """Forgets what an earlier run handed over (a manager starts with the model folder's weights)."""
         self.version: int | None = None
-        self.weights: dict | None = None
+        self.weights: PackedWeights | None = None
+        """As byte buffers (:class:`~bubblespec.weights.PackedWeights`): Ray stores them out of band, one copy."""
 
-    def put(self, version: int, weights: dict) -> None:
+    def put(self, version: int, weights: PackedWeights) -> None:
         self.version, self.weights = version, weights
 
-    def newer_than(self, version: int | None) -> tuple[int, dict] | None:
+    def newer_than(self, version: int | None) -> tuple[int, PackedWeights] | None:
         """(version, weights) if weights newer than ``version`` (None: any) were handed over, else None."""
         if self.weights is None or (version is not None and self.version <= version):
             return None
@@ -140,7 +137,7 @@ class _RayInbox:
     def clear(self) -> None:
         self._get(self._actor.clear.remote())
 
-    def put(self, version: int, weights: dict) -> None:
+    def put(self, version: int, weights: PackedWeights) -> None:
         self._get(self._actor.put.remote(version, weights))
 
     def newer_than(self, version: int | None):
@@ -201,11 +198,13 @@ class BubblespecServerAdapter(BaseRollout):
                 "bubblespec's verl rollout takes full weights: with LoRA set actor_rollout_ref.model.lora.merge=True "
                 "so that verl merges the adapter before it syncs"
             )
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            return  # every worker gets the full tensors; rank 0 hands them over
+            for _ in weights:  # every worker walks the generator (its gathers are collective); rank 0 keeps a copy
+                pass
+            return
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         version = kwargs.get("global_steps")
-        inbox().put(0 if version is None else int(version), state)
+        inbox().put(0 if version is None else int(version), PackedWeights.pack(state))
 
 
 class BubblespecReplica(RolloutReplica):
@@ -292,7 +291,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         self._stack = contextlib.ExitStack()
         self._service = None
         self._version: int | None = None  # the weights' version on the ranks (None: the model folder's)
-        self._training_since: float | None = None
+        self._training = TrainingPhases()  # verl trains from a step's return until the next call
         self._order: list[int] = []
         self._peeked: dict[int, list[str]] = {}
 
@@ -422,7 +421,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
             return
         version, weights = newer
         dtype = DTYPES[self.settings.model.dtype]
-        self._service.update_weights({n: t.to(dtype) for n, t in weights.items()}, version=version)
+        self._service.update_weights({n: t.to(dtype) for n, t in weights.tensors().items()}, version=version)
         self._version = version
 
     def _write(self, record: GenerationRecord) -> None:
@@ -433,14 +432,10 @@ class BubblespecAgentLoopManager(AgentLoopManager):
             records.write(json.dumps(line) + "\n")
 
     def _training_starts(self) -> None:
-        if self._training_since is None:
-            self._service.training_starts()
-            self._training_since = time.perf_counter()
+        self._training.starts(self._service)
 
     def _training_ended(self) -> None:
-        if self._training_since is not None:
-            self._service.training_ended(time.perf_counter() - self._training_since)
-            self._training_since = None
+        self._training.ended(self._service)
 
     def _evaluate(self, prompts: list[Prompt], samples: int) -> list:
         from bubblespec.rollout import step_requests
@@ -457,9 +452,8 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         timing = {"bubblespec/generate_seconds": seconds}
         if not validate and self.steps:
             record = self.steps[-1]
-            tokens = record.generated_tokens
             timing |= {
-                "bubblespec/decode_steps_saved": 1 - record.decode_steps / tokens if tokens else 0.0,
+                "bubblespec/decode_steps_saved": record.decode_steps_saved,
                 "bubblespec/draft_coverage": record.draft_coverage,
                 "bubblespec/bubble_seconds": record.bubble_seconds,
             }
