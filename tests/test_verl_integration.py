@@ -271,3 +271,55 @@ def test_verl_s_own_trainer_runs_with_the_bubblespec_rollout_and_drafts_from_the
     assert len({s["completions_digest"] for s in steps}) == 3
     scores = [float(m) for m in re.findall(r"critic/score/mean:([0-9.]+)", log.read_text())]
     assert len(scores) == 3 and max(scores) > 0  # verl's reward workers scored the rollout's responses
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "mistral"])
+def test_each_model_family_at_a_32k_vocabulary_in_bfloat16_with_top_k_and_top_p(family, tmp_path):
+    """A random chat model of each family with a 32,000-token ChatML tokenizer, ranks in bfloat16, verl's sampling
+    with temperature, top-k and top-p: verl's own tokenizer path for the family (its Continuous Token builder by
+    model_type) gives the chat template's prompt, the sampling settings are verl's, and a weight sync through the
+    adapter (float64 tensors from the trainer, bfloat16 on the ranks) changes the next step's responses."""
+    import pandas as pd
+    from verl.utils import hf_tokenizer
+
+    from bubblespec.interfaces import SamplingParams
+    from bubblespec.random_checkpoints import write_chat_model
+
+    write_chat_model(tmp_path / "model", vocab_size=32_000, family=family)
+    rows = [
+        {"data_source": "chat", "prompt": [{"role": "user", "content": f"Say {i} in words."}],
+         "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"index": i}}
+        for i in range(8)
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    config = verl_config(
+        tmp_path,
+        "++actor_rollout_ref.rollout.custom.bubblespec.model.dtype=bfloat16",
+        "actor_rollout_ref.rollout.temperature=0.8",
+        "actor_rollout_ref.rollout.top_k=50",
+        "actor_rollout_ref.rollout.top_p=0.9",
+        "data.max_response_length=16",
+    )
+    manager = BubblespecAgentLoopManager.create(config=config, llm_client=None)
+    adapter = BubblespecServerAdapter(
+        config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+    )
+    try:
+        assert manager.sampling == SamplingParams(0.8, 50, 0.9, 16, (0, 2))  # <|endoftext|>, <|im_end|>
+        batch = DataProto.from_single_dict(next(iter(train_loader(config))))
+        raw = [list(p) for p in batch.non_tensor_batch["raw_prompt"]]
+        first = manager.generate_sequences(gen_batch(batch, 1))
+        asyncio.run(adapter.update_weights(iter(policy(tmp_path, 30).items()), global_steps=1))
+        again = manager.generate_sequences(gen_batch(DataProto.from_single_dict(next(iter(train_loader(config)))), 1))
+    finally:
+        manager.close()
+    tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
+    prompts, attention = first.batch["prompts"], first.batch["attention_mask"]
+    for row in range(len(first)):
+        expected = list(tokenizer.apply_chat_template(raw[row // N], add_generation_prompt=True)["input_ids"])
+        assert prompts[row][attention[row, : prompts.shape[1]].bool()].tolist() == expected
+    assert first.batch["responses"].shape == (BATCH * N, 16)
+    assert int(first.batch["responses"].max()) >= 512  # ids from the whole 32k vocabulary
+    logprobs = first.batch["rollout_log_probs"][first.batch["response_mask"].bool()]
+    assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
+    assert not torch.equal(first.batch["responses"], again.batch["responses"])  # the same keys, new weights
