@@ -172,6 +172,10 @@ class LocalTrainer:
         self.learner = self.spec.build()
         return self.learner.state_dict()
 
+    def weights(self) -> dict:
+        """The current policy's weights as engines get them (copies: training updates the learner's in place)."""
+        return {name: tensor.detach().clone() for name, tensor in self.learner.state_dict().items()}
+
     def placement(self) -> list[dict]:
         return []
 

@@ -22,11 +22,12 @@ from typing import Protocol
 from bubblespec.advantages import compute_advantages
 from bubblespec.config import RunConfig
 from bubblespec.decoder import DTYPES
-from bubblespec.errors import TrainerRestarted
+from bubblespec.errors import ConfigError, TrainerRestarted
 from bubblespec.interfaces import GenerationResult, Prompt, Task, acceptance_length
 from bubblespec.records import PhaseSeconds, PromptSamples, SampledResponse, StepRecord
 from bubblespec.rollout import RolloutOutcome, bubble_use
 from bubblespec.run_dir import RunDirectory
+from bubblespec.schedules import Schedule, build_schedule
 from bubblespec.service import RolloutService
 from bubblespec.train_batch import shaped_rewards
 from bubblespec.trainer import TrainSample
@@ -55,6 +56,10 @@ class Trainer(Protocol):
 
     def reset(self) -> dict:
         """Back to the initial model and a fresh optimizer; returns the initial weights."""
+        ...
+
+    def weights(self) -> dict:
+        """The current policy's weights, copied (the virtual clock's trainer; schedules other than sync need it)."""
         ...
 
     def placement(self) -> list[dict]:
@@ -94,6 +99,15 @@ class Controller:
         self.on_step = on_step or (lambda record: None)
         self.on_phase = on_phase or (lambda step, phase: None)
         self._evicted = 0  # drafts the store had evicted by the end of the last step
+        self.schedule = self._schedule(0.0, 0)
+        self._engine_version = 0  # the policy on the ranks
+        self._versions: dict[int, dict] = {}  # async: the policies the ranks may still generate with
+        if self.schedule.timeline.max_staleness:
+            self._keep_version(0, parts.trainer.weights())
+
+    def _schedule(self, start_seconds: float, start_step: int) -> Schedule:
+        service = self.parts.service
+        return build_schedule(self.config, self.parts.task, service.seed, service.sampling, start_seconds, start_step)
 
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
@@ -124,12 +138,19 @@ class Controller:
         built for this run already hold the initial model (``fresh_parts``); otherwise the trainer is reset and
         the ranks get its initial weights."""
         parts, run_dir = self.parts, self.run_dir
+        if self.config.schedule.kind != "sync":
+            raise ConfigError(
+                f"a run of schedule.kind {self.config.schedule.kind!r} cannot resume or rewind (its carried groups "
+                "and older policies are not checkpointed); run it again from the start"
+            )
         checkpoint = run_dir.latest_checkpoint()
         if checkpoint is None:
             if not fresh_parts:
                 parts.service.update_weights(parts.trainer.reset(), version=0)
             parts.service.restore([], [], [])
             run_dir.truncate_steps(-1)
+            self.schedule = self._schedule(0.0, 0)
+            self._engine_version = 0
             return 0
         weights, trainer_state, drafts, state = run_dir.load_checkpoint(checkpoint)
         step = int(state["step"])
@@ -140,16 +161,21 @@ class Controller:
         parts.service.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
         parts.service.restore(drafts, run_dir.load_history(checkpoint), state.get("response_lengths", []))
         run_dir.truncate_steps(step)
+        self.schedule = self._schedule(finished_at(run_dir.read_steps()), step + 1)
+        self._engine_version = step + 1
         return step + 1
 
     def step(self, step: int) -> StepRecord:
-        cfg, parts = self.config, self.parts
+        cfg, parts, schedule = self.config, self.parts, self.schedule
         initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
-        prompts = parts.task.batch(step)
+        plan = schedule.plan(step)
+        self._rollout_policy(plan.policy_version)
         self.on_phase(step, "rollout")
-        outcome = parts.service.generate(step, prompts, cfg.task.samples_per_prompt)
-        results = outcome.results  # in request order: prompt by prompt, sample by sample
-        requests = parts.service.requests(step, prompts, cfg.task.samples_per_prompt)
+        outcome = parts.service.generate_requests(plan.draft_step, plan.requests)
+        trained = schedule.collect(step, plan, outcome.results)
+        prompts = [group.prompt for group in trained]
+        requests = [request for group in trained for request in group.requests]
+        results = [result for group in trained for result in group.results]  # prompt by prompt, sample by sample
         rewards, reward_parts = self._rewards(prompts, results)
         samples = [
             TrainSample(
@@ -164,22 +190,17 @@ class Controller:
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
         self.run_dir.append_samples(self._logged_samples(step, prompts, results, rewards, reward_parts, samples))
-        parts.service.training_starts()
-        self.on_phase(step, "train")
-        try:
-            train_metrics, weights, train_seconds = parts.trainer.train(samples, step)
-        except BaseException:
-            parts.service.training_ended(0.0)  # the ranks stop drafting (and resume) before the run rewinds or ends
-            raise
-        training = parts.service.training_ended(train_seconds)
+        train_metrics, weights, train_seconds, training = self._train(samples, step)
+        self.on_phase(step, "weight sync")
+        sync_seconds = parts.service.update_weights(weights, version=step + 1) if samples else 0.0
+        self._engine_version = step + 1
+        self._keep_version(step + 1, weights)
         if training is not None:
             outcome.drafts += training.drafts
-        self.on_phase(step, "weight sync")
-        sync_seconds = parts.service.update_weights(weights, version=step + 1)
-        if training is not None:
             for rank_record, drafted in zip(outcome.ranks, training.ranks, strict=True):
                 rank_record.drafting_seconds_while_training = drafted.drafting_seconds
                 rank_record.draft_tokens_produced_while_training = drafted.draft_tokens_produced
+        phases = PhaseSeconds(rollout=outcome.seconds, train=train_seconds, weight_sync=sync_seconds)
         reward_failures = self._reward_failures(step)  # the rollout's, before an evaluation calls rewards again
         store = parts.service.store.stats()
         evicted, self._evicted = store["evicted"] - self._evicted, store["evicted"]
@@ -189,7 +210,7 @@ class Controller:
             outcome,
             rewards,
             train_metrics,
-            PhaseSeconds(rollout=outcome.seconds, train=train_seconds, weight_sync=sync_seconds),
+            phases,
             **reward_failures,
             reward_means={name: sum(scores) / max(len(scores), 1) for name, scores in reward_parts.items()},
             training_timelines=None if training is None else training.timelines,
@@ -198,10 +219,51 @@ class Controller:
             drafts_evicted=evicted,
             eval_reward=self._evaluate() if evaluated else None,
             eval_reward_before_training=initial_eval,
+            finished_at_seconds=schedule.timeline.finish(step, phases.rollout, phases.train, phases.weight_sync),
+            policy_lag=step - plan.policy_version,
+            trained_tokens=sum(len(result.token_ids) for result in results),
+            stale_tokens=sum(group.stale_tokens for group in trained),
+            carried_groups=schedule.carried(),
         )
         self.run_dir.append_step(record)
         self._latest_weights = weights
         return record
+
+    def _train(self, samples: list[TrainSample], step: int):
+        """The trainer's step on ``samples``: (metrics, new weights, seconds, what the ranks drafted meanwhile or
+        None). Ranks idle while it trains (not under ``schedule.kind: async``, where they generate the next step)
+        draft on (draft_during_training). A step whose every group was carried trains nothing."""
+        parts = self.parts
+        if not samples:
+            return {"skipped": 1, "trained_tokens": 0}, self._versions.get(step) or parts.trainer.weights(), 0.0, None
+        overlapped = self.schedule.timeline.max_staleness > 0
+        if not overlapped:
+            parts.service.training_starts()
+        self.on_phase(step, "train")
+        try:
+            train_metrics, weights, train_seconds = parts.trainer.train(samples, step)
+        except BaseException:
+            if not overlapped:
+                parts.service.training_ended(0.0)  # the ranks stop drafting (and resume) before the run rewinds
+            raise
+        training = None if overlapped else parts.service.training_ended(train_seconds)
+        return train_metrics, weights, train_seconds, training
+
+    def _rollout_policy(self, version: int) -> None:
+        """Puts policy ``version`` on the ranks for the rollout, where the schedule generates with an older policy
+        than the latest (async): the simulated generator kept it, so this load is not timed."""
+        if version != self._engine_version:
+            self.parts.service.update_weights(self._versions[version], version=version)
+            self._engine_version = version
+
+    def _keep_version(self, version: int, weights: dict) -> None:
+        """Keeps the policies an async schedule may still generate with (copies: the trainer updates in place)."""
+        lag = self.schedule.timeline.max_staleness
+        if not lag:
+            return
+        self._versions[version] = {name: tensor.detach().clone() for name, tensor in weights.items()}
+        for old in [v for v in self._versions if v < version - lag]:
+            del self._versions[old]
 
     def _evaluate(self) -> float:
         """Mean reward of the current weights (after this step's update) on the held-out prompts."""
@@ -312,6 +374,15 @@ def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: fl
     return " ".join(f"{key}={value}" for key, value in fields.items())
 
 
+def finished_at(steps: Sequence[StepRecord]) -> float:
+    """When the last of ``steps`` ended on the run's clock (the sum of their phases for records that do not say)."""
+    if not steps:
+        return 0.0
+    if steps[-1].finished_at_seconds is not None:
+        return steps[-1].finished_at_seconds
+    return sum(s.phase_seconds.total for s in steps)
+
+
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -334,6 +405,7 @@ def _step_record(
     """The step's record: the ranks' records summed, with ``more`` of :class:`StepRecord`'s fields."""
     ranks = outcome.ranks
     generated = sum(r.shard_tokens for r in ranks)
+    requests = sum(r.num_requests for r in ranks)
     bubble = sum(r.bubble_seconds for r in ranks)
     saved = None
     if ranks and all(r.seconds_saved_by_drafts is not None for r in ranks):
@@ -352,8 +424,8 @@ def _step_record(
         forward_passes_max_rank=max(r.forward_passes for r in ranks),
         draft_tokens_proposed=sum(r.draft_tokens_proposed for r in ranks),
         draft_tokens_accepted=sum(r.draft_tokens_accepted for r in ranks),
-        draft_coverage=sum(r.requests_with_draft for r in ranks) / max(len(rewards), 1),
-        proposal_coverage=sum(r.requests_with_proposals for r in ranks) / max(len(rewards), 1),
+        draft_coverage=sum(r.requests_with_draft for r in ranks) / max(requests, 1),
+        proposal_coverage=sum(r.requests_with_proposals for r in ranks) / max(requests, 1),
         bubble_seconds=bubble,
         bubble_utilization=bubble_use(ranks),
         rollout_seconds_saved=saved,

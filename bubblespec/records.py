@@ -88,6 +88,17 @@ class StepRecord(BaseModel):
     """Mean reward on the held-out prompts after this step's update (steps eval_every names)."""
     eval_reward_before_training: float | None = None
     """The same for the initial policy (step 0 only)."""
+    finished_at_seconds: float | None = None
+    """When the step's new policy was on the ranks, in seconds of the run's clock from the start of the run: the sum
+    of the steps' phases, except where generation overlaps training (``schedule.kind: async``, docs/design.md §12)."""
+    policy_lag: int = 0
+    """Policy updates between the policy that generated the step's fresh samples and the one trained on them."""
+    trained_tokens: int | None = None
+    """Response tokens of the samples the step trained on."""
+    stale_tokens: int = 0
+    """Of ``trained_tokens``, those a policy older than the trained one generated: 0 under every exact schedule."""
+    carried_groups: int = 0
+    """Prompts (groups of samples) cut short in this step and carried to a later one (``schedule.cut_*``)."""
 
     @property
     def rollout_seconds_without_drafts(self) -> float | None:

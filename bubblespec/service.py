@@ -148,11 +148,16 @@ class RolloutService:
     def generate(self, step: int, prompts: Sequence[Prompt], samples_per_prompt: int) -> RolloutOutcome:
         """The responses of step ``step`` (``outcome.results`` in request order) and what each rank did. Drafts
         of earlier bubbles are verified; idle ranks draft the next steps' keys."""
+        return self.generate_requests(step, self.requests(step, prompts, samples_per_prompt))
+
+    def generate_requests(self, step: int, requests: Sequence[GenerationRequest]) -> RolloutOutcome:
+        """:meth:`generate` of explicit requests: a schedule's (:mod:`bubblespec.schedules`) mix of step ``step``'s
+        own requests and earlier steps' carried ones. A request that brings its own draft keeps it; the others get
+        the static sources' drafts. Idle ranks draft the keys of the steps after ``step``."""
         speculate = self.speculation.uses_bubble
-        requests = self.requests(step, prompts, samples_per_prompt)
-        drafts = self._static_drafts([r.key for r in requests])
-        requests = attach_drafts(requests, drafts)
-        predicted = {key: len(draft.token_ids) for key, draft in drafts.items()}
+        drafts = self._static_drafts([r.key for r in requests if r.draft is None])
+        requests = [r if r.draft is not None else attach_drafts([r], drafts)[0] for r in requests]
+        predicted = {r.key: len(r.draft.token_ids) for r in requests if r.draft is not None}
         shards = self.sharding_policy.shard(requests, self.num_ranks, predicted)
         plan = self._next_plan(step) if speculate else DraftPlan([])
         outcome = self.ranks.rollout(shards, plan)

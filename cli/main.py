@@ -163,12 +163,14 @@ def bench(
         str,
         typer.Argument(
             help='"engine" (an engine backend without and with drafts, against HF generate), "peers" (draft sources '
-            "side by side on the run CONFIG that follows) or a run CONFIG to run with speculation off and on.",
-            metavar="engine|peers|CONFIG",
+            'side by side on the run CONFIG that follows), "peers-async" (rollout schedules side by side: sync, async, '
+            "partial rollouts, tail batching, with and without bubblespec, on the run CONFIG that follows) or a run "
+            "CONFIG to run with speculation off and on.",
+            metavar="engine|peers|peers-async|CONFIG",
         ),
     ],
     peers_config: Annotated[
-        Path | None, typer.Argument(help="The run config of `bench peers`.", metavar="[CONFIG]")
+        Path | None, typer.Argument(help="The run config of `bench peers` / `bench peers-async`.", metavar="[CONFIG]")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG only).")] = None,
@@ -218,12 +220,37 @@ def bench(
             "repeat it (peers only).",
         ),
     ] = None,
-    plot_dir: Annotated[Path | None, typer.Option(help="Write one PNG per question here (peers only).")] = None,
+    methods: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--methods",
+            help="A schedule (sync, async-K, partial, exact-partial, tail-batching), +bubblespec for speculation on; "
+            "repeat it (peers-async only).",
+        ),
+    ] = None,
+    seeds: Annotated[int, typer.Option(min=1, help="Runs per method, seeds CONFIG's seed on (peers-async only).")] = 1,
+    cut_quantile: Annotated[
+        float | None,
+        typer.Option(
+            help="Token budget of the cutting schedules: this quantile of the last step's response lengths "
+            "(default 0.9; peers-async only)."
+        ),
+    ] = None,
+    cut_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Token budget of the cutting schedules, fixed (peers-async only).")
+    ] = None,
+    plot_dir: Annotated[
+        Path | None, typer.Option(help="Write one PNG per question here (peers and peers-async).")
+    ] = None,
     plot_prefix: Annotated[
         str, typer.Option(help="File name prefix of the PNGs: PREFIX-decode-steps.png, ... (peers only).")
     ] = "peers",
 ) -> None:
     """Measure speed side by side in one run and print a table."""
+    if target == "peers-async":
+        _bench_schedules(peers_config, overrides, methods, seeds, cut_quantile, cut_tokens, output_dir, plot_dir,
+                         json_path)  # fmt: skip
+        return
     if target == "peers":
         from bubblespec.cli import bench_peers
         from bubblespec.config import load_config
@@ -245,7 +272,9 @@ def bench(
     if peers_config is not None:
         from bubblespec.errors import ConfigError
 
-        raise ConfigError(f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG`")
+        raise ConfigError(
+            f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG` and `bench peers-async CONFIG`"
+        )
     if target == "engine":
         from bubblespec.cli.bench_engine import (
             EngineBenchSettings,
@@ -281,6 +310,32 @@ def bench(
         report = run_side_by_side(load_config(target, overrides or []), output_dir)
     print_report(report)
     _write_json(report, json_path)
+
+
+def _bench_schedules(config_path, overrides, methods, seeds, cut_quantile, cut_tokens, output_dir, plot_dir, json_path):
+    from bubblespec.cli import bench_schedules
+    from bubblespec.config import load_config
+    from bubblespec.errors import ConfigError
+
+    if config_path is None or not config_path.is_file():
+        raise ConfigError(f"bench peers-async needs an existing run config, got {str(config_path)!r}")
+    if cut_quantile is not None and cut_tokens is not None:
+        raise ConfigError("give one of --cut-quantile and --cut-tokens, not both")
+    if cut_quantile is not None and not 0 < cut_quantile <= 1:
+        raise ConfigError(f"--cut-quantile must be in (0, 1], got {cut_quantile}")
+    cut = {"cut_tokens": cut_tokens} if cut_tokens is not None else {"cut_quantile": cut_quantile or 0.9}
+    config = load_config(config_path, overrides or [])
+    report = bench_schedules.run_methods(
+        config, list(methods or bench_schedules.DEFAULT_METHODS), cut, seeds, output_dir
+    )
+    bench_schedules.print_report(report)
+    if plot_dir is not None:
+        for path in bench_schedules.plot_report(report, plot_dir, "peers-async"):
+            typer.echo(f"wrote {path}")
+    _write_json(report, json_path)
+    if not report["identical_rollouts"]:
+        typer.secho("error: speculation changed a rollout of an exact schedule", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
 
 
 def _write_json(report: dict, json_path: Path | None) -> None:

@@ -1,0 +1,281 @@
+"""``bubblespec bench peers-async CONFIG``: bubblespec against what users pick instead against the long tail.
+
+Every method is the config's run under another rollout schedule (``schedule.kind``, docs/design.md §12) with
+speculation off or on (``+bubblespec``), on the same workload, keys and cost profile: synchronous plain decoding
+(the baseline), synchronous bubblespec, async RL with ``max_staleness`` k (``async-k``), partial rollouts,
+exact partial rollouts, tail batching, and the combinations. Each trains on what its schedule really gives it.
+
+Per method, from the second step: rollout throughput (trained response tokens per second of rollout phase) and
+whole-step throughput (trained tokens per second of the run's timeline, where async overlaps generation with
+training), both against synchronous plain; the bubble share (rank-seconds the ranks idled at the barrier, not
+drafting, over the rollout phases' rank-seconds); staleness (share of trained tokens a policy older than the trained
+one generated); and the learning effect: held-out reward after the last step and its curve against simulated time
+and steps (``eval_every``). A method and its ``+bubblespec`` twin must train on identical rollouts where the
+schedule does not depend on time (every kind but async with ``max_staleness`` over 1): checked by digest.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from bubblespec.config import RunConfig
+from bubblespec.errors import ConfigError
+from bubblespec.records import StepRecord
+
+DEFAULT_METHODS = (
+    "sync",
+    "sync+bubblespec",
+    "async-1",
+    "async-2",
+    "partial",
+    "exact-partial+bubblespec",
+    "tail-batching",
+    "tail-batching+bubblespec",
+    "async-1+bubblespec",
+)
+BASELINE = "sync"
+KINDS = ("sync", "async", "partial", "exact-partial", "tail-batching")
+_METHOD = re.compile(r"^(sync|async-(\d+)|partial|exact-partial|tail-batching)(\+bubblespec)?$")
+
+
+def parse_method(text: str) -> tuple[str, int | None, bool]:
+    """``"async-2+bubblespec"`` -> ``("async", 2, True)``; ``"partial"`` -> ``("partial", None, False)``."""
+    match = _METHOD.match(text.strip())
+    if match is None:
+        raise ConfigError(
+            f"unknown method {text!r}; a method is a schedule (sync, async-K with K the max staleness, partial, "
+            "exact-partial, tail-batching), optionally followed by +bubblespec (speculation on): e.g. "
+            "async-1+bubblespec"
+        )
+    kind, staleness, bubblespec = match.groups()
+    return ("async", int(staleness), bool(bubblespec)) if staleness else (kind, None, bool(bubblespec))
+
+
+def method_config(config: RunConfig, method: str, cut: dict, seed: int, output_dir: Path) -> RunConfig:
+    """``config`` as ``method`` runs it (``cut``: schedule.cut_tokens or cut_quantile for the kinds that cut)."""
+    kind, staleness, bubblespec = parse_method(method)
+    schedule: dict = {"kind": kind}
+    if kind == "async":
+        schedule["max_staleness"] = staleness
+    if kind in ("partial", "exact-partial", "tail-batching"):
+        schedule |= cut
+    data = config.model_dump() | {
+        "schedule": schedule,
+        "speculation": config.speculation.model_dump() | {"enabled": bubblespec},
+        "seed": seed,
+        "name": f"{config.name}-{method.replace('+', '.')}-seed{seed}",
+        "output_dir": str(output_dir),
+    }
+    return RunConfig.model_validate(data)
+
+
+def run_methods(
+    config: RunConfig, methods: list[str], cut: dict, seeds: int = 1, output_dir: Path | None = None
+) -> dict:
+    from bubblespec.launch import run
+    from bubblespec.run_dir import RunDirectory
+
+    if config.num_steps < 3:
+        raise ConfigError(
+            f"bench peers-async measures from the second step: num_steps must be >= 3, got {config.num_steps}"
+        )
+    methods = [m.strip() for m in methods]
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        raise ConfigError(f"method(s) {', '.join(map(repr, repeated))} named more than once in {methods}")
+    methods = methods if BASELINE in methods else [BASELINE, *methods]
+    seed_list = [config.seed + i for i in range(seeds)]
+    configs = {(m, s): method_config(config, m, cut, s, Path(".")) for m in methods for s in seed_list}  # fail early
+    scratch = output_dir is None
+    output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-async-")) if scratch else output_dir
+    steps: dict[tuple[str, int], list[StepRecord]] = {}
+    try:
+        for (method, seed), method_run in configs.items():
+            method_run = method_run.model_copy(update={"output_dir": str(output_dir)})
+            run(method_run)
+            steps[method, seed] = RunDirectory(method_run.run_dir).read_steps()
+    finally:
+        if scratch:
+            shutil.rmtree(output_dir, ignore_errors=True)
+    per_seed = {
+        m: [_measure(steps[m, s], steps[BASELINE, s], config.rollout.num_ranks) for s in seed_list] for m in methods
+    }
+    report = {
+        "config": config.name,
+        "profile": config.clock.profile,
+        "num_ranks": config.rollout.num_ranks,
+        "num_steps": config.num_steps,
+        "seeds": seed_list,
+        "cut": cut,
+        "methods": methods,
+        "per_seed": per_seed,
+        "mean": {m: _mean(rows) for m, rows in per_seed.items()},
+        "curves": {m: [_curve(steps[m, s]) for s in seed_list] for m in methods},
+        "twins": _twins(methods, steps, seed_list),
+    }
+    report["identical_rollouts"] = all(t["identical"] for t in report["twins"] if t["must_match"])
+    return report
+
+
+def _measure(steps: list[StepRecord], baseline: list[StepRecord], num_ranks: int) -> dict:
+    """One run against the baseline run of the same seed, from the second step."""
+    later, base = steps[1:], baseline[1:]
+
+    def rollout(records: list[StepRecord]) -> float:
+        return sum(s.phase_seconds.rollout for s in records)
+
+    def throughput(records: list[StepRecord], seconds: float) -> float:
+        return sum(s.trained_tokens or 0 for s in records) / seconds if seconds > 0 else 0.0
+
+    def timeline(records: list[StepRecord]) -> float:  # from the end of the first step to the end of the last
+        return records[-1].finished_at_seconds - records[0].finished_at_seconds
+
+    idle = sum(max(0.0, r.bubble_seconds - r.drafting_seconds) for s in later for r in s.ranks)
+    trained = sum(s.trained_tokens or 0 for s in steps)
+    generated = sum(s.generated_tokens for s in later)
+    evals = [s.eval_reward for s in steps if s.eval_reward is not None]
+    return {
+        "rollout_throughput_ratio": throughput(later, rollout(later)) / throughput(base, rollout(base)),
+        "step_throughput_ratio": throughput(later, timeline(steps)) / throughput(base, timeline(baseline)),
+        "bubble_share": idle / (num_ranks * rollout(later)) if rollout(later) > 0 else 0.0,
+        "staleness": sum(s.stale_tokens for s in steps) / trained if trained else 0.0,
+        "decode_steps_per_token": sum(s.decode_steps for s in later) / generated if generated else 0.0,
+        "trained_samples": sum(s.num_samples for s in steps),
+        "trained_tokens": trained,
+        "generated_tokens": sum(s.generated_tokens for s in steps),
+        "final_eval_reward": evals[-1] if evals else None,
+        "simulated_seconds": steps[-1].finished_at_seconds,
+    }
+
+
+def _mean(rows: list[dict]) -> dict:
+    mean = {}
+    for field in rows[0]:
+        values = [r[field] for r in rows if r[field] is not None]
+        mean[field] = sum(values) / len(values) if values else None
+    return mean
+
+
+def _curve(steps: list[StepRecord]) -> list[dict]:
+    """Held-out reward against steps and simulated seconds (the initial policy at 0)."""
+    points = []
+    if steps and steps[0].eval_reward_before_training is not None:
+        points.append({"step": 0, "seconds": 0.0, "eval_reward": steps[0].eval_reward_before_training})
+    points += [
+        {"step": s.step + 1, "seconds": s.finished_at_seconds, "eval_reward": s.eval_reward}
+        for s in steps
+        if s.eval_reward is not None
+    ]
+    return points
+
+
+def _twins(methods: list[str], steps: dict, seeds: list[int]) -> list[dict]:
+    """Each ``+bubblespec`` method against the same schedule without speculation, where both ran: the rollouts
+    must be identical step by step where the schedule does not depend on how long steps take."""
+    twins = []
+    for method in methods:
+        kind, staleness, bubblespec = parse_method(method)
+        plain = method.removesuffix("+bubblespec")
+        if not bubblespec or plain not in methods:
+            continue
+        identical = all(
+            [a.rollout_digest for a in steps[plain, s]] == [b.rollout_digest for b in steps[method, s]] for s in seeds
+        )
+        twins.append({
+            "method": method, "plain": plain, "identical": identical,
+            "must_match": kind != "async" or (staleness or 0) <= 1,
+        })  # fmt: skip
+    return twins
+
+
+def _fmt(value, pattern: str) -> str:
+    return "—" if value is None else pattern.format(value)
+
+
+def print_report(report: dict, console=None) -> None:
+    """One table: each method's speed, bubble, staleness and learning, from the second step, against sync."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    seeds = report["seeds"]
+    title = (
+        f"{report['config']}: {report['num_ranks']} ranks, {report['profile']} profile, {report['num_steps']} steps, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} (throughput from step 2, against sync)"
+    )
+    speed, cost = Table(title=title), Table(title="what it costs")
+    for table, columns in (
+        (speed, ("rollout", "whole step", "bubble", "steps/token")),
+        (cost, ("stale", "eval reward", "samples", "sim. seconds")),
+    ):
+        table.add_column("method", no_wrap=True)
+        for column in columns:
+            table.add_column(column, justify="right")
+    for method in report["methods"]:
+        m = report["mean"][method]
+        speed.add_row(
+            method,
+            _fmt(m["rollout_throughput_ratio"], "{:.2f}x"),
+            _fmt(m["step_throughput_ratio"], "{:.2f}x"),
+            _fmt(m["bubble_share"], "{:.1%}"),
+            _fmt(m["decode_steps_per_token"], "{:.3f}"),
+        )
+        cost.add_row(
+            method,
+            _fmt(m["staleness"], "{:.1%}"),
+            _fmt(m["final_eval_reward"], "{:.4f}"),
+            _fmt(m["trained_samples"], "{:.0f}"),
+            _fmt(m["simulated_seconds"], "{:.2f}"),
+        )
+    console.print(speed)
+    console.print(cost)
+    cut = ", ".join(f"{k}={v}" for k, v in report["cut"].items())
+    console.print(
+        "rollout / whole step: trained response tokens per second of rollout phase / of the run's timeline; bubble: "
+        "rank time idle at the barrier; steps/token: decode steps per generated token; stale: trained tokens from an "
+        "older policy; eval reward: held-out, after the last step; samples: trained; sim. seconds: the whole run "
+        f"(means over seeds); cut: {cut}"
+    )
+    for twin in report["twins"]:
+        verdict = "identical" if twin["identical"] else "DIFFERENT" if twin["must_match"] else "different (timing)"
+        console.print(f"rollouts of {twin['method']} vs {twin['plain']}: {verdict}")
+
+
+def plot_report(report: dict, folder: Path, prefix: str = "peers-async") -> list[Path]:
+    """Held-out reward against simulated seconds and against steps, every method (seed 0's run solid, others
+    faded): ``{prefix}-reward.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, method in enumerate(report["methods"]):
+        colour = colours[index % len(colours)]
+        style = "-" if method.endswith("+bubblespec") or method == "sync" else "--"
+        for seed_index, curve in enumerate(report["curves"][method]):
+            if not curve:
+                continue
+            label = method if seed_index == 0 else None
+            alpha = 1.0 if seed_index == 0 else 0.4
+            by_time.plot([p["seconds"] for p in curve], [p["eval_reward"] for p in curve], style, color=colour,
+                         marker="o", markersize=3, alpha=alpha, label=label)  # fmt: skip
+            by_step.plot([p["step"] for p in curve], [p["eval_reward"] for p in curve], style, color=colour,
+                         marker="o", markersize=3, alpha=alpha)  # fmt: skip
+    by_time.set_xlabel(f"simulated seconds ({report['profile']} profile)")
+    by_step.set_xlabel("steps trained")
+    by_time.set_ylabel("held-out reward")
+    for axes in (by_time, by_step):
+        axes.grid(alpha=0.3)
+    figure.suptitle(f"{report['config']}: {report['num_ranks']} ranks, seeds {', '.join(map(str, report['seeds']))}")
+    figure.legend(fontsize=8, loc="center right")
+    figure.tight_layout(rect=(0, 0, 0.83, 1))
+    path = folder / f"{prefix}-reward.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return [path]
