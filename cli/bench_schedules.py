@@ -65,6 +65,7 @@ def method_config(config: RunConfig, method: str, cut: dict, seed: int, output_d
     data = config.model_dump() | {
         "schedule": schedule,
         "speculation": config.speculation.model_dump() | {"enabled": bubblespec},
+        "metrics": config.metrics.model_dump() | {"enabled": False},  # runs may run side by side: no port to share
         "seed": seed,
         "name": f"{config.name}-{method.replace('+', '.')}-seed{seed}",
         "output_dir": str(output_dir),
@@ -73,9 +74,10 @@ def method_config(config: RunConfig, method: str, cut: dict, seed: int, output_d
 
 
 def run_methods(
-    config: RunConfig, methods: list[str], cut: dict, seeds: int = 1, output_dir: Path | None = None
+    config: RunConfig, methods: list[str], cut: dict, seeds: int = 1, output_dir: Path | None = None, jobs: int = 1
 ) -> dict:
-    from bubblespec.launch import run
+    """Runs every method with every seed (``jobs`` runs at a time, each in a process of its own with one torch
+    thread when ``jobs`` > 1) and measures them against ``sync`` of the same seed."""
     from bubblespec.run_dir import RunDirectory
 
     if config.num_steps < 3:
@@ -91,12 +93,20 @@ def run_methods(
     configs = {(m, s): method_config(config, m, cut, s, Path(".")) for m in methods for s in seed_list}  # fail early
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-async-")) if scratch else output_dir
-    steps: dict[tuple[str, int], list[StepRecord]] = {}
     try:
-        for (method, seed), method_run in configs.items():
-            method_run = method_run.model_copy(update={"output_dir": str(output_dir)})
-            run(method_run)
-            steps[method, seed] = RunDirectory(method_run.run_dir).read_steps()
+        runs = {key: c.model_copy(update={"output_dir": str(output_dir)}) for key, c in configs.items()}
+        if jobs == 1:
+            for method_run in runs.values():
+                _run_one(method_run.model_dump_json())
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds torch threads
+            with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=_one_thread) as pool:
+                for done in [pool.submit(_run_one, c.model_dump_json()) for c in runs.values()]:
+                    done.result()  # a run's error, with its own message
+        steps = {key: RunDirectory(c.run_dir).read_steps() for key, c in runs.items()}
     finally:
         if scratch:
             shutil.rmtree(output_dir, ignore_errors=True)
@@ -118,6 +128,18 @@ def run_methods(
     }
     report["identical_rollouts"] = all(t["identical"] for t in report["twins"] if t["must_match"])
     return report
+
+
+def _run_one(config_json: str) -> None:
+    from bubblespec.launch import run
+
+    run(RunConfig.model_validate_json(config_json))
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _measure(steps: list[StepRecord], baseline: list[StepRecord], num_ranks: int) -> dict:

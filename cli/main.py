@@ -229,6 +229,9 @@ def bench(
         ),
     ] = None,
     seeds: Annotated[int, typer.Option(min=1, help="Runs per method, seeds CONFIG's seed on (peers-async only).")] = 1,
+    jobs: Annotated[
+        int, typer.Option(min=1, help="Runs at a time, each in its own process with one thread (peers-async only).")
+    ] = 1,
     cut_quantile: Annotated[
         float | None,
         typer.Option(
@@ -248,8 +251,8 @@ def bench(
 ) -> None:
     """Measure speed side by side in one run and print a table."""
     if target == "peers-async":
-        _bench_schedules(peers_config, overrides, methods, seeds, cut_quantile, cut_tokens, output_dir, plot_dir,
-                         json_path)  # fmt: skip
+        _bench_schedules(peers_config, overrides, methods, seeds, jobs, cut_quantile, cut_tokens, output_dir,
+                         plot_dir, json_path)  # fmt: skip
         return
     if target == "peers":
         from bubblespec.cli import bench_peers
@@ -312,7 +315,9 @@ def bench(
     _write_json(report, json_path)
 
 
-def _bench_schedules(config_path, overrides, methods, seeds, cut_quantile, cut_tokens, output_dir, plot_dir, json_path):
+def _bench_schedules(
+    config_path, overrides, methods, seeds, jobs, cut_quantile, cut_tokens, output_dir, plot_dir, json_path
+):
     from bubblespec.cli import bench_schedules
     from bubblespec.config import load_config
     from bubblespec.errors import ConfigError
@@ -326,7 +331,7 @@ def _bench_schedules(config_path, overrides, methods, seeds, cut_quantile, cut_t
     cut = {"cut_tokens": cut_tokens} if cut_tokens is not None else {"cut_quantile": cut_quantile or 0.9}
     config = load_config(config_path, overrides or [])
     report = bench_schedules.run_methods(
-        config, list(methods or bench_schedules.DEFAULT_METHODS), cut, seeds, output_dir
+        config, list(methods or bench_schedules.DEFAULT_METHODS), cut, seeds, output_dir, jobs
     )
     bench_schedules.print_report(report)
     if plot_dir is not None:

@@ -188,7 +188,7 @@ def schedules(tmp_path_factory):
     result = CliRunner().invoke(
         app,
         ["bench", "peers-async", str(config), "--cut-tokens", str(CUT["cut_tokens"]), "--output-dir",
-         str(folder / "runs"), "--json", str(folder / "report.json"), "--plot-dir", str(folder)]
+         str(folder / "runs"), "--json", str(folder / "report.json"), "--plot-dir", str(folder), "--jobs", "2"]
         + [arg for method in METHODS for arg in ("--methods", method)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
