@@ -42,6 +42,8 @@ class Group:
     kept: list[GenerationResult | None] = field(default_factory=list)
     version: int = 0
     """The policy that generated ``kept``."""
+    fresh: bool = False
+    """The step's own prompts (not a carried group): their lengths set the next budget."""
 
     def __post_init__(self) -> None:
         self.kept = self.kept or [None] * len(self.requests)
@@ -147,7 +149,7 @@ class Schedule:
         for prompt in self.task.batch(batch):
             full = step_requests([prompt], self.run_seed, batch, per_prompt, self.sampling)
             generate = full if sampling == self.sampling else [replace(r, sampling=sampling) for r in full]
-            groups.append(Group(prompt, full, list(generate)))
+            groups.append(Group(prompt, full, list(generate), fresh=True))
         return groups
 
 
@@ -170,7 +172,9 @@ class CutSchedule(Schedule):
         return len(self._carried)
 
     def budget(self, step: int) -> int | None:
-        """The step's token budget per fresh response (None: none)."""
+        """The step's token budget per fresh response (None: none): ``cut_tokens``, or the ``cut_quantile`` of the
+        lengths of the last step's fresh responses, a cut one counted at its cut length (so the quantile is exact
+        while fewer than 1 - q of them are cut, and the budget cannot shrink step after step)."""
         schedule = self.config.schedule
         if step == self.config.num_steps - 1:
             return None
@@ -215,8 +219,9 @@ class CutSchedule(Schedule):
                 self._carried_versions.append(plan.policy_version)
             else:
                 trained.append(done)
+            if group.fresh:  # a cut response counts at its cut length: a lower bound, and the budget's own value
                 lengths += [len(r.token_ids) for r in whole]
-        self._last_lengths = lengths or self._last_lengths
+        self._last_lengths = lengths or self._last_lengths  # a long tail-batching step has no fresh groups
         return trained
 
     def _capped(self, step: int):

@@ -131,7 +131,7 @@ def test_tail_batching_pools_cut_groups_until_a_long_step_generates_only_them():
 
 def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
     config = _config(
-        "/tmp", "unit", num_steps=3, task={"prompts_per_step": 2, "samples_per_prompt": 2},
+        "/tmp", "unit", num_steps=5, task={"prompts_per_step": 2, "samples_per_prompt": 2},
         schedule={"kind": "exact-partial", "cut_quantile": 0.5},
     )  # fmt: skip
     schedule = CutSchedule(config, _Task(), 7, SamplingParams(max_new_tokens=8))
@@ -139,7 +139,13 @@ def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
     plan = schedule.plan(0)
     schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 6}))
     assert schedule.budget(1) == 2  # the median of 2, 2, 6, 6
-    assert schedule.budget(2) is None
+    plan = schedule.plan(1)
+    schedule.collect(1, plan, _respond(plan, {"p1-0": 6, "p1-1": 7}))  # every response cut at 2
+    assert schedule.budget(2) == 2  # cut responses count at their cut length: the budget does not shrink
+    plan = schedule.plan(2)
+    schedule.collect(2, plan, _respond(plan, {"p2-0": 1, "p2-1": 1, "p1-0": 6, "p1-1": 7}))
+    assert schedule.budget(3) == 1  # the fresh responses' median; carried groups' lengths are not counted again
+    assert schedule.budget(4) is None  # the last step
 
 
 @pytest.mark.parametrize(
