@@ -365,8 +365,15 @@ def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: fl
     if record.rollout_seconds_saved is not None:
         fields["rollout_saved_s"] = f"{record.rollout_seconds_saved:+.3f}"
     fields |= {"train_s": f"{phases.train:.3f}", "sync_s": f"{phases.weight_sync:.3f}"}
+    if record.policy_lag:
+        fields["policy_lag"] = record.policy_lag
+    if record.stale_tokens:
+        fields["stale_tokens"] = record.stale_tokens
+    if record.carried_groups:
+        fields["carried_groups"] = record.carried_groups
     if not record.trained:
-        fields["trained"] = "no:equal_rewards_in_every_group"
+        carried = record.carried_groups and not record.num_samples
+        fields["trained"] = "no:every_group_carried" if carried else "no:equal_rewards_in_every_group"
     if "logprob_diff_mean" in record.train:
         fields["logprob_diff"] = f"{record.train['logprob_diff_mean']:.2e}"
     if record.eval_reward is not None:

@@ -148,6 +148,16 @@ def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
     assert schedule.budget(4) is None  # the last step
 
 
+def test_the_step_line_says_what_a_schedule_did():
+    from bubblespec.controller import step_line
+    from tests.step_records import step_record
+
+    line = step_line(step_record(4, policy_lag=1, stale_tokens=120, carried_groups=3, train={"skipped": 1}))
+    for field in ("policy_lag=1", "stale_tokens=120", "carried_groups=3", "trained=no:every_group_carried"):
+        assert field in line, (field, line)
+    assert "policy_lag" not in step_line(step_record(4))  # a synchronous step says nothing of it
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
