@@ -536,8 +536,8 @@ class ScheduleConfig(Section):
     """partial, exact-partial, tail-batching: each response's token budget in its step (a group with a response
     over it is carried)."""
     cut_quantile: float | None = Field(None, gt=0, le=1)
-    """Instead of ``cut_tokens``: the budget is this quantile of the previous step's response lengths (0.9: about
-    one response in ten is cut); step 0 has none."""
+    """Instead of ``cut_tokens``: the budget is this quantile of the lengths of the previous step's fresh responses
+    (0.9: about one response in ten is cut); step 0 has none."""
 
     @property
     def policy_lag(self) -> int:
