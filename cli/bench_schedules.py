@@ -213,6 +213,21 @@ def _twins(methods: list[str], steps: dict, seeds: list[int]) -> list[dict]:
     return twins
 
 
+SPEED_COLUMNS = (
+    ("rollout", "rollout_throughput_ratio", "{:.2f}x"),
+    ("whole step", "step_throughput_ratio", "{:.2f}x"),
+    ("bubble", "bubble_share", "{:.1%}"),
+    ("steps/token", "decode_steps_per_token", "{:.3f}"),
+)
+COST_COLUMNS = (
+    ("stale", "staleness", "{:.1%}"),
+    ("eval reward", "final_eval_reward", "{:.4f}"),
+    ("samples", "trained_samples", "{:.0f}"),
+    ("sim. seconds", "simulated_seconds", "{:.2f}"),
+)
+"""The table's columns: header, field of the report's means, format."""
+
+
 def _fmt(value, pattern: str) -> str:
     return "—" if value is None else pattern.format(value)
 
@@ -228,32 +243,14 @@ def print_report(report: dict, console=None) -> None:
         f"{report['config']}: {report['num_ranks']} ranks, {report['profile']} profile, {report['num_steps']} steps, "
         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} (throughput from step 2, against sync)"
     )
-    speed, cost = Table(title=title), Table(title="what it costs")
-    for table, columns in (
-        (speed, ("rollout", "whole step", "bubble", "steps/token")),
-        (cost, ("stale", "eval reward", "samples", "sim. seconds")),
-    ):
+    for table_title, columns in ((title, SPEED_COLUMNS), ("what it costs", COST_COLUMNS)):
+        table = Table(title=table_title)
         table.add_column("method", no_wrap=True)
-        for column in columns:
-            table.add_column(column, justify="right")
-    for method in report["methods"]:
-        m = report["mean"][method]
-        speed.add_row(
-            method,
-            _fmt(m["rollout_throughput_ratio"], "{:.2f}x"),
-            _fmt(m["step_throughput_ratio"], "{:.2f}x"),
-            _fmt(m["bubble_share"], "{:.1%}"),
-            _fmt(m["decode_steps_per_token"], "{:.3f}"),
-        )
-        cost.add_row(
-            method,
-            _fmt(m["staleness"], "{:.1%}"),
-            _fmt(m["final_eval_reward"], "{:.4f}"),
-            _fmt(m["trained_samples"], "{:.0f}"),
-            _fmt(m["simulated_seconds"], "{:.2f}"),
-        )
-    console.print(speed)
-    console.print(cost)
+        for header, _, _ in columns:
+            table.add_column(header, justify="right")
+        for method in report["methods"]:
+            table.add_row(method, *(_fmt(report["mean"][method][field], pattern) for _, field, pattern in columns))
+        console.print(table)
     cut = ", ".join(f"{k}={v}" for k, v in report["cut"].items())
     console.print(
         "rollout / whole step: trained response tokens per second of rollout phase / of the run's timeline; bubble: "
