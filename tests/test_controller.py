@@ -96,13 +96,13 @@ RECIPE_CHECKS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(RECIPE_CHECKS))
 def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, recipe):
-    """examples/recipe-*.yaml, shortened to 3 steps of 16 prompts: the side-by-side bench finds identical rollouts
-    and final weights, and fewer decode steps with speculation."""
+    """examples/recipe-*.yaml, shortened to 3 steps of 8 prompts (DAPO: 16 trained of 20): the side-by-side bench
+    finds identical rollouts and final weights, and fewer decode steps with speculation."""
     from pathlib import Path
 
     from bubblespec.cli.bench_run import run_side_by_side
 
-    overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=16"]
+    overrides = ["num_steps=3", "checkpoint_every=3", "metrics.enabled=false", "task.prompts_per_step=8"]
     if recipe == "dapo":  # 20 prompts generated for 16 trained
         overrides += ["task.prompts_per_step=20", "trainer.dapo.train_prompts=16"]
     config = load_config(Path(__file__).parent.parent / "examples" / f"recipe-{recipe}.yaml", overrides)
