@@ -40,8 +40,6 @@ class Group:
     requests: list[GenerationRequest]
     generate: list[GenerationRequest | None]
     kept: list[GenerationResult | None] = field(default_factory=list)
-    version: int = 0
-    """The policy that generated ``kept``."""
     fresh: bool = False
     """The step's own prompts (not a carried group): their lengths set the next budget."""
 
@@ -70,6 +68,8 @@ class TrainedGroup:
     results: list[GenerationResult]
     """Whole responses, keyed by the trained requests' keys."""
     stale_tokens: int
+    version: int = 0
+    """The policy that generated ``results`` (for a carried group: its drafts' version)."""
 
 
 class Timeline:
@@ -163,8 +163,7 @@ class CutSchedule(Schedule):
         self.kind = config.schedule.kind
         self.drafts = config.speculation.enabled
         """Whether a carried group's cut responses are drafts for its generation again (exact kinds)."""
-        self._carried: list[TrainedGroup] = []  # cut groups with their responses so far, and the policy's version
-        self._carried_versions: list[int] = []
+        self._carried: list[TrainedGroup] = []  # cut groups with their responses so far
         self._last_lengths: list[int] = []
         self._batches = 0  # tail-batching: fresh batches taken so far
 
@@ -193,14 +192,13 @@ class CutSchedule(Schedule):
             ):  # a long step: only pooled groups, whole
                 size = self.config.task.prompts_per_step
                 pooled, self._carried = self._carried[:size], self._carried[size:]
-                versions, self._carried_versions = self._carried_versions[:size], self._carried_versions[size:]
-                groups = [self._again(g, v) for g, v in zip(pooled, versions, strict=True)]
+                groups = [self._again(g) for g in pooled]
                 return RolloutPlan(groups, version, self._batches - 1)
             batch = self._batches
             self._batches += 1
             return RolloutPlan(self._fresh_groups(batch, self._capped(step)), version, batch)
-        carried = [self._again(g, v) for g, v in zip(self._carried, self._carried_versions, strict=True)]
-        self._carried, self._carried_versions = [], []
+        carried = [self._again(g) for g in self._carried]
+        self._carried = []
         return RolloutPlan(self._fresh_groups(step, self._capped(step)) + carried, version, step)
 
     def collect(self, step: int, plan: RolloutPlan, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
@@ -213,10 +211,9 @@ class CutSchedule(Schedule):
                 cut |= result.finish_reason == "preempted"  # the step's budget stopped it: it goes on
                 stale += 0 if kept is None else len(kept.token_ids)
                 whole.append(result)
-            done = TrainedGroup(group.prompt, group.requests, whole, stale)
+            done = TrainedGroup(group.prompt, group.requests, whole, stale, plan.policy_version)
             if cut:
                 self._carried.append(done)
-                self._carried_versions.append(plan.policy_version)
             else:
                 trained.append(done)
             if group.fresh:  # a cut response counts at its cut length: a lower bound, and the budget's own value
@@ -230,7 +227,7 @@ class CutSchedule(Schedule):
             return self.sampling
         return replace(self.sampling, max_new_tokens=budget)
 
-    def _again(self, group: TrainedGroup, version: int) -> Group:
+    def _again(self, group: TrainedGroup) -> Group:
         """A carried group as this step generates it."""
         requests, results = group.requests, group.results
         if self.kind == "partial":  # finished responses are kept; cut ones are continued by the new policy
@@ -244,14 +241,16 @@ class CutSchedule(Schedule):
                 else:
                     generate.append(None)
                 kept.append(result)
-            return Group(group.prompt, requests, generate, kept, version)
+            return Group(group.prompt, requests, generate, kept)
         generate = [
-            replace(r, draft=Draft(r.key, tuple(res.token_ids), version, finished=res.finish_reason != "preempted"))
+            replace(
+                r, draft=Draft(r.key, tuple(res.token_ids), group.version, finished=res.finish_reason != "preempted")
+            )
             if self.drafts and res.token_ids
             else r
             for r, res in zip(requests, results, strict=True)
         ]  # exact-partial, tail-batching: generated again by the new policy, with the cut responses as drafts
-        return Group(group.prompt, requests, generate, version=version)
+        return Group(group.prompt, requests, generate)
 
 
 def _joined(
