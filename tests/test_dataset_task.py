@@ -267,6 +267,32 @@ def test_the_math_example_runs_a_chat_model_and_speculation_changes_no_rollout(c
     assert all(s.train["skipped"] == 0 for s in drafted)  # every step trained
 
 
+@pytest.mark.slow
+def test_exact_partial_rollouts_at_a_32k_vocabulary_in_bfloat16_with_top_k_and_top_p(chat_model, tmp_path):
+    """The exact partial schedule (docs/design.md §12) where users run it: a 32,000-token vocabulary, bfloat16
+    ranks, top-k and top-p. A group with a response over 16 tokens is cut and generated again next step with its
+    cut responses as drafts. No trained token comes from an older policy; drafts change no response but for
+    bfloat16's verify/decode rounding near-ties (§3.2), at most one response in six as the engine conformance
+    allows (here: one response of 24 differs, in the last step)."""
+    extra = ("model.dtype=bfloat16", "trainer.optimizer.learning_rate=1e-3", "rollout.sampling.temperature=0.8",
+             "rollout.sampling.top_k=50", "rollout.sampling.top_p=0.9", "schedule.kind=exact-partial",
+             "schedule.cut_tokens=16", "logged_prompts=8")  # fmt: skip
+    plain = _math_example(tmp_path, "exact-plain", chat_model, speculation=False, extra=extra)
+    drafted = _math_example(tmp_path, "exact-drafted", chat_model, speculation=True, extra=extra)
+    assert plain[0].carried_groups > 0  # the budget cut a group, and it came back a step later
+    assert all(s.stale_tokens == 0 and s.policy_lag == 0 for s in plain + drafted)
+    assert drafted[1].draft_tokens_accepted > 0 and drafted[1].decode_steps < plain[1].decode_steps
+    assert [s.num_samples for s in drafted] == [s.num_samples for s in plain]
+    responses = [
+        [(group.step, group.prompt_uid, r.text) for group in RunDirectory(tmp_path / name).read_samples()
+         for r in group.responses]
+        for name in ("exact-plain", "exact-drafted")
+    ]  # fmt: skip
+    assert len(responses[0]) == len(responses[1]) == sum(s.num_samples for s in plain)  # every group logged
+    differing = sum(a != b for a, b in zip(*responses, strict=True))
+    assert differing <= len(responses[0]) / 6, f"{differing} of {len(responses[0])} responses differ"
+
+
 def test_make_tasks_gives_the_held_out_split_the_same_seed_and_the_model_folder(chat_model, problems):
     config = validate(
         SMALL
