@@ -151,7 +151,62 @@ REWARDS = ("answer", "digits")
 """The task's reward functions, see :class:`ArithmeticTask`."""
 
 
-class ArithmeticTask(Task):
+class CharacterTask(Task):
+    """A procedural task on the character-level tokenizer of :func:`build_tokenizer` (the shipped tiny models'
+    vocabulary): its seed, its prompts per step, and text to token ids and back. Subclasses draw the prompts
+    and score the responses."""
+
+    def __init__(self, seed: int, prompts_per_step: int) -> None:
+        if not _is_integer(seed):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not _is_integer(prompts_per_step) or prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be an integer >= 1, got {prompts_per_step!r}")
+        self.seed = seed
+        self.prompts_per_step = prompts_per_step
+        self._tokenizer = build_tokenizer()
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._tokenizer.token_to_id(PAD_TOKEN)
+
+    @property
+    def bos_token_id(self) -> int:
+        return self._tokenizer.token_to_id(BOS_TOKEN)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._tokenizer.token_to_id(EOS_TOKEN)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, one per character, no ``<bos>``."""
+        unknown = sorted(set(text) - set(ALPHABET))
+        if unknown:
+            raise ValueError(f"characters {unknown!r} are not in the task's alphabet {ALPHABET!r}")
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``; special tokens are written out (``<eos>``), not skipped."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def _text_until_eos(self, response_token_ids: Sequence[int]) -> str | None:
+        """The text of a response up to its first ``<eos>``; None if it holds anything but token ids of the
+        vocabulary (a malformed response scores 0 rather than raising)."""
+        try:
+            token_ids = [operator.index(token_id) for token_id in response_token_ids]
+        except TypeError:
+            return None
+        if self.eos_token_id in token_ids:
+            token_ids = token_ids[: token_ids.index(self.eos_token_id)]
+        if any(not 0 <= token_id < self.vocab_size for token_id in token_ids):
+            return None
+        return self.decode(token_ids)
+
+
+class ArithmeticTask(CharacterTask):
     """Prompts of long additions, and the reward for answering them.
 
     ``batch(step)`` is a pure function of ``(seed, step)`` (and the options), so the source is peekable.
@@ -186,10 +241,7 @@ class ArithmeticTask(Task):
         digits_continue_probability: float = DIGITS_CONTINUE_PROBABILITY,
         dataset_size: int | None = None,
     ) -> None:
-        if not _is_integer(seed):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if not _is_integer(prompts_per_step) or prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be an integer >= 1, got {prompts_per_step!r}")
+        super().__init__(seed, prompts_per_step)
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(map(repr, REWARDS))}, got {reward!r}")
         if not _is_integer(max_digits) or not 1 <= max_digits <= MAX_DIGITS:
@@ -205,13 +257,10 @@ class ArithmeticTask(Task):
                 f"dataset_size must be a positive multiple of prompts_per_step ({prompts_per_step}), "
                 f"got {dataset_size!r}"
             )
-        self.seed = seed
         self.dataset_size = dataset_size
-        self.prompts_per_step = prompts_per_step
         self.reward = reward
         self.max_digits = max_digits
         self.digits_continue_probability = float(digits_continue_probability)
-        self._tokenizer = build_tokenizer()
 
     @staticmethod
     def model_path() -> Path:
@@ -219,36 +268,9 @@ class ArithmeticTask(Task):
         return Path(__file__).parent / "assets" / "tiny-arith"
 
     @property
-    def pad_token_id(self) -> int:
-        return self._tokenizer.token_to_id(PAD_TOKEN)
-
-    @property
-    def bos_token_id(self) -> int:
-        return self._tokenizer.token_to_id(BOS_TOKEN)
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._tokenizer.token_to_id(EOS_TOKEN)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
-    @property
     def max_new_tokens(self) -> int:
         """Enough new tokens for the longest reference response, ``<eos>`` included."""
         return max_response_tokens(self.max_digits)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, one per character, no ``<bos>``."""
-        unknown = sorted(set(text) - set(ALPHABET))
-        if unknown:
-            raise ValueError(f"characters {unknown!r} are not in the task's alphabet {ALPHABET!r}")
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """The text of ``token_ids``; special tokens are written out (``<eos>``), not skipped."""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def batch(self, step: int) -> list[Prompt]:
         """The prompts of ``step``: a pure function of ``(seed, step)`` (of the epoch position with
@@ -292,13 +314,6 @@ class ArithmeticTask(Task):
 
     def parse_answer(self, response_token_ids: Sequence[int]) -> str | None:
         """The answer after ``;`` in a response (up to its first ``<eos>``); ``None`` if it is malformed."""
-        try:
-            token_ids = [operator.index(token_id) for token_id in response_token_ids]
-        except TypeError:  # not integers: a malformed response, which scores 0 rather than raising
-            return None
-        if self.eos_token_id in token_ids:
-            token_ids = token_ids[: token_ids.index(self.eos_token_id)]
-        if any(not 0 <= token_id < self.vocab_size for token_id in token_ids):
-            return None
-        match = _ANSWER_PATTERN.fullmatch(self.decode(token_ids))
+        text = self._text_until_eos(response_token_ids)
+        match = None if text is None else _ANSWER_PATTERN.fullmatch(text)
         return None if match is None else match.group(1)
