@@ -1,8 +1,8 @@
 """Build the arithmetic task's tokenizer and pre-train the tiny Llama models that ship with bubblespec.
 
     PYTHONPATH=. python scripts/train_tiny_model.py            # writes bubblespec/tasks/assets/tiny-arith
-    PYTHONPATH=. python scripts/train_tiny_model.py --task collatz --steps 3000 --batch-size 16 --threads 2
-                                                               # writes bubblespec/tasks/assets/tiny-collatz
+    PYTHONPATH=. python scripts/train_tiny_model.py --task collatz --steps 3000 --batch-size 16 \
+        --label-smoothing 0.002 --threads 2                    # writes bubblespec/tasks/assets/tiny-collatz
 
 Teacher forcing on reference responses (loss on response tokens and ``<eos>`` only, label-smoothed), AdamW,
 about ten minutes on one CPU thread. Training is deliberately short: the model should solve only part of the
@@ -18,8 +18,9 @@ and the length distribution of the reference responses. Needs ``transformers`` (
 run to 4,000 tokens. Its step needs only the value before it, so an example is the prompt and a window of
 ``--window`` response tokens cut at a value boundary, with the position ids the window has in the whole response
 (the model sees the prompt as far back as it will be when it generates there); the window's first value, whose
-predecessor is cut off, carries no loss unless the window starts the response. Its score is the task's reward
-(the share of the trajectory right from the start) and the share of whole trajectories right.
+predecessor is cut off, carries no loss unless the window starts the response. Its label smoothing is small
+(0.002): a response of hundreds of tokens needs a per-token error rate far below the arithmetic model's. Its score
+is the task's reward (the share of the trajectory right from the start) and the share of whole trajectories right.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def collatz_window(task, n: int, rng: random.Random, window: int):
     comma = task.encode(",")[0]
     starts = [0] + [i + 1 for i, token in enumerate(response) if token == comma]
     start = 0 if rng.random() < 0.25 else rng.choice(starts)
-    unlabelled = 0 if start == 0 else next((i - start + 1 for i in starts[1:] if i > start), 0)
+    ends = [*starts[1:], len(response) - 1]  # where the value after each start begins, or the final <eos>
+    unlabelled = 0 if start == 0 else next(end for end in ends if end > start) - start  # the value and its ","
     return prompt.token_ids, response[start : start + window], start, unlabelled
 
 
