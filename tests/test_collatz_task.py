@@ -113,3 +113,38 @@ def test_bad_options_are_config_errors_that_say_what_is_allowed(tmp_path, option
     config = validate({"name": "c", "output_dir": str(tmp_path), "task": {"name": "collatz", "options": options}})
     with pytest.raises(ConfigError, match=message):
         make_task(config)
+
+
+def _training_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "train_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pre_training_windows_label_only_values_whose_predecessor_they_hold(task):
+    """scripts/train_tiny_model.py --task collatz trains on windows of the response with their true position ids;
+    a window's first value has no predecessor in it (unless the window starts the response) and must carry no
+    loss, the last value ``1`` included (else the model learns that ``=`` is followed by ``1``)."""
+    pytest.importorskip("transformers")
+    script = _training_script()
+    rng = random.Random(0)
+    comma = task.encode(",")[0]
+    for n in (27, 633, 6, 97):
+        response = task.reference_response_ids(task.make_prompt(n, uid="n"))
+        for _ in range(40):
+            prompt_ids, window, start, unlabelled = script.collatz_window(task, n, rng, window=12)
+            assert window == response[start : start + 12]
+            assert start == 0 or response[start - 1] == comma  # a window starts at a value
+            rest = response[start:]
+            # its first value and that value's "," carry no loss (the last value, 1, all but the <eos> after it)
+            first_value = rest.index(comma) + 1 if comma in rest else len(rest) - 1
+            assert unlabelled == (first_value if start else 0)
+            input_ids, _, labels, positions = script.collate([(prompt_ids, window, start, unlabelled)], 0)
+            assert positions[0, len(prompt_ids)].item() == len(prompt_ids) + start  # where the window really is
+            assert (labels[0, : len(prompt_ids) + unlabelled] == -100).all()
+            assert labels[0, len(prompt_ids) + unlabelled :].tolist() == window[unlabelled:]
