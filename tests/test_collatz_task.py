@@ -148,3 +148,33 @@ def test_pre_training_windows_label_only_values_whose_predecessor_they_hold(task
             assert positions[0, len(prompt_ids)].item() == len(prompt_ids) + start  # where the window really is
             assert (labels[0, : len(prompt_ids) + unlabelled] == -100).all()
             assert labels[0, len(prompt_ids) + unlabelled :].tolist() == window[unlabelled:]
+
+
+def test_the_shipped_model_writes_trajectories_greedily_and_worse_at_temperature_one():
+    """The pre-trained model in assets/tiny-collatz (scripts/train_tiny_model.py --task collatz): small, a 4,096-token
+    context, the task's tokenizer; greedy it writes nearly every trajectory right, its temperature-1 samples
+    (what GRPO trains on) much less often: the gap reinforcement learning closes."""
+    import statistics
+
+    from tokenizers import Tokenizer
+
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.tasks.arithmetic import build_tokenizer
+
+    folder = CollatzTask.model_path()
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 8 * 2**20
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab() == build_tokenizer().get_vocab()
+    task = CollatzTask(seed=12345, prompts_per_step=24, max_digits=5, max_response_tokens=800)
+    engine = TorchEngine.from_pretrained(str(folder), dtype="float32")
+    assert engine.vocab_size == task.vocab_size
+    prompts = task.batch(0)
+    rewards = {}
+    for temperature in (0.0, 1.0):
+        sampling = SamplingParams(temperature, max_new_tokens=task.max_new_tokens, stop_token_ids=(task.eos_token_id,))
+        results = engine.generate(
+            [GenerationRequest(p.token_ids, RolloutKey(0, 0, p.uid, 0), sampling) for p in prompts]
+        )
+        rewards[temperature] = statistics.fmean(task(p, r.token_ids) for p, r in zip(prompts, results, strict=True))
+    assert rewards[0.0] >= 0.95, rewards
+    assert rewards[1.0] <= rewards[0.0] - 0.1, rewards
