@@ -192,6 +192,24 @@ class CharacterTask(Task):
         """The text of ``token_ids``; special tokens are written out (``<eos>``), not skipped."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
+    def reference_response(self, prompt: Prompt | str) -> str:
+        """The pre-training target of a prompt (text, without ``<eos>``)."""
+        raise NotImplementedError
+
+    def reference_response_ids(self, prompt: Prompt | str) -> list[int]:
+        """Token ids of :meth:`reference_response`, ending with ``<eos>``."""
+        return [*self.encode(self.reference_response(prompt)), self.eos_token_id]
+
+    @staticmethod
+    def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+    @staticmethod
+    def _check_integer_in(name: str, value: object, low: int, high: int) -> None:
+        if not _is_integer(value) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
     def _text_until_eos(self, response_token_ids: Sequence[int]) -> str | None:
         """The text of a response up to its first ``<eos>``; None if it holds anything but token ids of the
         vocabulary (a malformed response scores 0 rather than raising)."""
@@ -242,10 +260,8 @@ class ArithmeticTask(CharacterTask):
         dataset_size: int | None = None,
     ) -> None:
         super().__init__(seed, prompts_per_step)
-        if reward not in REWARDS:
-            raise ValueError(f"reward must be one of {', '.join(map(repr, REWARDS))}, got {reward!r}")
-        if not _is_integer(max_digits) or not 1 <= max_digits <= MAX_DIGITS:
-            raise ValueError(f"max_digits must be an integer in [1, {MAX_DIGITS}], got {max_digits!r}")
+        self._check_choice("reward", reward, REWARDS)
+        self._check_integer_in("max_digits", max_digits, 1, MAX_DIGITS)
         if isinstance(digits_continue_probability, bool) or not isinstance(digits_continue_probability, int | float):
             raise ValueError(f"digits_continue_probability must be a number, got {digits_continue_probability!r}")
         if not 0 <= digits_continue_probability < 1:
@@ -297,10 +313,6 @@ class ArithmeticTask(CharacterTask):
         """The worked solution of a prompt (text, without ``<eos>``): the pre-training target."""
         text = prompt.text if isinstance(prompt, Prompt) else prompt
         return worked_solution(*parse_prompt(text))
-
-    def reference_response_ids(self, prompt: Prompt | str) -> list[int]:
-        """Token ids of :meth:`reference_response`, ending with ``<eos>``."""
-        return [*self.encode(self.reference_response(prompt)), self.eos_token_id]
 
     def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float:
         """The reward of a response: with ``reward="answer"`` 1.0 if its final answer equals ``prompt.answer``,

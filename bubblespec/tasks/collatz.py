@@ -142,14 +142,9 @@ class CollatzTask(CharacterTask):
         max_response_tokens: int = MAX_RESPONSE_TOKENS,
     ) -> None:
         super().__init__(seed, prompts_per_step)
-        if reward not in REWARDS:
-            raise ValueError(f"reward must be one of {', '.join(map(repr, REWARDS))}, got {reward!r}")
-        if not _is_integer(max_digits) or not 1 <= max_digits <= MAX_DIGITS:
-            raise ValueError(f"max_digits must be an integer in [1, {MAX_DIGITS}], got {max_digits!r}")
-        if not _is_integer(max_response_tokens) or not 8 <= max_response_tokens <= MAX_RESPONSE_TOKENS:
-            raise ValueError(
-                f"max_response_tokens must be an integer in [8, {MAX_RESPONSE_TOKENS}], got {max_response_tokens!r}"
-            )
+        self._check_choice("reward", reward, REWARDS)
+        self._check_integer_in("max_digits", max_digits, 1, MAX_DIGITS)
+        self._check_integer_in("max_response_tokens", max_response_tokens, 8, MAX_RESPONSE_TOKENS)
         self.reward = reward
         self.max_digits = max_digits
         self.max_response_tokens = max_response_tokens
@@ -183,10 +178,6 @@ class CollatzTask(CharacterTask):
     def reference_response(self, prompt: Prompt | str) -> str:
         """The trajectory of a prompt (text, without ``<eos>``): the pre-training target."""
         return worked_solution(parse_prompt(prompt.text if isinstance(prompt, Prompt) else prompt))
-
-    def reference_response_ids(self, prompt: Prompt | str) -> list[int]:
-        """Token ids of :meth:`reference_response`, ending with ``<eos>``."""
-        return [*self.encode(self.reference_response(prompt)), self.eos_token_id]
 
     def __call__(self, prompt: Prompt, response_token_ids: Sequence[int]) -> float:
         text = self._text_until_eos(response_token_ids)
