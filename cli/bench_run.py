@@ -74,7 +74,28 @@ def _compare(off: StepRecord, on: StepRecord) -> dict:
         "rollout_seconds_on": on.phase_seconds.rollout,
         "rollout_seconds_off_estimated_by_on": on.rollout_seconds_without_drafts,
         "throughput_ratio": off.phase_seconds.rollout / on.phase_seconds.rollout,
+        "train_seconds_on": on.phase_seconds.train,
+        "weight_sync_seconds_on": on.phase_seconds.weight_sync,
+        "step_seconds_off": off.phase_seconds.total,
+        "step_seconds_on": on.phase_seconds.total,
+        "step_seconds_ratio": off.phase_seconds.total / on.phase_seconds.total,
+        **_slowest_response(on),
         "identical_rollouts": off.rollout_digest == on.rollout_digest and off.reward_mean == on.reward_mean,
+    }
+
+
+def _slowest_response(on: StepRecord) -> dict:
+    """The rank that finished its shard last, and its response with the most decode steps: what the rollout
+    waited for. The response's tokens not accepted from a draft were decoded one per forward pass."""
+    if not on.ranks:
+        return {}
+    rank = max(on.ranks, key=lambda r: (r.generation_seconds, r.forward_passes))
+    return {
+        "slowest_rank": rank.rank,
+        "slowest_rank_forward_passes": rank.forward_passes,
+        "slowest_response_tokens": rank.slowest_response_tokens,
+        "slowest_response_draft_tokens": rank.slowest_response_draft_tokens,
+        "slowest_response_decode_steps": rank.slowest_response_decode_steps,
     }
 
 
@@ -113,7 +134,8 @@ def _estimated_ratio(on: list[StepRecord]) -> float | None:
 
 
 def print_report(report: dict, console=None) -> None:
-    """Two tables per step (decode steps, rollout seconds; each fits 80 columns), then the aggregates."""
+    """Three tables per step (decode steps, rollout seconds, whole steps; each fits 80 columns), then the
+    aggregates."""
     from rich.console import Console
     from rich.table import Table
 
@@ -144,8 +166,32 @@ def print_report(report: dict, console=None) -> None:
             f"{s['throughput_ratio']:.2f}x",
             "yes" if s["identical_rollouts"] else "NO",
         )
+    whole = Table(
+        title="whole step seconds (train: with weight sync); the slowest rank: its forward passes, and of its "
+        "response with the most decode steps the tokens and how many were accepted draft tokens"
+    )
+    for column in ("step", "off", "on", "ratio", "train", "rank", "passes", "tokens", "drafted"):
+        whole.add_column(column, justify="right")
+    for s in report["per_step"]:
+        whole.add_row(
+            str(s["step"]),
+            f"{s['step_seconds_off']:.2f}",
+            f"{s['step_seconds_on']:.2f}",
+            f"{s['step_seconds_ratio']:.2f}x",
+            f"{s['train_seconds_on'] + s['weight_sync_seconds_on']:.2f}",
+            *(
+                str(s.get(k, "—"))
+                for k in (
+                    "slowest_rank",
+                    "slowest_rank_forward_passes",
+                    "slowest_response_tokens",
+                    "slowest_response_draft_tokens",
+                )
+            ),
+        )
     console.print(decode)
     console.print(rollout)
+    console.print(whole)
     console.print("off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes")
     for label in ("overall", "from_step_2"):
         console.print(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in report[label].items()))

@@ -261,6 +261,16 @@ def _bench_reports() -> dict[str, dict]:
         "rollout_seconds_on": 45.678,
         "rollout_seconds_off_estimated_by_on": 123.123,
         "throughput_ratio": 12.41,
+        "train_seconds_on": 6.123,
+        "weight_sync_seconds_on": 1.266,
+        "step_seconds_off": 131.846,
+        "step_seconds_on": 54.067,
+        "step_seconds_ratio": 2.44,
+        "slowest_rank": 63,
+        "slowest_rank_forward_passes": 12345,
+        "slowest_response_tokens": 12345,
+        "slowest_response_draft_tokens": 1234,
+        "slowest_response_decode_steps": 11111,
         "identical_rollouts": True,
     }
     aggregate = {"decode_step_reduction": 0.92, "acceptance_length_mean": 14.2, "step_seconds_ratio": 1.5}
@@ -333,7 +343,11 @@ def _bench_reports() -> dict[str, dict]:
 @pytest.mark.parametrize(
     ("bench", "shown"),
     [
-        ("run", ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes"]),
+        (
+            "run",
+            ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes"]
+            + ["131.85", "54.07", "2.44x", "7.39", "63", "12345", "1234"],
+        ),
         ("peers", ["history+group+ngram", "123456", "1234567", "-91.7%", "12.41x", "12345678", "0.95", "identical"]),
         ("engine", ["9876", "12345", "11.36x", "23456", "13.40x", "1287 -> 122", "0 (0.0%)", "12 (18.8%)"]),
     ],

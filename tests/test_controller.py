@@ -109,6 +109,11 @@ def test_each_recipe_trains_identically_with_speculation_on_and_off(tmp_path, re
     report = run_side_by_side(config, tmp_path)
     assert report["identical_rollouts"] and report["identical_weights"]
     assert report["from_step_2"]["decode_step_reduction"] > 0.3
+    for step in report["per_step"]:  # a rank's batch waits for its slowest response
+        assert 0 < step["slowest_response_decode_steps"] <= step["slowest_rank_forward_passes"]
+        assert step["step_seconds_on"] == pytest.approx(
+            step["rollout_seconds_on"] + step["train_seconds_on"] + step["weight_sync_seconds_on"]
+        )
     steps = RunDirectory(tmp_path / f"{config.name}-speculation-on").read_steps()
     assert RECIPE_CHECKS[recipe](steps), [s.train for s in steps]
 

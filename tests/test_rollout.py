@@ -90,6 +90,23 @@ def test_drafted_tokens_count_only_what_drafting_sampled(engine):
     assert drafted_tokens(continued) == continued[0].stats.decode_steps < len(first[0].token_ids)
 
 
+def test_a_rank_record_names_its_slowest_response(engine):
+    """The response with the most decode steps sets a rank's forward passes: the record keeps its decode steps,
+    tokens and accepted draft tokens, and every token it did not take from a draft cost one decode step."""
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    keys = [RolloutKey(0, 1, f"p{i}", 0) for i in range(3)]
+    plain = engine.generate([GenerationRequest((1, 3 + i, 7), key, sampling) for i, key in enumerate(keys)])
+    drafted = [  # p0 and p1 with their whole response as draft, p2 with its first 5 tokens only
+        GenerationRequest((1, 3 + i, 7), key, sampling, Draft(key, tuple(r.token_ids[: 24 if i < 2 else 5]), 0))
+        for i, (key, r) in enumerate(zip(keys, plain, strict=True))
+    ]
+    pool = VirtualRankPool(engine, num_ranks=1, profile=PROFILES["h100-7b"])
+    rank = pool.rollout([drafted], DraftPlan([], num_ranks=1)).ranks[0]
+    assert rank.slowest_response_tokens == 24
+    assert rank.slowest_response_draft_tokens == 5
+    assert rank.slowest_response_decode_steps == 24 - 5 == rank.forward_passes
+
+
 def test_a_failing_engine_names_its_rank_and_backend():
     from bubblespec.errors import EngineError
     from bubblespec.serve_ranks import RankReplica
