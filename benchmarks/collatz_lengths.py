@@ -4,7 +4,8 @@
     python benchmarks/collatz_lengths.py --out benchmarks/long/collatz-lengths.png
 
 Draws ``--prompts`` numbers as the task draws them (``bubblespec.tasks.collatz.sample_number``, default options)
-and plots the tokens of their reference responses (``<eos>`` included) on a linear and on a log axis.
+and plots the tokens of their reference responses (``<eos>`` included) on a linear and on a log axis; then the
+spread within a step: over 200 steps of ``--step-prompts`` prompts, the step's longest reference over its median.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from pathlib import Path
 from bubblespec.tasks.collatz import DEFAULT_MAX_DIGITS, MAX_RESPONSE_TOKENS, response_tokens, sample_number
 
 
+def lengths_of_step(rng: random.Random, prompts: int) -> list[int]:
+    return [response_tokens(sample_number(rng, DEFAULT_MAX_DIGITS, MAX_RESPONSE_TOKENS)) for _ in range(prompts)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("collatz-lengths.png"))
+    parser.add_argument("--step-prompts", type=int, default=32, help="prompts of one step, for the per-step spread")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -35,6 +41,14 @@ def main() -> None:
         f"{args.prompts} prompts: mean {mean:.0f}, median {quantiles[0.5]}, p90 {quantiles[0.9]}, "
         f"p99 {quantiles[0.99]}, max {lengths[-1]} tokens; max / median {lengths[-1] / quantiles[0.5]:.1f}; "
         f"the longest 10% hold {share_of_tokens:.0%} of the tokens"
+    )
+
+    # Within one step (the batch a rollout waits on): the longest reference over the step's median, per step drawn.
+    steps = [lengths_of_step(rng, args.step_prompts) for _ in range(200)]
+    spreads = sorted(max(step) / statistics.median(step) for step in steps)
+    print(
+        f"200 steps of {args.step_prompts} prompts: a step's longest reference is {statistics.median(spreads):.1f} "
+        f"times its median (median over steps; from {spreads[0]:.1f} to {spreads[-1]:.1f})"
     )
 
     import matplotlib
