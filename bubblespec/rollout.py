@@ -81,12 +81,13 @@ class RankRecord:
     drafting_seconds_while_training: float | None = None
     draft_tokens_produced_while_training: int | None = None
     """Its drafting while the trainer ran (speculation.draft_during_training only)."""
-    slowest_response_decode_steps: int = 0
-    slowest_response_tokens: int = 0
-    slowest_response_draft_tokens: int = 0
+    slowest_response_decode_steps: int | None = None
+    slowest_response_tokens: int | None = None
+    slowest_response_draft_tokens: int | None = None
     """The shard's response with the most decode steps: its decode steps (a rank's batch waits for it, so they
-    bound the rank's forward passes from below), its tokens and how many of them were accepted draft tokens. Its
-    tokens not accepted from a draft were decoded one per forward pass."""
+    bound the rank's forward passes from below), its tokens and how many of them were accepted draft tokens (of any
+    source). Its tokens not accepted from a draft were decoded one per forward pass. None: no response (or a step
+    record written before these fields existed)."""
 
     def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
         self.num_requests += len(results)
@@ -98,7 +99,7 @@ class RankRecord:
             self.verify_steps += result.stats.verify_steps
             self.draft_tokens_proposed += result.stats.draft_tokens_proposed
             self.draft_tokens_accepted += result.stats.draft_tokens_accepted
-            if result.stats.decode_steps > self.slowest_response_decode_steps:
+            if result.stats.decode_steps > (self.slowest_response_decode_steps or -1):
                 self.slowest_response_decode_steps = result.stats.decode_steps
                 self.slowest_response_tokens = len(result.token_ids)
                 self.slowest_response_draft_tokens = result.stats.draft_tokens_accepted

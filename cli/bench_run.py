@@ -90,6 +90,8 @@ def _slowest_response(on: StepRecord) -> dict:
     if not on.ranks:
         return {}
     rank = max(on.ranks, key=lambda r: (r.generation_seconds, r.forward_passes))
+    if rank.slowest_response_decode_steps is None:  # a record from before these fields
+        return {"slowest_rank": rank.rank, "slowest_rank_forward_passes": rank.forward_passes}
     return {
         "slowest_rank": rank.rank,
         "slowest_rank_forward_passes": rank.forward_passes,
@@ -168,7 +170,7 @@ def print_report(report: dict, console=None) -> None:
         )
     whole = Table(
         title="whole step seconds (train: with weight sync); the slowest rank: its forward passes, and of its "
-        "response with the most decode steps the tokens and how many were accepted draft tokens"
+        "response with the most decode steps the tokens and how many were accepted draft tokens (any source)"
     )
     for column in ("step", "off", "on", "ratio", "train", "rank", "passes", "tokens", "drafted"):
         whole.add_column(column, justify="right")

@@ -267,9 +267,9 @@ def _bench_reports() -> dict[str, dict]:
         "step_seconds_on": 54.067,
         "step_seconds_ratio": 2.44,
         "slowest_rank": 63,
-        "slowest_rank_forward_passes": 12345,
-        "slowest_response_tokens": 12345,
-        "slowest_response_draft_tokens": 1234,
+        "slowest_rank_forward_passes": 11112,
+        "slowest_response_tokens": 13579,
+        "slowest_response_draft_tokens": 2468,
         "slowest_response_decode_steps": 11111,
         "identical_rollouts": True,
     }
@@ -346,7 +346,7 @@ def _bench_reports() -> dict[str, dict]:
         (
             "run",
             ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes"]
-            + ["131.85", "54.07", "2.44x", "7.39", "63", "12345", "1234"],
+            + ["131.85", "54.07", "2.44x", "7.39", "63", "11112", "13579", "2468"],
         ),
         ("peers", ["history+group+ngram", "123456", "1234567", "-91.7%", "12.41x", "12345678", "0.95", "identical"]),
         ("engine", ["9876", "12345", "11.36x", "23456", "13.40x", "1287 -> 122", "0 (0.0%)", "12 (18.8%)"]),
@@ -365,3 +365,19 @@ def test_bench_tables_fit_80_columns(bench, shown):
     assert max(len(line) for line in text.splitlines()) <= 80
     for number in shown:
         assert number in text
+
+
+def test_bench_names_no_slowest_response_for_a_step_recorded_before_it_was_kept():
+    """Step records written before ``RankRecord.slowest_response_*`` existed read back with None there: the bench
+    table shows a dash for the response, not a response of 0 tokens."""
+    from types import SimpleNamespace
+
+    from pydantic import TypeAdapter
+
+    from bubblespec.cli.bench_run import _slowest_response
+    from bubblespec.rollout import RankRecord
+
+    old = TypeAdapter(RankRecord).validate_python({"rank": 1, "forward_passes": 7, "generation_seconds": 2.0})
+    assert old.slowest_response_tokens is None
+    found = _slowest_response(SimpleNamespace(ranks=[RankRecord(0, generation_seconds=1.0), old]))
+    assert found == {"slowest_rank": 1, "slowest_rank_forward_passes": 7}
