@@ -18,7 +18,8 @@ from pathlib import Path
 from bubblespec.tasks.collatz import DEFAULT_MAX_DIGITS, MAX_RESPONSE_TOKENS, response_tokens, sample_number
 
 
-def lengths_of_step(rng: random.Random, prompts: int) -> list[int]:
+def reference_lengths(rng: random.Random, prompts: int) -> list[int]:
+    """Reference response tokens of ``prompts`` numbers drawn as the task draws them."""
     return [response_tokens(sample_number(rng, DEFAULT_MAX_DIGITS, MAX_RESPONSE_TOKENS)) for _ in range(prompts)]
 
 
@@ -31,9 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
-    lengths = sorted(
-        response_tokens(sample_number(rng, DEFAULT_MAX_DIGITS, MAX_RESPONSE_TOKENS)) for _ in range(args.prompts)
-    )
+    lengths = sorted(reference_lengths(rng, args.prompts))
     quantiles = {q: lengths[min(len(lengths) - 1, int(q * len(lengths)))] for q in (0.5, 0.9, 0.99)}
     mean = statistics.fmean(lengths)
     share_of_tokens = sum(length for length in lengths if length >= quantiles[0.9]) / sum(lengths)
@@ -44,7 +43,7 @@ def main() -> None:
     )
 
     # Within one step (the batch a rollout waits on): the longest reference over the step's median, per step drawn.
-    steps = [lengths_of_step(rng, args.step_prompts) for _ in range(200)]
+    steps = [reference_lengths(rng, args.step_prompts) for _ in range(200)]
     spreads = sorted(max(step) / statistics.median(step) for step in steps)
     print(
         f"200 steps of {args.step_prompts} prompts: a step's longest reference is {statistics.median(spreads):.1f} "
