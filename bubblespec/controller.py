@@ -78,6 +78,11 @@ class Components:
     """The task's held-out version, for RunConfig.eval_every."""
 
 
+REWIND = "rewind"
+"""The phase the controller reports (``on_phase``) when the trainer restarted and the run rewinds to its last
+checkpoint."""
+
+
 def task_peek(task, num_steps: int):
     """The service's peek for a run of ``num_steps`` on ``task``: the task's prompts of a later step, none past the
     end of the run."""
@@ -119,6 +124,7 @@ class Controller:
                 if (step + 1) % self.config.checkpoint_every == 0 or step == self.config.num_steps - 1:
                     self._checkpoint(step)
             except TrainerRestarted as restart:
+                self.on_phase(step, REWIND)
                 failed, step = step, self.restore(fresh_parts=False)
                 logger.warning(
                     "%s in step %d: the run rewinds to its last checkpoint and replays from step %d",

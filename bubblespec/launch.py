@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bubblespec import __version__
 from bubblespec.assembly import build_parts, close_tasks
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
@@ -29,15 +30,19 @@ def run(
     (step, phase) as the controller enters rollout, train and weight sync, and ``on_activity`` (rank,
     activity, detail) as wall-clock ranks generate, draft and fall idle within a step. With
     ``metrics.enabled`` the step records also feed Prometheus metrics served while the run runs."""
-    metrics = RunMetrics() if config.metrics.enabled else None
+    metrics = RunMetrics(config.rollout.num_ranks, run_info(config)) if config.metrics.enabled else None
+    run_dir = RunDirectory(resume_dir or config.run_dir)
     with contextlib.ExitStack() as stack:
         if metrics is not None:
+            if resume_dir is not None:  # counters continue from the steps kept, before the first scrape sees them
+                metrics.observe_history(run_dir.checkpointed_steps())
             # First: a port in use fails before Ray starts or anything is written.
             metrics.serve(config.metrics)
             stack.callback(metrics.close)
+            on_phase = _both(metrics.phase, on_phase)
+            on_activity = _both(metrics.activity, on_activity)
         parts = stack.enter_context(build_parts(config))
         stack.callback(close_tasks, parts.task, parts.eval_task)
-        run_dir = RunDirectory(resume_dir or config.run_dir)
 
         def step_done(record: StepRecord) -> None:
             if metrics is not None:
@@ -51,15 +56,45 @@ def run(
             run_dir.create(config)
         else:
             start = controller.restore()
-            if metrics is not None:
-                metrics.observe_steps(run_dir.read_steps())  # counters continue from the steps already run
+        if metrics is not None:
+            metrics.write_target(run_dir.path, config.name)
         started = time.perf_counter()
         if on_activity is not None:
             parts.service.ranks.on_activity = on_activity
-        controller.run(start_step=start)
+        try:
+            controller.run(start_step=start)
+        except KeyboardInterrupt:
+            if metrics is not None:
+                metrics.remove_target()
+            raise
+        if metrics is not None:  # a run that failed keeps its target: Prometheus shows it down
+            metrics.remove_target()
         summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started) | placement(parts)
         run_dir.write_summary(summary)
         return summary
+
+
+def _both(first: Callable | None, second: Callable | None) -> Callable | None:
+    """A listener that tells ``first`` then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda *event: (first(*event), second(*event))
+
+
+def run_info(config: RunConfig) -> dict[str, str]:
+    """The labels of ``bubblespec_run_info``: what tells this run's numbers apart from another's (simulated seconds
+    under the virtual clock)."""
+    return {
+        "clock": config.clock.kind,
+        "profile": config.clock.profile if config.clock.kind == "virtual" else "",
+        "backend": config.rollout.backend,
+        "model": config.model.path or f"{config.task.name} task's model",
+        "dtype": config.model.dtype,
+        "num_ranks": str(config.rollout.num_ranks),
+        "speculation": str(config.speculation.enabled).lower(),
+        "schedule": config.schedule.kind,
+        "version": __version__,
+    }
 
 
 def speculation_verdict(summary: dict) -> str:

@@ -1,8 +1,15 @@
-"""Prometheus metrics of a run: one registry, every name prefixed ``bubblespec_``, label ``rank`` where it applies.
+"""Prometheus metrics of a run: one registry, every name prefixed ``bubblespec_``, label ``rank`` where it applies
+(and the process's own ``process_*`` and ``python_info``).
 
 Metrics are fed from the same step records that go to the run directory's ``steps.jsonl``
 (:meth:`RunMetrics.observe_step`), so a counter is exactly the sum of its field over the JSONL and a gauge is the
-field of the last step. The controller's process serves them on ``metrics.host:metrics.port`` while the run runs.
+field of the last step. A step record counts once: the steps a run replays after its trainer restarted (docs/design.md
+§9) move the liveness gauges, not the counters. Liveness comes from events between steps: the controller's phases
+(:meth:`RunMetrics.phase`) and the rank pool's activity (:meth:`RunMetrics.activity`), so a hung step or rank shows
+while the step runs. Every rank, phase and failure-kind series exists from the start (at 0, or NaN for a gauge not yet
+known): ``increase()`` then counts the first step too. The controller's process serves them on
+``metrics.host:metrics.port`` while the run runs and writes ``OUTPUT_DIR/prometheus-targets/RUN.json`` beside its
+run directory (:func:`target_path`), a file-based service-discovery target that gives every series the label ``run``.
 
 Derived quantities are left to PromQL, e.g. bubble utilisation per rank is
 ``bubblespec_bubble_drafting_seconds_total / bubblespec_bubble_seconds_total`` and decode steps saved are
@@ -13,21 +20,38 @@ one decode step). ``dashboards/`` holds a Grafana dashboard built on these names
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import math
+import socket
+import time
 from collections.abc import Iterable
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from bubblespec.config import MetricsConfig
+from bubblespec.controller import REWIND
 from bubblespec.errors import ConfigError
 from bubblespec.records import StepRecord
 from bubblespec.rollout import RankRecord
+from bubblespec.scheduler import REPLACED
 
 logger = logging.getLogger(__name__)
 
 ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Upper bounds of the acceptance-length histogram (tokens emitted per verify step)."""
 PREEMPTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RUN_CLOCK = " Seconds of the run's clock: simulated under clock.kind virtual (bubblespec_run_info's label clock)."
 
 RANK_COUNTERS = {
     # metric (without _total): (field of a rank's record, help)
@@ -41,9 +65,9 @@ RANK_COUNTERS = {
     "bubblespec_draft_tokens_accepted": ("draft_tokens_accepted", "Draft tokens accepted by verification."),
     "bubblespec_draft_tokens_produced": ("draft_tokens_produced", "Tokens sampled by drafting in bubbles."),
     "bubblespec_drafts_made": ("draft_requests", "Drafts made by the rank in rollout bubbles."),
-    "bubblespec_generation_seconds": ("generation_seconds", "Seconds the rank spent on its shard."),
-    "bubblespec_bubble_seconds": ("bubble_seconds", "Seconds from the rank's last token to the barrier."),
-    "bubblespec_bubble_drafting_seconds": ("drafting_seconds", "Bubble seconds the rank spent drafting."),
+    "bubblespec_generation_seconds": ("generation_seconds", "Seconds the rank spent on its shard." + RUN_CLOCK),
+    "bubblespec_bubble_seconds": ("bubble_seconds", "Seconds from the rank's last token to the barrier." + RUN_CLOCK),
+    "bubblespec_bubble_drafting_seconds": ("drafting_seconds", "Bubble seconds the rank spent drafting." + RUN_CLOCK),
 }
 RANK_GAUGES = {
     "bubblespec_draft_coverage": ("draft_coverage", "Share of the rank's requests of the last step with a draft."),
@@ -51,7 +75,10 @@ RANK_GAUGES = {
 }
 STEP_GAUGES = {
     "bubblespec_reward": ("reward_mean", "Mean reward of the last step's samples."),
-    "bubblespec_rollout_tokens_per_second": ("rollout_tokens_per_second", "Tokens per second of the last rollout."),
+    "bubblespec_rollout_tokens_per_second": (
+        "rollout_tokens_per_second",
+        "Tokens per second of the last rollout." + RUN_CLOCK,
+    ),
 }
 TRAIN_GAUGES = {
     # metric: (field of the step record's "train", help); set on steps that trained (not on skipped ones)
@@ -79,13 +106,24 @@ TRAIN_COUNTERS = {
     "bubblespec_optimizer_steps": ("optimizer_steps", "Optimizer steps taken (ppo_epochs x mini-batches per step)."),
 }
 PHASES = ("rollout", "train", "weight_sync")
+RANK_STATES = ("generate", "draft", "idle")
+"""What a rank can be doing (the activity the rank pool reports, :data:`bubblespec.scheduler.ActivityListener`)."""
+REWARD_FAILURE_KINDS = ("timeout", "error")
+TARGETS_DIR = "prometheus-targets"
+"""The folder of the output_dir where runs write their service-discovery targets (dashboards/prometheus.yml reads
+``*.json`` there: Prometheus globs only a path's last part)."""
 
 
 class RunMetrics:
-    """The registry of one run and, once :meth:`serve` is called, its HTTP endpoint."""
+    """The registry of one run and, once :meth:`serve` is called, its HTTP endpoint. ``num_ranks`` creates the
+    per-rank series at start-up; ``info`` labels ``bubblespec_run_info`` (clock, backend, model, dtype, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_ranks: int = 0, info: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.run_info = Info("bubblespec_run", "The run's settings, as labels (value 1).", registry=self.registry)
+        self.run_info.info(info or {})
         self._rank_counters = {
             name: (field, Counter(name, text, ["rank"], registry=self.registry))
             for name, (field, text) in RANK_COUNTERS.items()
@@ -106,13 +144,16 @@ class RunMetrics:
         )
         self.preemption_latency = Histogram(
             "bubblespec_preemption_latency_seconds",
-            "From the barrier to a drafting rank's stop, for ranks drafting at the barrier.",
+            "From the barrier to a drafting rank's stop, for ranks drafting at the barrier." + RUN_CLOCK,
             ["rank"],
             buckets=PREEMPTION_BUCKETS,
             registry=self.registry,
         )
         self.phase_seconds = Counter(
-            "bubblespec_phase_seconds", "Seconds spent per phase of the RL step.", ["phase"], registry=self.registry
+            "bubblespec_phase_seconds",
+            "Seconds spent per phase of the RL step." + RUN_CLOCK,
+            ["phase"],
+            registry=self.registry,
         )
         self.steps = Counter("bubblespec_steps", "Completed RL steps.", registry=self.registry)
         self.policy_version = Gauge(
@@ -143,28 +184,131 @@ class RunMetrics:
             ["kind"],
             registry=self.registry,
         )
-        # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0.
+        self.step_started = Gauge(
+            "bubblespec_step_started_timestamp_seconds",
+            "Unix time the current (or last) step started, on the wall clock whatever the run's clock.",
+            registry=self.registry,
+        )
+        self.step_finished = Gauge(
+            "bubblespec_step_finished_timestamp_seconds",
+            "Unix time the last step finished (wall clock).",
+            registry=self.registry,
+        )
+        self.step_wall_seconds = Gauge(
+            "bubblespec_step_wall_seconds",
+            "Wall-clock seconds of the last finished step, from its start to its record.",
+            registry=self.registry,
+        )
+        self.rank_state = Gauge(
+            "bubblespec_rank_state",
+            f"1 for what the rank is doing now ({', '.join(RANK_STATES)}), 0 for the rest.",
+            ["rank", "state"],
+            registry=self.registry,
+        )
+        self.rank_progress = Gauge(
+            "bubblespec_rank_last_progress_timestamp_seconds",
+            "Unix time of the rank's last activity: started or finished its shard or a drafting chunk, or replaced.",
+            ["rank"],
+            registry=self.registry,
+        )
+        self.replica_replacements = Counter(
+            "bubblespec_replica_replacements",
+            "Times the rank's engine replica died and its replacement got the policy (Ray Serve ranks).",
+            ["rank"],
+            registry=self.registry,
+        )
+        self.trainer_restarts = Counter(
+            "bubblespec_trainer_restarts",
+            "Times the trainer's workers restarted and the run rewound to its last checkpoint.",
+            registry=self.registry,
+        )
+        # No value before the first step (or eval): NaN, which Prometheus shows as a gap, not as a real 0. A NaN is
+        # never a real value: a loss or gradient that is not finite stops the run (NonFiniteError, docs/design.md §10).
         gauges = (
             *(gauge for _, gauge in self._step_gauges.values()),
             self.eval_reward,
             self.draft_store_tokens,
             *(gauge for _, gauge in self._train_gauges.values()),
+            self.step_started,
+            self.step_finished,
+            self.step_wall_seconds,
         )
         for gauge in gauges:
-            gauge.set(float("nan"))
+            gauge.set(math.nan)
+        self._ranks: set[str] = set()
+        for rank in range(num_ranks):
+            self._create_rank(str(rank))
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+        for kind in REWARD_FAILURE_KINDS:
+            self.reward_failures.labels(kind)
+        self._last_step = -1
+        """The last step whose record was counted: a replayed step's record is not counted again."""
+        self._step = None  # the step the controller is in, and when (time.time()) it started it
+        self._step_began = math.nan
         self._server = None
         self._thread = None
+        self._target: Path | None = None
+
+    def _create_rank(self, rank: str) -> None:
+        """The rank's series: counters and histograms at 0, gauges NaN (not known before its first step)."""
+        self._ranks.add(rank)
+        for _, counter in self._rank_counters.values():
+            counter.labels(rank)
+        for _, gauge in self._rank_gauges.values():
+            gauge.labels(rank).set(math.nan)
+        self.acceptance_length.labels(rank)
+        self.preemption_latency.labels(rank)
+        self.replica_replacements.labels(rank)
+        self.rank_progress.labels(rank).set(math.nan)
+        for state in RANK_STATES:
+            self.rank_state.labels(rank, state).set(state == "idle")
+
+    def phase(self, step: int, phase: str) -> None:
+        """The controller entered ``phase`` of ``step`` (an ``on_phase`` listener): the first phase of a step starts
+        it; :data:`REWIND` counts a trainer restart."""
+        if phase == REWIND:
+            self.trainer_restarts.inc()
+            return
+        if step != self._step:
+            self._step, self._step_began = step, time.time()
+            self.step_started.set(self._step_began)
+
+    def activity(self, rank: int, activity: str, detail: str) -> None:
+        """A rank pool's activity event (an :data:`~bubblespec.scheduler.ActivityListener`): the rank's state and
+        its last progress; :data:`REPLACED` counts a replica replacement."""
+        label = str(rank)
+        self.rank_progress.labels(label).set(time.time())
+        if activity == REPLACED:
+            self.replica_replacements.labels(label).inc()
+        elif activity in RANK_STATES:
+            for state in RANK_STATES:
+                self.rank_state.labels(label, state).set(state == activity)
 
     def observe_step(self, record: StepRecord) -> None:
-        """Adds one step record to the metrics."""
-        self.observe_ranks(record.ranks)
-        self._observe_run(record)
+        """A step finished: its record adds to the metrics, unless a record of that step was counted already (the
+        run replays steps after a trainer restart; keyed sampling makes their records the same)."""
+        now = time.time()
+        self.step_finished.set(now)
+        if self._step == record.step:
+            self.step_wall_seconds.set(now - self._step_began)
+        self.observe_history([record])
+
+    def observe_history(self, records: Iterable[StepRecord]) -> None:
+        """Adds step records without touching the liveness gauges: the steps a resumed run has already run."""
+        for record in records:
+            if record.step > self._last_step:
+                self.observe_ranks(record.ranks)
+                self._observe_run(record)
+                self._last_step = record.step
 
     def observe_ranks(self, ranks: Iterable[RankRecord]) -> None:
         """Adds one rollout's per-rank records (a step record's ``ranks``): what a trainer of another framework
         that calls the rollout service reports (``bubblespec.integrations``)."""
         for rank_record in ranks:
             rank = str(rank_record.rank)
+            if rank not in self._ranks:  # a rank beyond num_ranks (or none given): its series now
+                self._create_rank(rank)
             for field, counter in self._rank_counters.values():
                 counter.labels(rank).inc(getattr(rank_record, field))
             for field, gauge in self._rank_gauges.values():
@@ -198,10 +342,6 @@ class RunMetrics:
         self.reward_failures.labels("timeout").inc(record.reward_timeouts)
         self.reward_failures.labels("error").inc(record.reward_errors)
 
-    def observe_steps(self, records: Iterable[StepRecord]) -> None:
-        for record in records:
-            self.observe_step(record)
-
     def serve(self, config: MetricsConfig) -> str:
         """Starts the HTTP endpoint; returns its URL. A port in use is a :class:`ConfigError` naming it."""
         try:
@@ -222,6 +362,30 @@ class RunMetrics:
     def port(self) -> int | None:
         return None if self._server is None else self._server.server_address[1]
 
+    def write_target(self, run_dir: Path, run: str) -> Path:
+        """Writes the endpoint's file-based service-discovery target for the run in ``run_dir`` (:func:`target_path`,
+        label ``run``), in one rename so Prometheus never reads half of it. An endpoint on every address (0.0.0.0,
+        ::) is named by this machine's host name."""
+        host, port = self._server.server_address[:2]
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        elif ":" in host:
+            host = f"[{host}]"
+        target = target_path(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial")
+        partial.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": {"run": run}}], indent=2) + "\n")
+        partial.replace(target)
+        self._target = target
+        return target
+
+    def remove_target(self) -> None:
+        """Removes the target file: Prometheus stops scraping a run that ended (a run that failed keeps it, so its
+        target shows as down until it resumes or the file is deleted)."""
+        if self._target is not None:
+            self._target.unlink(missing_ok=True)
+            self._target = None
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
@@ -234,6 +398,11 @@ class RunMetrics:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def target_path(run_dir: Path) -> Path:
+    """Where the run in ``run_dir`` writes its target: ``OUTPUT_DIR/prometheus-targets/RUN.json``."""
+    return run_dir.parent / TARGETS_DIR / f"{run_dir.name}.json"
 
 
 def metric_names(registry: CollectorRegistry) -> set[str]:

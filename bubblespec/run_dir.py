@@ -8,6 +8,8 @@ a temporary folder and renamed into place, and resuming discards JSONL lines of 
     RUN_DIR/checkpoints/step-000004/     weights.safetensors, trainer.pt, drafts.json, state.json
                                          (+ history.json with the history draft source)
     RUN_DIR/summary.json                 written at the end
+
+Beside it, OUTPUT_DIR/prometheus-targets/RUN.json names the run's metrics endpoint while it runs (bubblespec.metrics).
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ class RunDirectory:
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
+
+    def checkpointed_steps(self) -> list[StepRecord]:
+        """The step records a resume keeps: those up to the latest checkpoint (none without one)."""
+        checkpoint = self.latest_checkpoint()
+        last = -1 if checkpoint is None else int(checkpoint.name.removeprefix("step-"))
+        return [record for record in self.read_steps() if record.step <= last]
 
     def latest_checkpoint(self) -> Path | None:
         if not self.checkpoints.is_dir():

@@ -36,7 +36,10 @@ from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, Ro
 from bubblespec.rollout import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
 
 ActivityListener = Callable[[int, str, str], None]
-"""Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
+"""Told (rank, activity, detail) as ranks start generating ("generate"), draft ("draft"), fall idle ("idle") or get
+a new replica (:data:`REPLACED`): the live display and the metrics."""
+REPLACED = "replaced"
+"""The activity a rank pool reports when a rank's replica died and its replacement holds the policy again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from bubblespec import fault_gates
 from bubblespec.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RolloutOutcome
 from bubblespec.scheduler import (
+    REPLACED,
     ActivityListener,
     DraftChunk,
     Generate,
@@ -232,6 +233,7 @@ class ServeRankPool:
                     "rank %d lost its replica (%s); restoring policy version %d and retrying", rank, error, self.version
                 )
                 await self._restore(rank)
+                self.on_activity(rank, REPLACED, f"replica replaced, policy version {self.version}")
                 attempt += 1
 
     async def _restore(self, rank: int) -> None:

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from bubblespec.config import MetricsConfig, validate
+from bubblespec.config import RunConfig, validate
 from bubblespec.launch import run
-from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, RunMetrics, metric_names
+from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, TARGETS_DIR, RunMetrics, metric_names
 from bubblespec.records import StepRecord
+from tests.prometheus import DASHBOARDS, prometheus_binary, running_prometheus
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 METRIC_NAME = re.compile(r"bubblespec_[a-z_]+")
 VARIABLE = re.compile(r"\$\{?(\w+)\}?")
 LABEL_VALUES = re.compile(r"label_values\((\w+),\s*(\w+)\)")
@@ -89,12 +82,6 @@ def variable_queries(dashboard: dict) -> list[str]:
     return [variable["query"]["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
     """A short virtual-clock run on the h100-7b profile: with 3 ranks some rank is still drafting at most
     barriers, so the preemption histogram gets observations."""
@@ -132,7 +119,7 @@ def exported_names(tmp_path_factory) -> set[str]:
     run(run_config(tmp_path_factory.mktemp("names"), "names", 2, {"enabled": False}), on_step=records.append)
     assert_preempted(records)
     metrics = RunMetrics()
-    metrics.observe_steps(records)
+    metrics.observe_history(records)
     return metric_names(metrics.registry)
 
 
@@ -186,120 +173,38 @@ def test_every_metric_the_dashboard_names_is_exported(exported_names):
     assert not missing, "the dashboard names metrics that bubblespec does not export:\n" + "\n".join(missing)
 
 
-def test_scrape_config_targets_the_default_metrics_endpoint():
+def test_scrape_config_finds_the_targets_of_runs_in_the_default_output_dir():
+    """The shipped config's file-based discovery reads the target of every run under the default output_dir of this
+    checkout (paths relative to the config file), loads the alert rules, and promtool accepts it."""
     scrape = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     (job,) = [job for job in scrape["scrape_configs"] if job["job_name"] == "bubblespec"]
-    defaults = MetricsConfig()
-    assert job["static_configs"][0]["targets"] == [f"{defaults.host}:{defaults.port}"]
+    (discovery,) = job["file_sd_configs"]
+    output_dir = DASHBOARDS.parent / RunConfig.model_fields["output_dir"].default
+    assert [(DASHBOARDS / pattern).resolve() for pattern in discovery["files"]] == [
+        (output_dir / TARGETS_DIR / "*.json").resolve()
+    ]
+    assert scrape["rule_files"] == ["rules.yml"]
+    check = subprocess.run(
+        [prometheus_binary("promtool"), "check", "config", str(DASHBOARDS / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 # --- A real Prometheus ------------------------------------------------------------------------------------------
 
 
-class Prometheus:
-    """A Prometheus scraping ``127.0.0.1:metrics_port`` every second, answering at ``url``."""
-
-    def __init__(self, url: str, metrics_port: int) -> None:
-        self.url = url
-        self.metrics_port = metrics_port
-
-    def get(self, path: str, **params) -> dict:
-        address = f"{self.url}{path}?{urllib.parse.urlencode(params, doseq=True)}"
-        try:
-            with urllib.request.urlopen(address, timeout=10) as response:
-                body = json.load(response)
-        except urllib.error.HTTPError as error:
-            pytest.fail(f"Prometheus answered {error.code} to {path} {params}: {error.read().decode()}")
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str, at: float | None = None) -> dict:
-        return self.get("/api/v1/query", query=expr, **({} if at is None else {"time": f"{at:.3f}"}))
-
-    def wait_for_steps(self, num_steps: int, timeout_s: float = 20.0) -> float:
-        """Waits until a scrape has seen ``num_steps`` finished steps; returns the evaluation time that saw it."""
-        deadline = time.monotonic() + timeout_s
-        answer = None
-        while time.monotonic() < deadline:
-            answer = self.query("bubblespec_steps_total")
-            result = answer["result"]
-            if result and float(result[0]["value"][1]) == num_steps:
-                return float(result[0]["value"][0])
-            time.sleep(0.1)
-        pytest.fail(
-            f"Prometheus did not scrape step {num_steps} of the run from 127.0.0.1:{self.metrics_port} within "
-            f"{timeout_s:.0f} s; its last answer to bubblespec_steps_total: {answer}"
-        )
-
-
-def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is not None:
-        return binary
-    if os.environ.get("BUBBLESPEC_SKIP_PROMETHEUS") == "1":
-        pytest.skip("no prometheus binary on PATH and BUBBLESPEC_SKIP_PROMETHEUS=1")
-    pytest.fail(
-        "no prometheus binary on PATH: install it (apt-get install -y prometheus) or set BUBBLESPEC_SKIP_PROMETHEUS=1 "
-        "to skip the dashboard's Prometheus test"
-    )
-
-
-def scrape_config_for(port: int) -> dict:
-    """The shipped scrape config with its target moved to ``port`` and a 1 s scrape interval."""
-    scrape = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
-    scrape["global"]["scrape_interval"] = "1s"
-    (job,) = [job for job in scrape["scrape_configs"] if job["job_name"] == "bubblespec"]
-    job["scrape_interval"] = "1s"
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
-    return scrape
-
-
 @pytest.fixture
 def prometheus(tmp_path):
-    binary = prometheus_binary()
-    metrics_port, web_port = free_port(), free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config_for(metrics_port)))
-    log = tmp_path / "prometheus.log"
-    url = f"http://127.0.0.1:{web_port}"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{web_port}",
-            ],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while not _ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"Prometheus did not become ready at {url}; its log:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield Prometheus(url, metrics_port)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
-            return response.status == 200
-    except OSError:  # not listening yet, or 503 while it starts
-        return False
+    (tmp_path / "prometheus").mkdir()
+    with running_prometheus(tmp_path / "prometheus", tmp_path / "runs") as server:
+        yield server
 
 
 def grafana_to_promql(expr: str) -> str:
     """Substitutes the dashboard's variables as Grafana would with every rank selected and a run-long window."""
-    values = {"rank": ".*", "window": WINDOW} | dict.fromkeys(GRAFANA_RANGES, WINDOW)
+    values = {"rank": ".*", "run": ".*", "job": "bubblespec", "window": WINDOW} | dict.fromkeys(GRAFANA_RANGES, WINDOW)
     return VARIABLE.sub(lambda match: values[match.group(1)], expr)
 
 
@@ -312,9 +217,9 @@ def test_every_dashboard_query_returns_plausible_values_from_a_real_run(promethe
         # The run's endpoint goes away when it ends: hold each step until Prometheus has scraped it, which also
         # gives every counter one sample per step for increase() and rate().
         records.append(record)
-        seen_at.append(prometheus.wait_for_steps(record.step + 1))
+        seen_at.append(prometheus.wait_for_steps("dashboard", record.step + 1))
 
-    run(run_config(tmp_path, "dashboard", NUM_STEPS, {"port": prometheus.metrics_port}), on_step=wait_for_scrape)
+    run(run_config(prometheus.output_dir, "dashboard", NUM_STEPS, {"port": 0}), on_step=wait_for_scrape)
     assert len(records) == NUM_STEPS
     assert_preempted(records)
     at = seen_at[-1]  # the last scrape of the live endpoint; later ones find it gone and mark the series stale

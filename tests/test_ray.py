@@ -8,6 +8,8 @@ has injected the fault and released it. Each run starts its own local Ray, whose
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,6 +18,8 @@ from bubblespec.config import validate
 from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
 from bubblespec.launch import run
 from bubblespec.run_dir import RunDirectory
+from tests.prometheus import alert_expression, running_prometheus
+from tests.scrape import scrape_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -109,19 +113,25 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
     assert any(activity == "draft" for _, activity in heard)
 
 
+@pytest.mark.prometheus
 def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_path, caplog, fault_gate):
     """Kill rank 1's Serve replica while it generates step 1's shard (held after two forward passes until it is
     killed): Serve starts a new one, the pool gives it the current policy and retries the shard; keyed sampling
     makes every sample the one the lost replica would have made, so the run equals the simulation, with no sample
-    lost or duplicated."""
+    lost or duplicated. While it is held, a real Prometheus with dashboards/rules.yml shows rank 1 (and no other)
+    stuck within one typical step time; the replacement is counted."""
     import ray
 
     base = _small_run(tmp_path, checkpoint_every=3, metrics={"enabled": False})
-    wall = validate(base | {"name": "faulty", "clock": {"kind": "wall"}})
+    wall = validate(base | {"name": "faulty", "clock": {"kind": "wall"}, "metrics": {"port": 0}})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
-    killed = []
+    killed, stuck, replacements = [], [], []
 
     def kill_rank_1(where: dict) -> None:
+        held = time.time()
+        stuck.append(prometheus.wait_for_series(alert_expression("BubblespecRankStuck"), timeout_s=120))
+        typical = prometheus.value('run:bubblespec_step_wall_seconds:avg_over_time1h{run="faulty"}')
+        stuck.append((time.time() - held, typical))
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if actor["name"].startswith("SERVE_REPLICA::bubblespec-rank-1#"):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
@@ -132,11 +142,22 @@ def test_a_rank_replica_killed_mid_rollout_is_replaced_and_nothing_changes(tmp_p
             gate.arm("rank 1 generate", after_passes=2)
             gate.inject_when_held("rank 1 generate", kill_rank_1)
 
-    with FaultGate() as gate:
-        run(wall, on_phase=on_phase)
+    def on_step(record) -> None:
+        if record.step == 2:
+            replacements.append(scrape_run(wall.run_dir)[("bubblespec_replica_replacements_total", (("rank", "1"),))])
+
+    (tmp_path / "prometheus").mkdir()
+    with running_prometheus(tmp_path / "prometheus", tmp_path) as prometheus, FaultGate() as gate:
+        run(wall, on_phase=on_phase, on_step=on_step)
     run(virtual)
     assert len(killed) == 1, killed
     assert "rank 1 lost its replica" in caplog.text
+    (series, (waited, typical)) = stuck
+    assert [s["metric"] for s in series] == [{"run": "faulty", "rank": "1"}], series
+    assert waited < typical + 10, (
+        f"rank 1 showed as stuck {waited:.1f} s after it hung; a typical step: {typical:.1f} s"
+    )
+    assert replacements == [1]
     wall_steps = RunDirectory(wall.run_dir).read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
     assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
@@ -157,8 +178,16 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
     import signal
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
-    wall = validate(base | {"name": "trainer-faults", "clock": {"kind": "wall"}})
+    wall = validate(base | {"name": "trainer-faults", "clock": {"kind": "wall"}, "metrics": {"port": 0}})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
+    counted = {}
+
+    def on_step(record) -> None:  # the metrics at the end: two restarts, each step counted once
+        if record.step == 3:
+            metrics = scrape_run(wall.run_dir)
+            counted.update(restarts=metrics[("bubblespec_trainer_restarts_total", ())],
+                           steps=metrics[("bubblespec_steps_total", ())])  # fmt: skip
+
     faults = {(1, "rollout"), (2, "train")}  # the worker exists by step 1: it trained step 0
     killed: list[tuple[int, str]] = []
 
@@ -179,9 +208,10 @@ def test_trainer_workers_killed_mid_step_rewind_to_the_last_checkpoint_and_nothi
         killed.append((step, phase))
 
     with FaultGate() as gate:
-        run(wall, on_phase=on_phase)
+        run(wall, on_phase=on_phase, on_step=on_step)
     run(virtual)
     assert killed == [(1, "rollout"), (2, "train")], killed
+    assert counted == {"restarts": 2, "steps": 4}
     assert "in step 1: the run rewinds to its last checkpoint and replays from step 0" in caplog.text
     assert "in step 2: the run rewinds to its last checkpoint and replays from step 2" in caplog.text
     wall_dir, virtual_dir = RunDirectory(wall.run_dir), RunDirectory(virtual.run_dir)
