@@ -217,6 +217,9 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
         registry = rollout.metrics.registry  # the per-rank counters of a bubblespec run, served on metrics.port
         counted = sum(registry.get_sample_value("bubblespec_decode_steps_total", {"rank": str(r)}) for r in (0, 1))
         assert counted == sum(s.decode_steps for s in steps) > 0
+        for rank in ("0", "1"):  # the ranks' liveness comes from the pool's activity events, as in a bubblespec run
+            assert registry.get_sample_value("bubblespec_rank_state", {"rank": rank, "state": "idle"}) == 1
+            assert registry.get_sample_value("bubblespec_rank_last_progress_timestamp_seconds", {"rank": rank}) > 0
     assert calls == ["release", "resume", "release", "resume"]  # the last resume: when the rollout closes
     # (every response runs to max_completion_length here, so the ranks finish together: no bubble to draft in)
     assert len(steps) == 2 and steps[1].peek_matched is True and steps[1].generated_tokens == 4 * 6

@@ -286,12 +286,14 @@ class BubblespecRollout:
         if config.metrics.enabled:  # the per-rank metrics of a bubblespec run, on metrics.host:port
             from bubblespec.metrics import RunMetrics
 
-            self.metrics = RunMetrics()
+            self.metrics = RunMetrics(config.rollout.num_ranks)
             self.metrics.serve(config.metrics)
             self._stack.callback(self.metrics.close)
         self._service = self._stack.enter_context(
             start_service(config, self.model_path, sampling, trainer.num_generations, peek=self._peek)
         )
+        if self.metrics is not None:  # each rank's state, last progress and replica replacements, live
+            self._service.ranks.on_activity = self.metrics.activity
         self._started = True
 
     # -- prompts ----------------------------------------------------------------------------------------------------
