@@ -9,16 +9,20 @@ Plugin authors subclass :class:`EngineConformance` in their own tests (pytest is
         dtype = "float32"            # the most exact dtype the engine has
         max_mismatch_rate = 0.02     # share of responses allowed to differ with drafts (0 where exact)
 
-The suite loads the engine with ``from_pretrained(model_path, dtype=..., **engine_settings)`` on the tiny
-Llama model that ships with bubblespec (override the ``model_path`` fixture for another checkpoint; it must be
-a Hugging Face folder whose weights ``update_weights`` takes by name) and checks: keyed determinism (a response
-is a function of its key, whatever the batch), drafts never change outputs and good ones save decode steps,
-preemption within one forward pass with partial responses, weight updates give the new policy, and per-request
-stats that add up.
+The suite loads the engine as a run does (``from_pretrained(**settings)`` with every setting a run passes, the
+suite's ``dtype`` and ``engine_settings``: :func:`run_settings`) on the tiny Llama model that ships with bubblespec
+(override the ``model_path`` fixture for another checkpoint; it must be a Hugging Face folder whose weights
+``update_weights`` takes by name) and checks: the same tokens, logprobs and finish reasons as the built-in torch
+engine on the same checkpoint (temperature 1; temperature < 1 with top-k and top-p; greedy; stop tokens,
+``ignore_eos`` and ``max_new_tokens``), each difference named with what usually causes it; keyed determinism (a
+response is a function of its key, whatever the batch), drafts never change outputs and good ones save decode
+steps, preemption within one forward pass with partial responses, weight updates give the new policy, and
+per-request stats that add up. bubblespec's pytest plugin makes pytest rewrite the suite's asserts.
 """
 
 from __future__ import annotations
 
+import collections
 import random
 import shutil
 import signal
@@ -57,23 +61,43 @@ class EngineConformance:
 
     # -- fixtures a subclass may override ----------------------------------------------------------------------
 
+    # Class-scoped fixtures are class methods (pytest 9); they call the overridable ``make_*`` methods on an
+    # instance, so a subclass may override those as plain methods.
+
     @pytest.fixture(scope="class")
-    def model_path(self) -> Path:
+    @classmethod
+    def model_path(cls) -> Path:
         return ArithmeticTask.model_path()
 
     @pytest.fixture(scope="class")
-    def engine(self, model_path) -> GenerationEngine:
-        engine = self.make_engine(model_path)
+    @classmethod
+    def engine(cls, model_path) -> GenerationEngine:
+        engine = cls().make_engine(model_path)
         yield engine
         engine.close()
 
     def make_engine(self, model_path: Path) -> GenerationEngine:
+        """The engine under test, built as a run builds it: the backend's entry point, ``from_pretrained`` with every
+        setting a run passes (:class:`bubblespec.config.EngineSettings`' defaults, the suite's dtype and
+        ``engine_settings``)."""
         engine_class = plugins.load("backends", self.backend)
-        return engine_class.from_pretrained(str(model_path), dtype=self.dtype, **self.engine_settings)
+        return engine_class.from_pretrained(**run_settings(model_path, self.dtype, self.engine_settings))
 
     @pytest.fixture(scope="class")
-    def requests(self) -> list[GenerationRequest]:
-        return self.make_requests()
+    @classmethod
+    def reference_engine(cls, model_path) -> GenerationEngine:
+        """The built-in torch engine on the same checkpoint and dtype: what the engine under test is compared with."""
+        engine = cls().make_reference_engine(model_path)
+        yield engine
+        engine.close()
+
+    def make_reference_engine(self, model_path: Path) -> GenerationEngine:
+        return plugins.load("backends", "torch").from_pretrained(**run_settings(model_path, self.dtype, {}))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def requests(cls) -> list[GenerationRequest]:
+        return cls().make_requests()
 
     def make_requests(self) -> list[GenerationRequest]:
         """Prompts of the shipped task at temperature 1, several samples each."""
@@ -82,8 +106,9 @@ class EngineConformance:
         return step_requests(task.batch(0), 3, 0, self.samples_per_prompt, params)
 
     @pytest.fixture(scope="class")
-    def plain(self, engine, requests) -> dict:
-        """The reference: every request in one batch, no drafts."""
+    @classmethod
+    def plain(cls, engine, requests) -> dict:
+        """Every request in one batch, no drafts: what the other runs of the engine must give."""
         return _by_key(engine.generate(requests))
 
     # -- the checks ----------------------------------------------------------------------------------------------
@@ -201,6 +226,67 @@ class EngineConformance:
         engine.resume()
         self._assert_same(plain, _by_key(engine.generate(requests)), "after release() and resume()")
 
+    # -- against the reference engine ------------------------------------------------------------------------------
+
+    logprob_tolerance: float | None = None
+    """Largest |logprob - the reference's| allowed per token; None: by dtype (:data:`LOGPROB_TOLERANCES`)."""
+    reference_mismatch_rate: float | None = None
+    """Share of responses whose tokens may differ from the reference engine's; None: ``max_mismatch_rate``. Two
+    engines that round differently (bfloat16 kernels) flip near ties more often than one engine does against itself."""
+
+    def tolerance(self) -> float:
+        if self.logprob_tolerance is not None:
+            return self.logprob_tolerance
+        if self.dtype not in LOGPROB_TOLERANCES:
+            raise ValueError(f"no logprob tolerance for dtype {self.dtype!r}: set the suite's logprob_tolerance")
+        return LOGPROB_TOLERANCES[self.dtype]
+
+    def reference_allowance(self, num_requests: int) -> int:
+        rate = self.max_mismatch_rate if self.reference_mismatch_rate is None else self.reference_mismatch_rate
+        return int(rate * num_requests)
+
+    def reference_requests(self, **sampling) -> list[GenerationRequest]:
+        """The suite's prompts with ``sampling`` (:class:`SamplingParams` fields)."""
+        params = SamplingParams(**({"max_new_tokens": self.max_new_tokens} | sampling))
+        return [GenerationRequest(r.prompt_token_ids, r.key, params) for r in self.make_requests()]
+
+    def assert_matches_reference(self, engine, reference_engine, requests, what: str) -> None:
+        """The engine's tokens, logprobs and finish reasons equal the reference engine's (see :func:`compare`)."""
+        tolerance = self.tolerance()
+        allowed = self.reference_allowance(len(requests))
+        compare(
+            _by_key(reference_engine.generate(requests)), _by_key(engine.generate(requests)), tolerance, allowed, what
+        )
+
+    def test_matches_the_reference_at_temperature_1(self, engine, reference_engine):
+        self.assert_matches_reference(engine, reference_engine, self.reference_requests(), "temperature 1")
+
+    def test_logprobs_follow_temperature_top_k_and_top_p(self, engine, reference_engine):
+        """Logprobs are of the distribution the token was sampled from: temperature, top-k and top-p applied."""
+        requests = self.reference_requests(temperature=0.7, top_k=5, top_p=0.9)
+        self.assert_matches_reference(engine, reference_engine, requests, "temperature 0.7, top-k 5, top-p 0.9")
+
+    def test_greedy_matches_the_reference(self, engine, reference_engine):
+        """Temperature 0: the argmax, and the logprob of the raw model distribution."""
+        self.assert_matches_reference(engine, reference_engine, self.reference_requests(temperature=0.0), "greedy")
+
+    def test_stop_tokens_ignore_eos_and_max_new_tokens_match_the_reference(self, engine, reference_engine):
+        """Extra stop tokens end a response at their first occurrence (the token kept, finish "stop"), ``ignore_eos``
+        generates past the end-of-sequence token to ``max_new_tokens`` (finish "length")."""
+        plain = _by_key(reference_engine.generate(self.reference_requests()))
+        common = collections.Counter(t for r in plain.values() for t in r.token_ids[1:-1]).most_common(2)
+        stop_tokens = tuple(token for token, _ in common)
+        for what, requests in {
+            f"stop_token_ids {stop_tokens}": self.reference_requests(stop_token_ids=stop_tokens),
+            "ignore_eos, max_new_tokens 24": self.reference_requests(ignore_eos=True, max_new_tokens=24),
+            "max_new_tokens 3": self.reference_requests(max_new_tokens=3),
+        }.items():
+            self.assert_matches_reference(engine, reference_engine, requests, what)
+        ignoring = _by_key(engine.generate(self.reference_requests(ignore_eos=True, max_new_tokens=24)))
+        assert all(len(r.token_ids) == 24 and r.finish_reason == "length" for r in ignoring.values()), (
+            "ignore_eos: every response must run to max_new_tokens (24) and finish with 'length'"
+        )
+
     # -- helpers -------------------------------------------------------------------------------------------------
 
     def _assert_same(self, expected: dict, actual: dict, what: str) -> None:
@@ -210,6 +296,86 @@ class EngineConformance:
         assert len(differing) <= allowed, (
             f"{what}: {len(differing)} of {len(expected)} responses differ (allowed {allowed}), e.g. {differing[0]}"
         )
+
+
+LOGPROB_TOLERANCES = {"float64": 1e-5, "float32": 1e-3, "bfloat16": 0.5}
+"""Per-token |logprob - the reference's| an engine may show in each dtype. float64: transformers-style float32 rotary
+tables alone differ by ~1e-6. bfloat16 keeps 8 bits of mantissa, so a logit of 40 (a peaked, trained-like head) is
+off by up to 0.16 from one kernel to another, and a logprob carries that of its logit and of the normaliser (vLLM's
+CPU kernels against the torch engine: 0.19 measured at 32,000 tokens); a wrong logprob path is off by O(1)."""
+LOGPROB_DEFINITION = (
+    "logprobs[i] must be the log-probability of token_ids[i] under the distribution it was sampled from: logits / "
+    "temperature, then top-k and top-p, renormalised (bubblespec.sampling.keyed_sample returns it); under greedy "
+    "(temperature 0) the raw model distribution (docs/plugins.md, Logprobs)"
+)
+
+
+def compare(expected: dict, actual: dict, tolerance: float, allowed_mismatches: int, what: str) -> None:
+    """Fails (AssertionError) where ``actual`` (results by key) differs from ``expected`` (the reference engine's):
+    a logprob off by more than ``tolerance`` where the tokens still agree; more than ``allowed_mismatches`` responses
+    whose tokens differ; a different finish reason for the same tokens. Each message names the first difference and
+    what usually causes it."""
+    assert set(actual) == set(expected), f"{what}: results for other keys came back than were asked for"
+    logprob_errors, token_errors = [], []
+    for key, want in expected.items():
+        got = actual[key]
+        assert len(got.logprobs) == len(got.token_ids), (
+            f"{what}: {key} has {len(got.token_ids)} tokens and {len(got.logprobs)} logprobs; one per token, please"
+        )
+        agree = _common_prefix(want.token_ids, got.token_ids)
+        for i in range(agree):
+            if not abs(got.logprobs[i] - want.logprobs[i]) <= tolerance:  # a NaN fails too
+                logprob_errors.append((key, i, want.token_ids[i], want.logprobs[i], got.logprobs[i]))
+                break
+        if agree < max(len(want.token_ids), len(got.token_ids)):
+            token_errors.append((key, agree, want, got))
+        else:
+            assert got.finish_reason == want.finish_reason, (
+                f"{what}: {key} has the reference's tokens but finish reason {got.finish_reason!r}, not "
+                f"{want.finish_reason!r} ('stop': it ended on an end-of-sequence or stop token; 'length': it reached "
+                "max_new_tokens)"
+            )
+    if logprob_errors:
+        key, i, token, want_lp, got_lp = logprob_errors[0]
+        everything = [lp for r in actual.values() for lp in r.logprobs]
+        hint = (
+            "every logprob is 0.0: the engine returns no logprobs"
+            if everything and all(lp == 0.0 for lp in everything)
+            else LOGPROB_DEFINITION + "; a different model computation (logit scale, norm epsilon, rotary "
+            "embedding, dtype) shows here too"
+        )
+        raise AssertionError(
+            f"{what}: the logprobs of {len(logprob_errors)} of {len(expected)} responses differ from the reference "
+            f"engine's (the built-in torch engine on the same checkpoint) by more than {tolerance:g} where their "
+            f"tokens agree; first: {key} position {i}, token {token}: expected {want_lp:.6g}, got {got_lp:.6g}. {hint}"
+        )
+    if len(token_errors) > allowed_mismatches:
+        key, i, want, got = token_errors[0]
+        expected_token = want.token_ids[i] if i < len(want.token_ids) else f"the end ({want.finish_reason})"
+        got_token = got.token_ids[i] if i < len(got.token_ids) else f"the end ({got.finish_reason})"
+        raise AssertionError(
+            f"{what}: {len(token_errors)} of {len(expected)} responses differ from the reference engine's (allowed "
+            f"{allowed_mismatches}); first: {key} at position {i}: expected {expected_token}, got {got_token}. The "
+            "logprobs of the tokens before agree, so the distribution is right and the choice is not: the token at "
+            "response position i of key k must be the keyed sample (bubblespec.sampling.keyed_sample with "
+            "key.noise_seed() and position i), never an RNG draw (torch.multinomial, a seeded generator) or a "
+            "sampler of the engine's own; a stop token, ignore_eos or max_new_tokens not honoured shows here too. "
+            "In a dtype that rounds, a near tie flips a token now and then: set reference_mismatch_rate to the share "
+            "your engine shows"
+        )
+
+
+def run_settings(model_path: Path | str, dtype: str, settings: dict) -> dict:
+    """What ``from_pretrained`` gets in a run with the default rollout settings
+    (:func:`bubblespec.assembly.engine_settings`), then ``dtype`` and ``settings``."""
+    from bubblespec.assembly import engine_settings
+    from bubblespec.config import ServiceConfig
+
+    return engine_settings(ServiceConfig.model_validate({"model": {"dtype": dtype}}), str(model_path)) | settings
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _by_key(results: Sequence[GenerationResult]) -> dict:
@@ -259,23 +425,33 @@ class RealVocabularyConformance:
     }
 
     @pytest.fixture(scope="class")
-    def checkpoints(self, tmp_path_factory) -> tuple[Path, Path]:
+    @classmethod
+    def checkpoints(cls, tmp_path_factory) -> tuple[Path, Path]:
         """(newer, older) policy folders."""
-        folder = tmp_path_factory.mktemp(f"{self.family}-{self.vocab_size}")
-        return write_policy_pair(folder, self.family, self.vocab_size, self.head_scale, self.policy_step)
+        folder = tmp_path_factory.mktemp(f"{cls.family}-{cls.vocab_size}")
+        return write_policy_pair(folder, cls.family, cls.vocab_size, cls.head_scale, cls.policy_step)
 
     @pytest.fixture(scope="class")
-    def model_path(self, checkpoints) -> Path:
+    @classmethod
+    def model_path(cls, checkpoints) -> Path:
         return checkpoints[0]
 
     engine = EngineConformance.engine
     make_engine = EngineConformance.make_engine
+    reference_engine = EngineConformance.reference_engine
+    make_reference_engine = EngineConformance.make_reference_engine
+    logprob_tolerance: float | None = None
+    reference_mismatch_rate: float | None = None
+    reference_allowance = EngineConformance.reference_allowance
+    tolerance = EngineConformance.tolerance
 
     @pytest.fixture(scope="class")
-    def older_samples(self, checkpoints) -> dict:
+    @classmethod
+    def older_samples(cls, checkpoints) -> dict:
         """The older policy's keyed samples for every setting's requests: the drafts bubble drafting makes."""
         older = plugins.load("backends", "torch").from_pretrained(str(checkpoints[1]), dtype="float32")
-        return {name: _by_key(older.generate(self.make_requests(name))) for name in self.sampling_settings}
+        suite = cls()
+        return {name: _by_key(older.generate(suite.make_requests(name))) for name in cls.sampling_settings}
 
     def make_requests(self, setting: str) -> list[GenerationRequest]:
         rng = random.Random(3)
@@ -299,6 +475,15 @@ class RealVocabularyConformance:
             for name, drafts in self._draft_variants(requests, older_samples[setting], plain, rng, vocab).items():
                 drafted = self._timed(engine, [_with_draft(r, drafts[r.key]) for r in requests], f"{setting}, {name}")
                 self._assert_same(plain, _by_key(drafted), f"{setting}, drafts: {name}")
+
+    def test_matches_the_reference_at_every_setting(self, engine, reference_engine):
+        """Tokens, logprobs and finish reasons equal the built-in torch engine's at this vocabulary, for every
+        sampling setting (see :meth:`EngineConformance.assert_matches_reference`)."""
+        for setting in self.sampling_settings:
+            requests = self.make_requests(setting)
+            expected = _by_key(self._timed(reference_engine, requests, f"{setting}, the reference engine"))
+            actual = _by_key(self._timed(engine, requests, f"{setting}, the engine under test"))
+            compare(expected, actual, self.tolerance(), self.reference_allowance(len(requests)), setting)
 
     def _draft_variants(self, requests, older: dict, plain: dict, rng: random.Random, vocab: int) -> dict:
         """Draft tokens by key for each kind of draft a run can produce."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.testing import EngineConformance, RealVocabularyConformance
+from bubblespec.testing import EngineConformance, RealVocabularyConformance, run_settings
 
 
 class TestTorchEngine(EngineConformance):
@@ -44,22 +44,73 @@ def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatc
             suite.test_stop_returns_within_one_forward_pass_with_partial_responses(engine, requests, plain)
 
 
-class TestMinimalExampleBackend(EngineConformance):
-    """The plugin authors' example (examples/minimal_backend.py) passes the same suite."""
+def _broken_engines():
+    """Engines wrong in ways that matter to RL, each the built-in torch engine with its sampling step changed."""
+    import torch
 
-    dtype = "float64"
-    num_prompts = 4
-    engine_settings = {"max_draft_tokens_per_step": 8}  # the example's default, stated for the suite's step bound
+    from bubblespec.backends.torch_engine import TorchEngine
 
-    def make_engine(self, model_path):
-        import importlib.util
-        from pathlib import Path
+    class ZeroLogprobs(TorchEngine):
+        def _sample(self, active, logits, positions):
+            tokens, logprobs = super()._sample(active, logits, positions)
+            return tokens, [[0.0] * len(row) for row in logprobs]
 
-        path = Path(__file__).parent.parent / "examples" / "minimal_backend.py"
-        spec = importlib.util.spec_from_file_location("minimal_backend", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.MinimalEngine.from_pretrained(model_path, dtype=self.dtype, **self.engine_settings)
+    class LogprobsWithoutTemperature(TorchEngine):
+        """Samples right, but reports logprobs of the raw distribution whatever the temperature and filters."""
+
+        def _sample(self, active, logits, positions):
+            tokens, _ = super()._sample(active, logits, positions)
+            raw = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(tokens)[..., None])[..., 0]
+            return tokens, raw.tolist()
+
+    class HalfLogits(TorchEngine):
+        def _sample(self, active, logits, positions):
+            return super()._sample(active, logits * 0.5, positions)
+
+    class MultinomialSampler(TorchEngine):
+        """The right distribution (temperature 1, no filters), sampled with torch.multinomial instead of keyed noise."""
+
+        def _sample(self, active, logits, positions):
+            probabilities = torch.softmax(logits.double(), -1)
+            tokens = torch.multinomial(probabilities.reshape(-1, probabilities.shape[-1]), 1).reshape(logits.shape[:2])
+            return tokens.tolist(), probabilities.log().gather(-1, tokens[..., None])[..., 0].tolist()
+
+    return ZeroLogprobs, LogprobsWithoutTemperature, HalfLogits, MultinomialSampler
+
+
+@pytest.mark.parametrize(
+    ("broken", "failing_test", "message"),
+    [
+        ("ZeroLogprobs", "test_matches_the_reference_at_temperature_1", r"every logprob is 0\.0"),
+        (
+            "LogprobsWithoutTemperature",
+            "test_logprobs_follow_temperature_top_k_and_top_p",
+            r"logprobs of \d+ of 16 responses differ .* expected .*, got .* under the distribution it was sampled from",
+        ),
+        ("HalfLogits", "test_matches_the_reference_at_temperature_1", r"logprobs of \d+ of 16 responses differ"),
+        (
+            "MultinomialSampler",
+            "test_matches_the_reference_at_temperature_1",
+            r"responses differ .* at position \d+: expected \d+, got \d+\. .* never an RNG draw \(torch\.multinomial",
+        ),
+    ],
+)
+def test_the_reference_check_names_what_is_wrong(broken, failing_test, message):
+    """Each deliberate break fails a named test of the suite, with a message that says what differs and what
+    usually causes it; the engine that only ignores temperature still passes at temperature 1."""
+    from bubblespec.tasks import ArithmeticTask
+
+    engine_class = {cls.__name__: cls for cls in _broken_engines()}[broken]
+    suite = TestTorchEngine()
+    path = ArithmeticTask.model_path()
+    engine, reference = (
+        engine_class.from_pretrained(**run_settings(path, "float64", {})),
+        suite.make_reference_engine(path),
+    )
+    with pytest.raises(AssertionError, match=message):
+        getattr(suite, failing_test)(engine, reference)
+    if broken == "LogprobsWithoutTemperature":
+        suite.test_matches_the_reference_at_temperature_1(engine, reference)
 
 
 class TestTorchEngineAtARealVocabulary(RealVocabularyConformance):

@@ -162,12 +162,14 @@ class TestVLLMEngineAtARealVocabulary(RealVocabularyConformance):
 class TestVLLMEngineInBfloat16(RealVocabularyConformance):
     """bfloat16 at 32,000 tokens (Llama 3 rope scaling, tied head): a verify pass and a decode pass round
     differently, so a near-tie may flip a token; `bubblespec bench engine` measures how often, next to how often
-    two plain runs of other batch compositions differ. This allows one response in six."""
+    two plain runs of other batch compositions differ. This allows one response in six. Against the torch engine in
+    bfloat16 (other kernels, other roundings) 4 of 12 responses differed at temperature 0.7: half is allowed there."""
 
     backend = "vllm"
     family = "llama3"
     dtype = "bfloat16"
     max_mismatch_rate = 1 / 6
+    reference_mismatch_rate = 1 / 2
     engine_settings = {"max_batch_size": 16}
     make_engine = TestVLLMEngine.make_engine
 
