@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from bubblespec import plugins
 from bubblespec.clocks import PROFILES
-from bubblespec.config import RunConfig, ServiceConfig, format_validation_error
+from bubblespec.config import EngineSettings, RunConfig, ServiceConfig, engine_config, format_validation_error
 from bubblespec.controller import Components, task_peek
 from bubblespec.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.errors import ConfigError, ModelLoadError
@@ -124,9 +124,26 @@ def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0)
     )
 
 
+def checked_engine_settings(config: RunConfig | ServiceConfig, path: str, backend: type[Engine]) -> dict:
+    """:func:`engine_settings`, checked against the backend's settings model (its ``config_class``, or
+    :class:`~bubblespec.config.EngineSettings` for a backend without one) before anything starts: both clocks and
+    ``bubblespec validate`` check them here, so a bad ``rollout.engine_options`` is one error naming the setting and
+    listing the valid ones."""
+    settings = engine_settings(config, path)
+    engine_config(config.rollout.backend, backend.config_class or EngineSettings, settings)
+    return settings
+
+
 def load_backend(config: RunConfig | ServiceConfig):
-    """The configured backend's engine class, after checking it can run the configured draft sources."""
+    """The configured backend's engine class, after checking its settings model and that it can run the configured
+    draft sources."""
     backend = plugins.load_subclass("backends", config.rollout.backend, Engine)
+    model = backend.config_class
+    if model is not None and not (isinstance(model, type) and issubclass(model, EngineSettings)):
+        raise ConfigError(
+            f"rollout.backend {config.rollout.backend!r}: its config_class {model!r} must subclass "
+            "bubblespec.config.EngineSettings (the settings every engine receives; docs/plugins.md)"
+        )
     speculation = config.speculation
     dynamic = [n for n in draft_chain(speculation.draft_sources) if n != REQUEST_DRAFT] if speculation.enabled else []
     if dynamic and not backend.supports_draft_chain:
@@ -188,7 +205,7 @@ def rank_pool(
     size. ``clock.kind: virtual``: every rank in this process on one engine; ``wall``: Ray Serve ranks on
     ``ray.address`` or a local Ray with room for ``extra_cpus`` more (trainer workers; ``check`` runs once a local
     Ray is up). Stopped on exit."""
-    settings = engine_settings(config, path)
+    settings = checked_engine_settings(config, path, backend)
     if config.clock.kind == "wall":
         from bubblespec.ray_cluster import serve_ranks
 

@@ -216,8 +216,9 @@ class Engine:
     every optional ability declared and its default. A backend overrides what it has."""
 
     config_class: ClassVar[type | None] = None
-    """The pydantic model of the backend's settings (``from_pretrained``'s keyword arguments): a run checks them
-    before it starts anything. None: the backend checks its settings itself."""
+    """The pydantic model of the backend's settings (``from_pretrained``'s keyword arguments), a subclass of
+    ``bubblespec.config.EngineSettings``: a run and ``bubblespec validate`` check them before anything starts. None:
+    ``EngineSettings`` itself (the common settings only; any ``rollout.engine_options`` is refused)."""
     supports_draft_chain: ClassVar[bool] = False
     """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
     ``draft_source_options`` settings)."""

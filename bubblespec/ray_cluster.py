@@ -80,12 +80,9 @@ def serve_ranks(
     local Ray this call started."""
     from ray import serve
 
-    from bubblespec.config import engine_config
     from bubblespec.serve_ranks import ServeRankPool, deploy_ranks
 
     rollout = config.rollout
-    if backend.config_class is not None:  # bad engine settings: an error before Ray starts, not a failed deployment
-        engine_config(rollout.backend, backend.config_class, settings)
     backend.check_model(path)  # an architecture the engine cannot run: the same
     # Logical CPUs for the local Ray: enough for every rank and worker (each pins its own torch threads).
     needed = rollout.num_ranks * rollout.threads_per_rank + extra_cpus

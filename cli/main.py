@@ -62,7 +62,7 @@ def validate(
     task is built, so a dataset, tokenizer or reward that does not load is reported here."""
     import yaml
 
-    from bubblespec.assembly import close_tasks, make_tasks
+    from bubblespec.assembly import checked_engine_settings, close_tasks, load_backend, make_tasks, model_path
     from bubblespec.config import load_config
     from bubblespec.task_summary import summarize_task
 
@@ -70,6 +70,8 @@ def validate(
     tasks = make_tasks(config)
     try:
         summary = summarize_task(*tasks)
+        # the engine settings, as both clocks check them before a run starts
+        checked_engine_settings(config, model_path(config, tasks[0]), load_backend(config))
     finally:
         close_tasks(*tasks)
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)

@@ -63,6 +63,10 @@ def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
     assert result.exit_code == 2
     for expected in ("3 error(s)", "rollout.num_ranks", "rollout.backend", "unknown_section"):
         assert expected in result.output
+    # the backend's settings, checked as both clocks check them before a run starts
+    result = runner.invoke(app, ["validate", str(good), "--set", "rollout.engine_options.bogus=1"])
+    assert result.exit_code != 0
+    assert "torch backend settings" in result.output and "bogus: Extra inputs are not permitted" in result.output
 
 
 def test_run_with_a_missing_model_fails_cleanly_and_writes_nothing(tmp_path):
