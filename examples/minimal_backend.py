@@ -2,7 +2,7 @@
 
 No KV cache (every forward pass recomputes each active sequence from its first token), no memory management,
 CPU only: slow, but every rule of the contract is in plain sight, and it passes the conformance suite
-(``tests/test_conformance.py`` runs it). A real backend keeps the same four rules:
+(``tests/test_example_plugins.py`` runs it through its entry point). A real backend keeps the same four rules:
 
 1. Keyed sampling: the token at response position ``i`` of key ``k`` comes from ``bubblespec.sampling`` with the
    key's noise seed and the position ``i`` (never from an RNG), so it does not depend on the batch.
@@ -15,6 +15,10 @@ CPU only: slow, but every rule of the contract is in plain sight, and it passes 
    the tokens they have.
 4. ``update_weights`` takes Hugging Face weight names and records the policy version.
 
+Its settings are the run's (``from_pretrained`` gets every field of :class:`bubblespec.config.EngineSettings`:
+dtype, max_batch_size, max_draft_tokens_per_step, ...). ``config_class`` declares them, so a run checks them before
+anything starts, and narrows the ones this engine cannot follow: ``verification: one_hot`` is refused by name.
+
 To ship it as a plugin, declare the class under the ``bubblespec.backends`` entry point group of your package::
 
     [project.entry-points."bubblespec.backends"]
@@ -23,29 +27,46 @@ To ship it as a plugin, declare the class under the ``bubblespec.backends`` entr
 and select it with ``rollout.backend: minimal``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import torch
 
 from bubblespec import decoding, sampling
+from bubblespec.config import EngineSettings, engine_config
 from bubblespec.decoder import DTYPES, DecoderModel, read_checkpoint
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
 
+class MinimalConfig(EngineSettings):
+    """Every setting an engine receives (model_path, max_batch_size, num_threads, ...), two of them narrowed."""
+
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    verification: Literal["coupled"] = "coupled"
+    """Keyed sampling with the key's own noise; the "one_hot" ablation (a noise stream per policy version, see
+    backends/torch_engine.py) is not implemented here, so a run that asks for it fails before it starts."""
+
+
 class MinimalEngine(Engine):
-    def __init__(self, model_path: str, dtype: str = "float32", max_draft_tokens_per_step: int = 8) -> None:
-        self.model_config, weights = read_checkpoint(model_path)
-        self.model = DecoderModel(self.model_config, weights, DTYPES[dtype], "cpu")
-        # The shared bookkeeping's settings: up to N draft tokens a pass, positional alignment after a mismatch.
-        self._proposal = decoding.ProposalSettings(max_draft_tokens_per_step, draft_alignment="position")
+    config_class = MinimalConfig
+
+    def __init__(self, config: MinimalConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_config, weights = read_checkpoint(config.model_path)
+        self.model = DecoderModel(self.model_config, weights, DTYPES[config.dtype], "cpu")
+        # The shared bookkeeping's settings: draft tokens per pass, adaptive length, alignment after a mismatch.
+        self._proposal = decoding.ProposalSettings(
+            config.max_draft_tokens_per_step, config.adaptive_draft_length, config.draft_alignment
+        )
         self._policy_version = 0
 
     @classmethod
-    def from_pretrained(cls, model_path: str, **settings) -> MinimalEngine:
-        """The constructor every backend offers: a model folder and the engine's own settings."""
-        return cls(str(model_path), **settings)
+    def from_pretrained(cls, model_path: str, **settings) -> "MinimalEngine":
+        """The constructor every backend offers: a model folder and the run's settings, checked by config_class (a
+        bad or unknown one is a ConfigError that names it)."""
+        return cls(engine_config("minimal", MinimalConfig, {"model_path": str(model_path), **settings}))
 
     @property
     def vocab_size(self) -> int:
@@ -59,14 +80,7 @@ class MinimalEngine(Engine):
         self.model.load_weights(state_dict)
         self._policy_version = version
 
-    def release(self) -> None:  # nothing held between calls
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    # release(), resume() and close(): Engine's defaults (no-ops); this engine holds no memory between calls.
 
     @torch.inference_mode()
     def generate(
@@ -81,7 +95,8 @@ class MinimalEngine(Engine):
         while any(s.finish is None for s in sequences):
             if stop is not None and stop.is_set():
                 break
-            active = [s for s in sequences if s.finish is None]
+            # at most max_batch_size sequences a pass, first come first served; the others wait for a free slot
+            active = [s for s in sequences if s.finish is None][: self.config.max_batch_size]
             drafts = [s.propose(self._proposal) for s in active]
             rows = [[*s.request.prompt_token_ids, *s.tokens, *d] for s, d in zip(active, drafts, strict=True)]
             logits = self._logits_at_response_positions(rows, [len(d) for d in drafts])
