@@ -8,12 +8,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bubblespec import __version__
 from bubblespec.assembly import build_parts, close_tasks
 from bubblespec.config import RunConfig
 from bubblespec.controller import Components, Controller
 from bubblespec.interfaces import acceptance_length
-from bubblespec.metrics import RunMetrics
+from bubblespec.metrics import RunMetrics, info_labels
 from bubblespec.records import StepRecord
 from bubblespec.rollout import bubble_use
 from bubblespec.run_dir import RunDirectory
@@ -30,7 +29,7 @@ def run(
     (step, phase) as the controller enters rollout, train and weight sync, and ``on_activity`` (rank,
     activity, detail) as wall-clock ranks generate, draft and fall idle within a step. With
     ``metrics.enabled`` the step records also feed Prometheus metrics served while the run runs."""
-    metrics = RunMetrics(config.rollout.num_ranks, run_info(config)) if config.metrics.enabled else None
+    metrics = RunMetrics(config.rollout.num_ranks, info_labels(config)) if config.metrics.enabled else None
     run_dir = RunDirectory(resume_dir or config.run_dir)
     with contextlib.ExitStack() as stack:
         if metrics is not None:
@@ -79,22 +78,6 @@ def _both(first: Callable | None, second: Callable | None) -> Callable | None:
     if first is None or second is None:
         return first or second
     return lambda *event: (first(*event), second(*event))
-
-
-def run_info(config: RunConfig) -> dict[str, str]:
-    """The labels of ``bubblespec_run_info``: what tells this run's numbers apart from another's (simulated seconds
-    under the virtual clock)."""
-    return {
-        "clock": config.clock.kind,
-        "profile": config.clock.profile if config.clock.kind == "virtual" else "",
-        "backend": config.rollout.backend,
-        "model": config.model.path or f"{config.task.name} task's model",
-        "dtype": config.model.dtype,
-        "num_ranks": str(config.rollout.num_ranks),
-        "speculation": str(config.speculation.enabled).lower(),
-        "schedule": config.schedule.kind,
-        "version": __version__,
-    }
 
 
 def speculation_verdict(summary: dict) -> str:

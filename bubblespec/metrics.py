@@ -39,7 +39,8 @@ from prometheus_client import (
     start_http_server,
 )
 
-from bubblespec.config import MetricsConfig
+from bubblespec import __version__
+from bubblespec.config import MetricsConfig, RunConfig, ServiceConfig
 from bubblespec.controller import REWIND
 from bubblespec.errors import ConfigError
 from bubblespec.records import StepRecord
@@ -398,6 +399,24 @@ class RunMetrics:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def info_labels(config: RunConfig | ServiceConfig) -> dict[str, str]:
+    """The labels of ``bubblespec_run_info`` for a run's (or a rollout service's) config: what tells its numbers apart
+    from another's, the clock first (seconds are simulated under the virtual clock)."""
+    task = getattr(config, "task", None)
+    labels = {
+        "clock": config.clock.kind,
+        "profile": config.clock.profile if config.clock.kind == "virtual" else "",
+        "backend": config.rollout.backend,
+        "model": config.model.path or (f"{task.name} task's model" if task is not None else ""),
+        "dtype": config.model.dtype,
+        "num_ranks": str(config.rollout.num_ranks),
+        "speculation": str(config.speculation.enabled).lower(),
+        "version": __version__,
+    }
+    schedule = getattr(config, "schedule", None)
+    return labels | ({"schedule": schedule.kind} if schedule is not None else {})
 
 
 def target_path(run_dir: Path) -> Path:

@@ -1,5 +1,7 @@
-"""dashboards/: the Grafana dashboard names only metrics the code exports, and every one of its queries returns
-plausible numbers on a real Prometheus that scraped a real (virtual-clock) run through the shipped scrape config."""
+"""dashboards/: the Grafana dashboard names only metrics the code exports, keeps every run apart (variables job and run
+on every selector, every aggregation by run), marks the seconds of the run's clock, and every one of its queries
+returns plausible numbers, each series of the run asked for, on a real Prometheus that scraped a real (virtual-clock)
+run through the shipped scrape config."""
 
 from __future__ import annotations
 
@@ -14,38 +16,88 @@ import yaml
 
 from bubblespec.config import RunConfig, validate
 from bubblespec.launch import run
-from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, TARGETS_DIR, RunMetrics, metric_names
+from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, RUN_CLOCK, TARGETS_DIR, RunMetrics, metric_names
 from bubblespec.records import StepRecord
 from tests.prometheus import DASHBOARDS, prometheus_binary, running_prometheus
 
-METRIC_NAME = re.compile(r"bubblespec_[a-z_]+")
+METRIC_NAME = re.compile(r"\b(?:bubblespec|process)_[a-z_]+")
+SELECTOR = re.compile(r"(?<![\w:])(bubblespec_\w+|process_\w+|up)\b(?!\s*\()(\{[^}]*\})?")
+"""A metric name (not a function call such as ``max_over_time(``) and its label matchers, if any."""
+AGGREGATION = re.compile(
+    r"\b(sum|avg|min|max|count|group|stddev|stdvar|quantile|topk|bottomk|count_values)\b\s*(?:(by|without)\s*\(([^)]*)\))?\s*\("
+)
+"""An aggregation operator and its grouping, written before its parentheses (``sum by (run) (...)``): a word with
+``_`` after it (``max_over_time``, ``group_left``) or before it (``clamp_min``, ``histogram_quantile``, ``_count``)
+is no operator. A grouping written after (``sum(...) by (run)``) reads as none, and fails."""
+VECTOR_MATCHING = re.compile(r"\bon\s*\(([^)]*)\)")
 VARIABLE = re.compile(r"\$\{?(\w+)\}?")
-LABEL_VALUES = re.compile(r"label_values\((\w+),\s*(\w+)\)")
+LABEL_VALUES = re.compile(r"label_values\((\w+)(\{[^}]*\})?,\s*(\w+)\)")
+QUERY_RESULT = re.compile(r"query_result\((.*)\)")
+JS_REGEX = re.compile(r"/(.*)/([gimsuy]*)")
 GRAFANA_RANGES = {"__rate_interval", "__interval", "__range"}
 """Grafana's built-in range variables; the test substitutes a window that covers the whole run."""
 WINDOW = "5m"
+DEFAULT_WINDOW_SECONDS = 300
+"""The window variable's value where a test does not ask Prometheus for it: more than a test run lasts."""
+JOB_AND_RUN = ('job=~"$job"', 'run=~"$run"')
+CLOCK_MARK = "run clock (simulated under clock.kind virtual)"
+CLOCK_JOIN = re.compile(r"\* on \(run\) group_left \(clock\) group by \(run, clock\) \(bubblespec_run_info\{[^}]*\}\)")
+CLOCK_FREE_RATIOS = {
+    # panels that divide seconds of the run's clock by seconds of the same clock: the same number on either clock
+    "Bubble utilisation (run)",
+    "Bubble utilisation (fleet and lowest 3 ranks)",
+    "Bubble utilisation by rank",
+    "Rank generation time / median rank",
+}
+LOG_AXES = {"Learning rate", "Engine-trainer logprob agreement"}
+INSTANT_PANELS = {"stat", "bargauge", "table"}
+"""Panels that show one value per series: instant queries (a range query's last point can be a step old)."""
+LIVENESS = {
+    "Run info",
+    "Seconds since last step",
+    "Last step wall seconds",
+    "Target up",
+    "Ranks by state",
+    "Replica replacements and trainer restarts",
+    "Process resident memory",
+    "Process CPU",
+    "Working rank silence (in longest recent steps)",
+}
 NUM_STEPS = 4
 NUM_RANKS = 3
 MAX_DRAFT_TOKENS = 16
+RUN = "dashboard"
 POSITIVE = math.ulp(0.0)
 PLAUSIBLE = {
     # panel title: (lowest, highest) value of every series of every query, for the run of run_config()
+    "Run info": (1, 1),
+    "Seconds since last step": (0, 60),  # read right after the last step's scrape
+    "Last step wall seconds": (POSITIVE, 600),
+    "Target up": (1, 1),
+    "Ranks by state": (0, NUM_RANKS),
+    "Replica replacements and trainer restarts": (0, 0),  # none in a local run
+    "Process resident memory": (1e6, 1e12),
+    "Process CPU": (0, 1024),
+    "Working rank silence (in longest recent steps)": (0, 100),
     "Steps done": (NUM_STEPS, NUM_STEPS),
     "Policy version": (NUM_STEPS, NUM_STEPS),
     "Steps per minute (wall clock)": (POSITIVE, math.inf),
     "Bubble utilisation (run)": (0, 1),
     "Decode steps saved (run)": (0, 1),
     "Acceptance length (run)": (1, MAX_DRAFT_TOKENS + 1),
-    "Bubble utilisation per rank": (0, 1),
+    "Bubble utilisation (fleet and lowest 3 ranks)": (0, 1),
+    "Bubble utilisation by rank": (0, 1),
     "Bubble seconds per step": (0, math.inf),
     "Preemption latency": (POSITIVE, math.inf),
     "Phase seconds per step": (POSITIVE, math.inf),
+    "Generation seconds per step (median and slowest 3 ranks)": (POSITIVE, math.inf),
+    "Rank generation time / median rank": (POSITIVE, 100),
     # quantiles interpolate inside the histogram bucket that holds the longest acceptance (up to le=24)
     "Acceptance length": (1, min(b for b in ACCEPTANCE_LENGTH_BUCKETS if b >= MAX_DRAFT_TOKENS + 1)),
-    "Decode steps saved": (0, 1),
+    "Decode steps saved (fleet and lowest 3 ranks)": (0, 1),
     "Decode steps saved per step": (0, math.inf),
-    "Draft coverage": (0, 1),
-    "Draft tokens accepted": (0, 1),
+    "Draft coverage (fleet and lowest 3 ranks)": (0, 1),
+    "Draft tokens accepted (fleet and lowest 3 ranks)": (0, 1),
     "Rank work per step": (0, math.inf),
     "Rollout tokens per second": (POSITIVE, math.inf),
     "Reward": (0, 1),  # the arithmetic task's reward is 0 or 1 per sample
@@ -78,8 +130,22 @@ def expressions(dashboard: dict) -> list[tuple[str, str, str]]:
     ]
 
 
-def variable_queries(dashboard: dict) -> list[str]:
-    return [variable["query"]["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
+def variables(dashboard: dict) -> dict[str, dict]:
+    return {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+
+
+def variable_queries(dashboard: dict) -> dict[str, str]:
+    """Variable name: query, of every query variable."""
+    return {name: v["query"]["query"] for name, v in variables(dashboard).items() if v["type"] == "query"}
+
+
+def families() -> list:
+    """The metric families a run exports (one rank's series created)."""
+    return list(RunMetrics(num_ranks=1).registry.collect())
+
+
+def sample_names(family) -> set[str]:
+    return {family.name} | {family.name + suffix for suffix in ("_total", "_info", "_bucket", "_sum", "_count")}
 
 
 def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
@@ -129,35 +195,148 @@ def test_dashboard_is_an_importable_grafana_dashboard():
     assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
         ("DS_PROMETHEUS", "datasource", "prometheus")
     ]
-    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    rank = variables["rank"]
-    assert rank["type"] == "query" and rank["multi"] and rank["includeAll"]
-    assert rank["query"]["query"] == "label_values(bubblespec_generated_tokens_total, rank)"
+    panel_types = {panel["type"] for panel in dashboard["panels"]} - {"row"}
+    assert panel_types <= {r["id"] for r in dashboard["__requires"] if r["type"] == "panel"}
     panels = query_panels(dashboard)
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)), f"panel ids repeat: {sorted(ids)}"
     datasource = {"type": "prometheus", "uid": "${datasource}"}
-    assert rank["datasource"] == datasource
     for panel in panels:
-        assert set(panel["gridPos"]) == {"x", "y", "w", "h"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
         assert panel["targets"], f"panel {panel['title']!r} has no query"
         assert panel["datasource"] == datasource, panel["title"]
         for target in panel["targets"]:
             assert target["expr"] and target["refId"] and target["datasource"] == datasource, panel["title"]
+            assert "{{run}}" in target["legendFormat"], f"panel {panel['title']!r}: the legend must name the run"
         ref_ids = [target["refId"] for target in panel["targets"]]
         assert len(ref_ids) == len(set(ref_ids)), panel["title"]
     assert {panel["title"] for panel in panels} == set(PLAUSIBLE), "PLAUSIBLE must name every panel exactly"
 
 
+def test_panels_tile_a_24_column_grid_and_liveness_comes_first():
+    dashboard = load_dashboard()
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert set(grid) == {"x", "y", "w", "h"} and grid["x"] >= 0 and grid["w"] > 0 and grid["h"] > 0, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, f"panel {panel['title']!r} is wider than the grid: {grid}"
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"panels {cells[x, y]!r} and {panel['title']!r} overlap at {(x, y)}"
+                cells[x, y] = panel["title"]
+    ordered = sorted(dashboard["panels"], key=lambda panel: (panel["gridPos"]["y"], panel["gridPos"]["x"]))
+    assert ordered == dashboard["panels"], "panels must be listed in reading order (Grafana groups them under rows)"
+    first, *rest = ordered
+    assert first["type"] == "row" and first["title"].startswith("Liveness") and first["gridPos"]["y"] == 0
+    next_row = next(i for i, panel in enumerate(rest) if panel["type"] == "row")
+    assert {panel["title"] for panel in rest[:next_row]} == LIVENESS
+
+
+def test_variables_select_job_run_rank_and_a_window_of_about_four_steps():
+    dashboard = load_dashboard()
+    defined = variables(dashboard)
+    assert list(defined) == ["datasource", "job", "run", "rank", "window"]
+    assert defined["datasource"]["type"] == "datasource" and defined["datasource"]["query"] == "prometheus"
+    datasource = {"type": "prometheus", "uid": "${datasource}"}
+    for name in ("job", "run", "rank", "window"):
+        assert defined[name]["type"] == "query" and defined[name]["datasource"] == datasource, name
+        assert defined[name]["refresh"] == 2, f"{name} must follow the time range"
+    queries = variable_queries(dashboard)
+    assert queries["job"] == "label_values(bubblespec_steps_total, job)"
+    assert queries["run"] == 'label_values(bubblespec_steps_total{job=~"$job"}, run)'
+    assert queries["rank"] == 'label_values(bubblespec_generated_tokens_total{job=~"$job",run=~"$run"}, rank)'
+    for name in ("run", "rank"):
+        assert defined[name]["multi"] and defined[name]["includeAll"] and defined[name]["allValue"] == ".*", name
+    window = defined["window"]
+    assert QUERY_RESULT.fullmatch(queries["window"]) and JS_REGEX.fullmatch(window["regex"])
+    inner = QUERY_RESULT.fullmatch(queries["window"]).group(1)
+    assert "bubblespec_step_wall_seconds" in inner and "4 *" in inner and "60" in inner
+    assert "four" in window["description"] and "60 s" in window["description"]
+    # Grafana's query_result writes each series as "NAME{LABELS} VALUE TIMESTAMP_MS"; the regex keeps VALUE
+    regex = python_regex(window["regex"])
+    assert regex.search("{} 300 1700000000000").group(1) == "300"
+    assert regex.search("{} 60 1700000000123.0002").group(1) == "60"
+    for expr in (expr for _, _, expr in expressions(dashboard) if "window" in VARIABLE.findall(expr)):
+        assert "[${window}s]" in expr and not re.search(r"\$window|\$\{window\}(?!s\])", expr), expr
+
+
 def test_every_variable_a_query_uses_is_defined():
     dashboard = load_dashboard()
-    defined = {variable["name"] for variable in dashboard["templating"]["list"]} | GRAFANA_RANGES
-    for title, ref_id, expr in expressions(dashboard):
+    defined = set(variables(dashboard)) | GRAFANA_RANGES
+    queries = [*expressions(dashboard), *(("(variable)", name, q) for name, q in variable_queries(dashboard).items())]
+    for title, ref_id, expr in queries:
         unknown = set(VARIABLE.findall(expr)) - defined
         assert not unknown, f"panel {title!r} query {ref_id} uses undefined variables {sorted(unknown)}"
-        if METRIC_NAME.search(expr) and "rank" in expr:
-            assert 'rank=~"$rank"' in expr, f"panel {title!r} query {ref_id} filters ranks without $rank"
+
+
+def test_every_selector_filters_job_run_and_rank_and_every_aggregation_keeps_the_run():
+    """Runs never mix: each metric selector carries job=~"$job" and run=~"$run" (and rank=~"$rank" for per-rank
+    metrics), each aggregation groups by run (per-rank views by run and rank), and each vector match is on run.
+    Ratios are then of sums of one run. A textual check, not a parser: the real-Prometheus test below checks that
+    every series of every query carries the run."""
+    dashboard = load_dashboard()
+    per_rank = {
+        name
+        for family in families()
+        if any("rank" in sample.labels for sample in family.samples)
+        for name in sample_names(family)
+    }
+    queries = expressions(dashboard)
+    queries += [("(variable)", name, q) for name, q in variable_queries(dashboard).items() if name != "job"]
+    for title, ref_id, expr in queries:
+        where = f"panel {title!r} query {ref_id}: {expr}"
+        selectors = SELECTOR.findall(expr)
+        assert selectors, where
+        needed = JOB_AND_RUN[:1] if (title, ref_id) == ("(variable)", "run") else JOB_AND_RUN
+        for name, matchers in selectors:
+            missing = [m for m in needed if m not in matchers]
+            assert not missing, f"{where}: selector {name}{matchers} lacks {missing}"
+            if name in per_rank and title != "(variable)":
+                assert 'rank=~"$rank"' in matchers, f"{where}: selector {name}{matchers} lacks $rank"
+        if title == "(variable)":
+            continue
+        aggregations = [match.groups() for match in AGGREGATION.finditer(expr)]
+        assert aggregations, f"{where}: aggregate by run (one series per run, whatever the instance)"
+        for operator, grouping, labels in aggregations:
+            assert grouping == "by", f"{where}: write `{operator} by (run, ...) (...)`"
+            assert "run" in re.split(r"\s*,\s*", labels.strip()), f"{where}: {operator} by ({labels}) drops the run"
+        for labels in VECTOR_MATCHING.findall(expr):
+            assert "run" in re.split(r"\s*,\s*", labels.strip()), f"{where}: on ({labels}) ignores the run"
+
+
+def test_one_value_panels_are_instant_and_learning_rate_and_logprobs_are_on_log_axes():
+    for panel in query_panels(load_dashboard()):
+        instant = panel["type"] in INSTANT_PANELS
+        for target in panel["targets"]:
+            assert (target["instant"], target["range"]) == (instant, not instant), panel["title"]
+        scale = panel["fieldConfig"]["defaults"].get("custom", {}).get("scaleDistribution")
+        if panel["title"] in LOG_AXES:
+            assert scale == {"type": "log", "log": 10}, panel["title"]
+        else:
+            assert scale in (None, {"type": "linear"}), panel["title"]
+    assert LOG_AXES <= {panel["title"] for panel in query_panels(load_dashboard())}
+
+
+def test_seconds_of_the_run_clock_are_labelled_with_the_clock():
+    """A panel that shows seconds of the run's clock (simulated under clock.kind virtual; bubblespec/metrics.py marks
+    them in their help) says so and joins the run's clock into every legend, unless it divides them by seconds of the
+    same clock."""
+    run_clock = {
+        name for family in families() if RUN_CLOCK.strip() in family.documentation for name in sample_names(family)
+    }
+    assert "bubblespec_phase_seconds_total" in run_clock and "bubblespec_rollout_tokens_per_second" in run_clock
+    clock_panels = set()
+    for panel in query_panels(load_dashboard()):
+        named = {name for target in panel["targets"] for name in METRIC_NAME.findall(target["expr"])}
+        if not named & run_clock or panel["title"] in CLOCK_FREE_RATIOS:
+            continue
+        clock_panels.add(panel["title"])
+        assert CLOCK_MARK in panel["description"], f"panel {panel['title']!r} must say its seconds are the run clock"
+        for target in panel["targets"]:
+            assert CLOCK_JOIN.search(target["expr"]), f"panel {panel['title']!r} query {target['refId']}"
+            assert "{{clock}}" in target["legendFormat"], f"panel {panel['title']!r} query {target['refId']}"
+    assert {"Phase seconds per step", "Bubble seconds per step", "Preemption latency", "Rollout tokens per second"} <= (
+        clock_panels
+    )
 
 
 def test_every_metric_the_dashboard_names_is_exported(exported_names):
@@ -166,7 +345,9 @@ def test_every_metric_the_dashboard_names_is_exported(exported_names):
         (title, ref_id, name) for title, ref_id, expr in expressions(dashboard) for name in METRIC_NAME.findall(expr)
     ]
     named += [
-        ("(variables)", "-", name) for query in variable_queries(dashboard) for name in METRIC_NAME.findall(query)
+        ("(variables)", name, metric)
+        for name, query in variable_queries(dashboard).items()
+        for metric in METRIC_NAME.findall(query)
     ]
     assert named
     missing = [f"panel {title!r} query {ref_id}: {name}" for title, ref_id, name in named if name not in exported_names]
@@ -202,10 +383,43 @@ def prometheus(tmp_path):
         yield server
 
 
-def grafana_to_promql(expr: str) -> str:
-    """Substitutes the dashboard's variables as Grafana would with every rank selected and a run-long window."""
-    values = {"rank": ".*", "run": ".*", "job": "bubblespec", "window": WINDOW} | dict.fromkeys(GRAFANA_RANGES, WINDOW)
+def grafana_to_promql(expr: str, run: str = ".*", window: int = DEFAULT_WINDOW_SECONDS) -> str:
+    """Substitutes the dashboard's variables as Grafana would with job bubblespec, runs matching ``run`` (".*": all),
+    every rank and a window of ``window`` seconds."""
+    values = {"rank": ".*", "run": run, "job": "bubblespec", "window": str(window)}
+    values |= dict.fromkeys(GRAFANA_RANGES, WINDOW)
     return VARIABLE.sub(lambda match: values[match.group(1)], expr)
+
+
+def python_regex(grafana_regex: str) -> re.Pattern:
+    """A variable's regex, written /PATTERN/FLAGS as Grafana takes it (JavaScript syntax; the patterns used here mean
+    the same in Python)."""
+    pattern, flags = JS_REGEX.fullmatch(grafana_regex).groups()
+    return re.compile(pattern, re.IGNORECASE if "i" in flags else 0)
+
+
+def query_result_texts(answer: dict) -> list[str]:
+    """What Grafana's query_result() makes of an instant query's answer: one "NAME{LABELS} VALUE TIMESTAMP_MS" text
+    per series (public/app/plugins/datasource/prometheus/metric_find_query.ts)."""
+    texts = []
+    for series in answer["result"]:
+        labels = dict(series["metric"])
+        name = labels.pop("__name__", "")
+        timestamp, value = series["value"]
+        text = name + "{" + ",".join(f'{key}="{label}"' for key, label in labels.items()) + "}"
+        texts.append(f"{text} {value} {timestamp * 1000:.0f}")
+    return texts
+
+
+def window_seconds(prometheus, dashboard: dict, at: float) -> int:
+    """The window variable as Grafana would compute it at ``at``: its query_result() asked of the real Prometheus,
+    its regex applied to each text."""
+    variable = variables(dashboard)["window"]
+    inner = QUERY_RESULT.fullmatch(variable["query"]["query"]).group(1)
+    texts = query_result_texts(prometheus.query(grafana_to_promql(inner), at=at))
+    options = [match.group(1) for match in map(python_regex(variable["regex"]).search, texts) if match]
+    assert len(options) == 1, f"the window variable's query gave {texts}, options {options}"
+    return int(options[0])
 
 
 @pytest.mark.prometheus
@@ -217,20 +431,29 @@ def test_every_dashboard_query_returns_plausible_values_from_a_real_run(promethe
         # The run's endpoint goes away when it ends: hold each step until Prometheus has scraped it, which also
         # gives every counter one sample per step for increase() and rate().
         records.append(record)
-        seen_at.append(prometheus.wait_for_steps("dashboard", record.step + 1))
+        seen_at.append(prometheus.wait_for_steps(RUN, record.step + 1))
 
-    run(run_config(prometheus.output_dir, "dashboard", NUM_STEPS, {"port": 0}), on_step=wait_for_scrape)
+    run(run_config(prometheus.output_dir, RUN, NUM_STEPS, {"port": 0}), on_step=wait_for_scrape)
     assert len(records) == NUM_STEPS
     assert_preempted(records)
     at = seen_at[-1]  # the last scrape of the live endpoint; later ones find it gone and mark the series stale
 
     dashboard = load_dashboard()
-    for query in variable_queries(dashboard):
-        metric, label = LABEL_VALUES.fullmatch(query).groups()
-        values = prometheus.get(f"/api/v1/label/{label}/values", **{"match[]": metric, "start": at - 300, "end": at})
-        assert sorted(values) == [str(rank) for rank in range(NUM_RANKS)], query
+    expected = {"job": ["bubblespec"], "run": [RUN], "rank": [str(rank) for rank in range(NUM_RANKS)]}
+    for name, query in variable_queries(dashboard).items():
+        if name == "window":
+            continue
+        metric, matchers, label = LABEL_VALUES.fullmatch(query).groups()
+        match = grafana_to_promql(metric + (matchers or ""))
+        values = prometheus.get(f"/api/v1/label/{label}/values", **{"match[]": match, "start": at - 300, "end": at})
+        assert sorted(values) == expected[name], query
+    window = window_seconds(prometheus, dashboard, at)
+    longest = prometheus.value(grafana_to_promql("max(max_over_time(bubblespec_step_wall_seconds[1h]))"), at)
+    assert window == max(60, math.ceil(4 * longest)), (window, longest)
+    assert at - seen_at[0] < window, "the run took longer than the window: some panels would miss its first steps"
+
     for title, ref_id, expr in expressions(dashboard):
-        promql = grafana_to_promql(expr)
+        promql = grafana_to_promql(expr, window=window)
         answer = prometheus.query(promql, at=at)
         where = f"panel {title!r} query {ref_id}: {promql}"
         assert answer["resultType"] == "vector", where
@@ -239,3 +462,4 @@ def test_every_dashboard_query_returns_plausible_values_from_a_real_run(promethe
         for series in answer["result"]:
             value = float(series["value"][1])
             assert math.isfinite(value) and low <= value <= high, f"{where} gave {value} for {series['metric']}"
+            assert series["metric"].get("run") == RUN, f"{where} gave a series without the run: {series['metric']}"

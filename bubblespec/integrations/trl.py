@@ -284,9 +284,9 @@ class BubblespecRollout:
         )
         config = self.config.model_copy(update={"seed": int(args.seed)})
         if config.metrics.enabled:  # the per-rank metrics of a bubblespec run, on metrics.host:port
-            from bubblespec.metrics import RunMetrics
+            from bubblespec.metrics import RunMetrics, info_labels
 
-            self.metrics = RunMetrics(config.rollout.num_ranks)
+            self.metrics = RunMetrics(config.rollout.num_ranks, info_labels(config))
             self.metrics.serve(config.metrics)
             self._stack.callback(self.metrics.close)
         self._service = self._stack.enter_context(
