@@ -235,11 +235,12 @@ def test_a_run_on_the_example_gives_the_built_in_engines_rollouts(tmp_path, torc
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_transformers_example_on_ray_serve_ranks_gives_the_virtual_runs_rollouts(tmp_path):
+@pytest.mark.parametrize("backend", list(ENTRY_POINTS))
+def test_the_example_on_ray_serve_ranks_gives_the_built_in_engines_rollouts(tmp_path, torch_run_steps, backend):
     """Two Ray Serve ranks load the plugin from the installed package (PYTHONPATH reaches Ray's workers) and give
-    exactly the rollouts of the same run on the virtual clock (about 45 s on 2 cores, Ray's start included)."""
-    wall = _steps(_run_config(tmp_path / "wall", "transformers-example", "wall"))
-    virtual = _steps(_run_config(tmp_path / "virtual", "transformers-example", "virtual"))
-    assert [s.rollout_digest for s in wall] == [s.rollout_digest for s in virtual]
-    assert [s.reward_mean for s in wall] == [s.reward_mean for s in virtual]
+    exactly the rollouts of the built-in engine's virtual run (about 45 s on 2 cores, Ray's start included)."""
+    wall = _steps(_run_config(tmp_path, backend, "wall"))
+    expected = torch_run_steps("coupled")
+    assert [s.rollout_digest for s in wall] == [s.rollout_digest for s in expected]
+    assert [s.reward_mean for s in wall] == [s.reward_mean for s in expected]
     assert all(rank.generation_seconds > 0 for step in wall for rank in step.ranks)
