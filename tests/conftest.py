@@ -16,6 +16,54 @@ MAIN_DEPENDENCIES = (
 )  # fmt: skip
 
 
+RAY_MARKERS = ("ray", "cluster", "vllm")
+"""Tests with these markers start a local Ray (or vLLM's processes): never two at once (:func:`_one_ray_at_a_time`)."""
+
+
+@pytest.fixture(autouse=True)
+def _one_ray_at_a_time(request, tmp_path_factory):
+    """Under pytest-xdist (two workers), a test that starts Ray waits until no other worker runs one: two local Rays
+    on two cores would slow each other past their timeouts. A lock file every worker shares (pytest-xdist's
+    ``xdist_group`` cannot do it: its loadgroup scheduling does not group under pytest 9)."""
+    import fcntl
+    import os
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not any(
+        request.node.get_closest_marker(name) for name in RAY_MARKERS
+    ):
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "ray-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_default_metrics_port_under_xdist():
+    """Two workers would both serve runs' metrics on the default port (``metrics.port`` 9464) and collide: under
+    xdist a run configured with the default port serves on a free one (the run's target file names it). A test that
+    sets a port gets that port."""
+    import os
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    from bubblespec.config import MetricsConfig
+    from bubblespec.metrics import RunMetrics
+
+    default, serve = MetricsConfig().port, RunMetrics.serve
+
+    def serve_on_a_free_port(self, config):
+        return serve(self, config.model_copy(update={"port": 0}) if config.port == default else config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RunMetrics, "serve", serve_on_a_free_port)
+        yield
+
+
 def pytest_report_header(config) -> list[str]:
     """The resolved versions of the main dependencies, first thing in the log: a failure that a new release caused
     shows which release it was (the test command pins them with test-constraints.txt)."""

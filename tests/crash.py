@@ -22,7 +22,8 @@ def kill_after_steps(config: RunConfig, num_steps: int, timeout_s: float = 300.0
     """Starts ``bubblespec run`` on ``config`` and SIGKILLs it once ``num_steps`` step lines are in its log."""
     config_file = config.run_dir.parent / f"{config.name}.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    # metrics on a free port: another test may run at the same time (two pytest workers)
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json") | {"metrics": {"port": 0}}))
     process = subprocess.Popen([*RUN, str(config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     steps = RunDirectory(config.run_dir).steps_file
     deadline = time.monotonic() + timeout_s
