@@ -17,28 +17,18 @@ MAIN_DEPENDENCIES = (
 
 
 RAY_MARKERS = ("ray", "cluster", "vllm")
-"""Tests with these markers start a local Ray (or vLLM's processes): never two at once (:func:`_one_ray_at_a_time`)."""
+"""Tests with these markers start a local Ray (or vLLM's processes): they take turns (:mod:`tests.ray_turns`)."""
 
 
 @pytest.fixture(autouse=True)
 def _one_ray_at_a_time(request, tmp_path_factory):
-    """Under pytest-xdist (two workers), a test that starts Ray waits until no other worker runs one: two local Rays
-    on two cores would slow each other past their timeouts. A lock file every worker shares (pytest-xdist's
-    ``xdist_group`` cannot do it: its loadgroup scheduling does not group under pytest 9)."""
-    import fcntl
-    import os
-
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not any(
-        request.node.get_closest_marker(name) for name in RAY_MARKERS
-    ):
+    if not any(request.node.get_closest_marker(name) for name in RAY_MARKERS):
         yield
         return
-    with open(tmp_path_factory.getbasetemp().parent / "ray-tests.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    from tests.ray_turns import ray_turn
+
+    with ray_turn(tmp_path_factory):
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

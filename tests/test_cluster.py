@@ -23,6 +23,7 @@ from bubblespec.config import validate
 from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
 from bubblespec.launch import run
 from bubblespec.run_dir import RunDirectory
+from tests.ray_turns import ray_turn
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.cluster]
 
@@ -33,7 +34,7 @@ PLACED = {"rollout_nodes": {"role": "rollout"}, "trainer_nodes": {"role": "train
 
 
 @pytest.fixture(scope="module")
-def cluster(monkeypatch_module):
+def cluster(monkeypatch_module, tmp_path_factory):
     """A head node (the driver, Serve's controller) with two rollout nodes of 2 fake GPUs, two trainer nodes of 1
     and a node for the draft store: as few nodes as the tests need (each node is a raylet and two agent processes,
     and a node that cannot register within Ray's 30 s fails the start-up; on 2 busy cores every node counts).
@@ -44,7 +45,8 @@ def cluster(monkeypatch_module):
     monkeypatch_module.setenv("RAY_health_check_period_ms", "200")
     monkeypatch_module.setenv("RAY_health_check_failure_threshold", "3")
     monkeypatch_module.setenv(ENVIRONMENT_VARIABLE, "test-cluster")  # ranks and trainer workers consult the gate
-    with local_cluster([ROLLOUT] * 2 + [TRAINER] * 2 + [STORE], head_cpus=1) as cluster:
+    # no other worker starts a Ray while the cluster lives (a local ray.init would find it)
+    with ray_turn(tmp_path_factory), local_cluster([ROLLOUT] * 2 + [TRAINER] * 2 + [STORE], head_cpus=1) as cluster:
         yield cluster
 
 
