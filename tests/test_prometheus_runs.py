@@ -29,7 +29,7 @@ def test_two_runs_scraped_at_once_stay_apart_on_every_panel(prometheus):
     """Runs "first" (2 steps) and "second" (3 steps) serve at once, each on a port of its own found through its
     target file; every dashboard query asked for one run answers with that run's series only."""
     steps = {"first": 2, "second": 3}
-    second_done = threading.Event()
+    first_scraped, second_done = threading.Event(), threading.Event()
     errors: list[BaseException] = []
     seen_at: list[float] = []
 
@@ -49,6 +49,7 @@ def test_two_runs_scraped_at_once_stay_apart_on_every_panel(prometheus):
     def first_step(record: StepRecord) -> None:
         scraped("first", record)
         if record.step == steps["first"] - 1:  # stay up until the second run has been scraped to its end
+            first_scraped.set()
             assert second_done.wait(timeout=300), "the second run did not finish"
 
     def first_run() -> None:
@@ -57,6 +58,7 @@ def test_two_runs_scraped_at_once_stay_apart_on_every_panel(prometheus):
             run(config, on_step=first_step, on_phase=up_before_the_first_step("first"))
         except BaseException as error:  # reaches the test below
             errors.append(error)
+            first_scraped.set()
 
     thread = threading.Thread(target=first_run)
     thread.start()
@@ -65,6 +67,8 @@ def test_two_runs_scraped_at_once_stay_apart_on_every_panel(prometheus):
             run_config(prometheus.output_dir, "second", steps["second"], {"port": 0}),
             on_step=lambda r: scraped("second", r),
         )
+        # the first run may still be in its last step: ask at a time both runs' last scrapes are in
+        assert first_scraped.wait(timeout=300) and not errors, f"the first run was not scraped to its end: {errors}"
         at = max(seen_at)
         for name, num_steps in steps.items():
             assert prometheus.value(f'bubblespec_steps_total{{run="{name}"}}', at) == num_steps
