@@ -113,7 +113,8 @@ class GenerationRequest:
 class RequestStats:
     """What generating one response cost.
 
-    ``decode_steps`` counts the forward passes after prefill in which this request emitted tokens;
+    ``decode_steps`` counts the forward passes in which this request emitted tokens, its prefill pass included
+    (a response of N tokens without drafts costs N);
     ``verify_steps`` counts those of them that scored at least one draft token. The acceptance length of a
     verify step is its accepted draft tokens + 1 (the token sampled after them).
     """

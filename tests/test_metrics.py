@@ -16,13 +16,8 @@ from bubblespec.launch import run
 from bubblespec.metrics import PHASES, RANK_STATES, TRAIN_COUNTERS, TRAIN_GAUGES, RunMetrics, metric_names, target_path
 from bubblespec.run_dir import RunDirectory
 from bubblespec.scheduler import REPLACED
+from tests.prometheus import free_port
 from tests.scrape import scrape, target_of
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _config(tmp_path, name: str, port: int, **changes):
