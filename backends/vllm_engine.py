@@ -40,7 +40,6 @@ to how often two plain runs that differ only in batch composition differ. vLLM's
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -90,7 +89,8 @@ class VLLMEngineConfig(EngineSettings, DraftChainSettings):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of GPU memory vLLM may take (GPU only)."""
     cpu_kv_cache_gib: float = Field(1.0, gt=0)
-    """KV cache size on CPU (sets VLLM_CPU_KVCACHE_SPACE when it is not set already)."""
+    """KV cache size on CPU in GiB, fractions too (vLLM's ``kv_cache_memory_bytes``, per engine). vLLM lets the
+    environment's VLLM_CPU_KVCACHE_SPACE (whole GiB) override it."""
     num_kv_blocks: int | None = Field(None, ge=1)
     """Override of the KV cache's size in blocks (vLLM's ``num_gpu_blocks_override``): a small cache makes vLLM
     preempt and recompute requests, which the tests use; empty sizes it from memory."""
@@ -251,7 +251,6 @@ class VLLMEngine(Engine):
         self.config = config
         for name, value in VLLM_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(config.cpu_kv_cache_gib))))
         try:
             import vllm
         except ImportError as error:
@@ -295,6 +294,10 @@ class VLLMEngine(Engine):
             speculative = {"method": "custom_class", "model": _PROPOSER_PATH, "num_speculative_tokens": drafts}
         batched = config.max_num_batched_tokens or max(config.max_batch_size * (drafts + 1), 2048)
         options = {} if config.num_kv_blocks is None else {"num_gpu_blocks_override": config.num_kv_blocks}
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            options["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
         try:
             return vllm.LLM(
                 model=config.model_path,
@@ -367,10 +370,11 @@ class VLLMEngine(Engine):
             while live:
                 if stop is not None and stop.is_set():
                     break
-                if on_forward is not None:
-                    on_forward(_forward_pass(list(live.values()), self._vocab_size))
+                forward = _forward_pass(list(live.values()), self._vocab_size)  # what this pass is fed
                 outputs = self._core.get_output().outputs
                 self.num_forward_passes += 1
+                if on_forward is not None:
+                    on_forward(forward)
                 for output in outputs:
                     if output.request_id in live:
                         self._absorb(output, live)
