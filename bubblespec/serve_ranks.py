@@ -59,6 +59,13 @@ class RankReplica:
         self.version = 0
         self.releases = 0
 
+    def __del__(self) -> None:
+        """Serve calls this when it shuts the replica down gracefully (its application deleted, as on a shared
+        cluster at the end of a run): the engine frees what it holds."""
+        engine = getattr(self, "engine", None)  # None: the constructor failed before the engine existed
+        if engine is not None:
+            engine.close()
+
     def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int, float]:
         """The shard's results, its forward passes and the seconds its drafts saved (negative: cost), estimated
         from the passes' measured times (:mod:`bubblespec.speculation_effect`)."""
@@ -145,7 +152,10 @@ def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, resources:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options=resources)(RankReplica)
+    # stop() must run while draft() does: synchronous methods in Serve's thread pool, whatever the Ray version's
+    # default (env_vars of an actor's runtime_env add to the job's own)
+    options = resources | {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "1"}}}
+    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options=options)(RankReplica)
     targets = [
         RunTarget(deployment.bind(rank, backend, engine_settings), name=f"bubblespec-rank-{rank}", route_prefix=None)
         for rank in range(num_ranks)
