@@ -16,6 +16,28 @@ MAIN_DEPENDENCIES = (
 )  # fmt: skip
 
 
+ONE_WORKER = {
+    # test file, or test id, that one worker runs whole: the name of its group
+    "tests/test_vllm.py": "vllm",  # vLLM engines live as long as their process (backends/vllm_engine.py, close())
+    "tests/test_bench_engine.py::test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields": "vllm",
+    "tests/test_cluster.py": "cluster",  # its module's Ray cluster is built once
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling, except that each group of :data:`ONE_WORKER` goes to one worker whole, so only one
+    process ever holds vLLM engines. (xdist's own ``xdist_group`` marks do not group under pytest 9: its loadgroup
+    scheduling renames test ids on the workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedLoadScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test = nodeid.split("[", 1)[0]
+            return ONE_WORKER.get(test) or ONE_WORKER.get(test.split("::", 1)[0]) or nodeid
+
+    return GroupedLoadScheduling(config, log)
+
+
 RAY_MARKERS = ("ray", "cluster", "vllm")
 """Tests with these markers start a local Ray (or vLLM's processes): they take turns (:mod:`tests.ray_turns`)."""
 

@@ -179,7 +179,6 @@ def test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields(tmp_pa
         if os.environ.get("BUBBLESPEC_SKIP_VLLM") == "1":
             pytest.skip("vLLM is not installed and BUBBLESPEC_SKIP_VLLM=1")
         raise RuntimeError("this test needs vLLM (pip install -e '.[vllm]'), or BUBBLESPEC_SKIP_VLLM=1 to skip it")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = _run_quick(tmp_path, "--backend", "torch,vllm", "--exactness-requests", "8")
     _check_rows(report, {"torch", "vllm"}, {"1", "16"})

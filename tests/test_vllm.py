@@ -6,6 +6,7 @@ Without vLLM installed these tests fail with an install hint, unless BUBBLESPEC_
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from dataclasses import replace
@@ -13,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from bubblespec.testing import EngineConformance, RealVocabularyConformance
+from tests.ray_turns import ray_turn
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -24,8 +26,20 @@ if importlib.util.find_spec("vllm") is None:
         "torchvision torchaudio torchcodec), or set BUBBLESPEC_SKIP_VLLM=1 to skip these tests"
     )
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+KV_CACHE = {"cpu_kv_cache_gib": 0.25}
+"""Each engine's KV cache (the tests' responses need a few MB): vLLM engines live as long as the process (close()),
+so the module's dozen engines hold 3 GB rather than 12 GB at the default 1 GiB."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_worker_in_this_module_at_a_time(tmp_path_factory):
+    """The module's engines (vLLM's and the reference's, several GB together) live as long as the module: it holds
+    the Ray turn for all of its tests on this worker, so no run of Ray ranks on the other worker starts beside them
+    (tests.ray_turns); what they held is collected before the turn passes on."""
+    with ray_turn(tmp_path_factory):
+        yield
+        gc.collect()
 
 
 class TestVLLMEngine(EngineConformance):
@@ -34,7 +48,7 @@ class TestVLLMEngine(EngineConformance):
 
     backend = "vllm"
     dtype = "float32"
-    engine_settings = {"max_batch_size": 16}
+    engine_settings = {"max_batch_size": 16, **KV_CACHE}
     max_mismatch_rate = 0.0
 
     def make_engine(self, model_path):
@@ -50,7 +64,7 @@ def engines():
     from bubblespec.tasks import ArithmeticTask
 
     path = str(ArithmeticTask.model_path())
-    vllm_engine = VLLMEngine.from_pretrained(path, max_batch_size=32)
+    vllm_engine = VLLMEngine.from_pretrained(path, max_batch_size=32, **KV_CACHE)
     yield vllm_engine, TorchEngine.from_pretrained(path, dtype="float32")
     vllm_engine.close()
 
@@ -131,6 +145,7 @@ def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
         "examples/quickstart.yaml",
         [
             "rollout.backend=vllm",
+            f"rollout.engine_options.cpu_kv_cache_gib={KV_CACHE['cpu_kv_cache_gib']}",
             "clock.kind=virtual",
             "num_steps=3",
             "eval_every=0",
@@ -155,7 +170,7 @@ class TestVLLMEngineAtARealVocabulary(RealVocabularyConformance):
     backend = "vllm"
     family = "llama"
     dtype = "float32"
-    engine_settings = {"max_batch_size": 16}
+    engine_settings = {"max_batch_size": 16, **KV_CACHE}
     make_engine = TestVLLMEngine.make_engine
 
 
@@ -170,7 +185,7 @@ class TestVLLMEngineInBfloat16(RealVocabularyConformance):
     dtype = "bfloat16"
     max_mismatch_rate = 1 / 6
     reference_mismatch_rate = 1 / 2
-    engine_settings = {"max_batch_size": 16}
+    engine_settings = {"max_batch_size": 16, **KV_CACHE}
     make_engine = TestVLLMEngine.make_engine
 
 
@@ -182,7 +197,7 @@ class TestVLLMEngineAtQwenVocabulary(RealVocabularyConformance):
     vocab_size = 151_936
     num_prompts = 4
     dtype = "float32"
-    engine_settings = {"max_batch_size": 16}
+    engine_settings = {"max_batch_size": 16, **KV_CACHE}
     make_engine = TestVLLMEngine.make_engine
 
 
@@ -208,7 +223,7 @@ def test_vllm_preempting_requests_for_kv_cache_changes_nothing(engines):
     requests = [replace(r, sampling=replace(r.sampling, ignore_eos=True, max_new_tokens=300)) for r in _requests(4, 2)]
     expected = roomy.generate(requests)
     small = VLLMEngine.from_pretrained(
-        str(ArithmeticTask.model_path()), max_batch_size=16, num_kv_blocks=5, max_num_batched_tokens=64
+        str(ArithmeticTask.model_path()), max_batch_size=16, num_kv_blocks=5, max_num_batched_tokens=64, **KV_CACHE
     )
     scheduler = small.engine.engine_core.engine_core.scheduler  # vLLM 0.32's in-process engine core
     preempted, preempt = [], scheduler._preempt_request
@@ -241,7 +256,7 @@ def test_draft_sources_run_inside_vllm(engines):
     requests = _requests(num_prompts=8, samples=4)
     expected = roomy.generate(requests)
     chained = VLLMEngine.from_pretrained(
-        str(ArithmeticTask.model_path()), max_batch_size=32, draft_chain=("request", "group", "ngram")
+        str(ArithmeticTask.model_path()), max_batch_size=32, draft_chain=("request", "group", "ngram"), **KV_CACHE
     )
     try:
         results = chained.generate(requests)
@@ -281,7 +296,8 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
     def math_run(name: str, *changes: str) -> RunDirectory:
         overrides = [
             f"name={name}", f"output_dir={tmp_path}", f"model.path={chat_model}", "model.dtype=float32",
-            "rollout.backend=vllm", "num_steps=2", "eval_every=0", "checkpoint_every=2", "metrics.enabled=false",
+            "rollout.backend=vllm", f"rollout.engine_options.cpu_kv_cache_gib={KV_CACHE['cpu_kv_cache_gib']}",
+            "num_steps=2", "eval_every=0", "checkpoint_every=2", "metrics.enabled=false",
             "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.max_new_tokens=32",
             "task.options.reward_workers=0", "trainer.optimizer.learning_rate=1e-5",
             # a random model never earns the math reward: digit_share gives the trainer a signal to train on
@@ -318,7 +334,7 @@ def test_calls_from_other_threads_run_with_the_engine_thread_count():
     from bubblespec.backends.vllm_engine import VLLMEngine
     from bubblespec.tasks import ArithmeticTask
 
-    engine = VLLMEngine.from_pretrained(str(ArithmeticTask.model_path()), max_batch_size=16, num_threads=1)
+    engine = VLLMEngine.from_pretrained(str(ArithmeticTask.model_path()), max_batch_size=16, num_threads=1, **KV_CACHE)
     requests = _requests(num_prompts=4, samples=2)
     expected = [r.token_ids for r in engine.generate(requests)]
     outcomes: list = []
