@@ -148,9 +148,9 @@ def sample_names(family) -> set[str]:
     return {family.name} | {family.name + suffix for suffix in ("_total", "_info", "_bucket", "_sum", "_count")}
 
 
-def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
+def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict, num_ranks: int = NUM_RANKS):
     """A short virtual-clock run on the h100-7b profile: with 3 ranks some rank is still drafting at most
-    barriers, so the preemption histogram gets observations."""
+    barriers, so the preemption histogram gets observations. Each rank gets at least two responses."""
     return validate(
         {
             "name": name,
@@ -158,9 +158,9 @@ def run_config(output_dir: Path, name: str, num_steps: int, metrics: dict):
             "num_steps": num_steps,
             "eval_every": 1,
             "eval_prompts": 4,
-            "task": {"prompts_per_step": 4, "samples_per_prompt": 2},
+            "task": {"prompts_per_step": max(4, num_ranks), "samples_per_prompt": 2},
             "rollout": {
-                "num_ranks": NUM_RANKS,
+                "num_ranks": num_ranks,
                 "max_draft_tokens_per_step": MAX_DRAFT_TOKENS,
                 "sampling": {"max_new_tokens": 48},
             },
@@ -463,3 +463,36 @@ def test_every_dashboard_query_returns_plausible_values_from_a_real_run(promethe
             value = float(series["value"][1])
             assert math.isfinite(value) and low <= value <= high, f"{where} gave {value} for {series['metric']}"
             assert series["metric"].get("run") == RUN, f"{where} gave a series without the run: {series['metric']}"
+
+
+FLEET_AND_FEW = 3
+"""The most series a time-series query draws per run: a fleet line, or the slowest (lowest) 3 ranks."""
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+def test_at_64_ranks_a_time_series_draws_the_fleet_and_3_ranks_and_a_bar_gauge_one_bar_per_rank(prometheus):
+    """A 64-rank run (virtual clock): no time-series query draws a line per rank; each per-rank bar gauge has one
+    bar for each of the 64 ranks; the rank variable lists them all. (That each query gives plausible values is the
+    3-rank test's job.)"""
+    num_ranks, seen_at = 64, []
+    config = run_config(prometheus.output_dir, "wide", 2, {"port": 0}, num_ranks=num_ranks)
+    run(config, on_step=lambda record: seen_at.append(prometheus.wait_for_steps("wide", record.step + 1)))
+    at = seen_at[-1]
+
+    dashboard = load_dashboard()
+    window = {"match[]": 'bubblespec_requests_total{run="wide"}', "start": at - 300, "end": at}
+    ranks = prometheus.get("/api/v1/label/rank/values", **window)
+    assert sorted(map(int, ranks)) == list(range(num_ranks))
+    drawn = {}
+    for panel in query_panels(dashboard):
+        for target in panel["targets"]:
+            promql = grafana_to_promql(target["expr"], run="wide")
+            series = prometheus.query(promql, at=at)["result"]
+            drawn[panel["title"], target["refId"]] = len(series)
+            where = f"panel {panel['title']!r} query {target['refId']} ({panel['type']}) at {num_ranks} ranks"
+            if panel["type"] == "timeseries":
+                assert len(series) <= FLEET_AND_FEW, f"{where} draws {len(series)} lines: {promql}"
+            elif panel["type"] == "bargauge" and "sum by (run, rank)" in target["expr"]:
+                assert {s["metric"]["rank"] for s in series} == set(ranks), f"{where}: bars {len(series)}"
+    assert max(drawn.values()) == num_ranks, drawn  # the per-rank bar gauges did run
