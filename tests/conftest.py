@@ -38,8 +38,10 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupedLoadScheduling(config, log)
 
 
-RAY_MARKERS = ("ray", "cluster", "vllm")
-"""Tests with these markers start a local Ray (or vLLM's processes): they take turns (:mod:`tests.ray_turns`)."""
+RAY_MARKERS = ("ray", "cluster")
+"""Tests with these markers start a local Ray: they take turns (:mod:`tests.ray_turns`). vLLM's own tests run its
+engine in the test's process, on the one worker of the group "vllm" (:data:`ONE_WORKER`), beside the other worker's
+tests: their engines take a small KV cache each, so a Ray run on the other worker still has room."""
 
 
 @pytest.fixture(autouse=True)

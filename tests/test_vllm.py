@@ -6,7 +6,6 @@ Without vLLM installed these tests fail with an install hint, unless BUBBLESPEC_
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 from dataclasses import replace
@@ -14,7 +13,6 @@ from dataclasses import replace
 import pytest
 
 from bubblespec.testing import EngineConformance, RealVocabularyConformance
-from tests.ray_turns import ray_turn
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,16 +28,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 KV_CACHE = {"cpu_kv_cache_gib": 0.25}
 """Each engine's KV cache (the tests' responses need a few MB): vLLM engines live as long as the process (close()),
 so the module's dozen engines hold 3 GB rather than 12 GB at the default 1 GiB."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_worker_in_this_module_at_a_time(tmp_path_factory):
-    """The module's engines (vLLM's and the reference's, several GB together) live as long as the module: it holds
-    the Ray turn for all of its tests on this worker, so no run of Ray ranks on the other worker starts beside them
-    (tests.ray_turns); what they held is collected before the turn passes on."""
-    with ray_turn(tmp_path_factory):
-        yield
-        gc.collect()
 
 
 class TestVLLMEngine(EngineConformance):
