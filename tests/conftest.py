@@ -26,8 +26,7 @@ ONE_WORKER = {
 
 def pytest_xdist_make_scheduler(config, log):
     """xdist's load scheduling, except that each group of :data:`ONE_WORKER` goes to one worker whole, so only one
-    process ever holds vLLM engines. (xdist's own ``xdist_group`` marks do not group under pytest 9: its loadgroup
-    scheduling renames test ids on the workers.)"""
+    process ever holds vLLM engines (why not xdist's own ``xdist_group``: :mod:`tests.ray_turns`)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupedLoadScheduling(LoadScopeScheduling):
