@@ -494,5 +494,6 @@ def test_at_64_ranks_a_time_series_draws_the_fleet_and_3_ranks_and_a_bar_gauge_o
             if panel["type"] == "timeseries":
                 assert len(series) <= FLEET_AND_FEW, f"{where} draws {len(series)} lines: {promql}"
             elif panel["type"] == "bargauge" and "sum by (run, rank)" in target["expr"]:
-                assert {s["metric"]["rank"] for s in series} == set(ranks), f"{where}: bars {len(series)}"
+                # a ratio leaves out a rank whose denominator is 0 (slowest at every barrier: no bubble)
+                assert {s["metric"]["rank"] for s in series} <= set(ranks), f"{where}: bars {len(series)}"
     assert max(drawn.values()) == num_ranks, drawn  # the per-rank bar gauges did run
