@@ -61,6 +61,8 @@ from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, Genera
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _POLL_S = 0.005
+_RESERVE = 1
+"""Context positions SGLang keeps back: it needs input < context and input + max_new_tokens <= context."""
 
 
 class SGLangError(BubblespecError, RuntimeError):
@@ -160,6 +162,11 @@ class SGLangEngine(Engine):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def context_length(self) -> int:
+        """The model's context less the one position SGLang keeps back (input < context)."""
+        return self._context_length - _RESERVE
 
     @property
     def policy_version(self) -> int:
@@ -317,9 +324,8 @@ class SGLangEngine(Engine):
         stop=None,
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
-        # SGLang needs input < context and input + max_new_tokens <= context: one position in reserve.
         sequences = [
-            Sequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids, reserve=1)
+            Sequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids, reserve=_RESERVE)
             for i, r in enumerate(requests)
         ]
         results: list[GenerationResult | None] = [None] * len(sequences)

@@ -325,6 +325,11 @@ class VLLMEngine(Engine):
         return self._vocab_size
 
     @property
+    def context_length(self) -> int:
+        """vLLM's ``max_model_len``."""
+        return self._context_length
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 

@@ -112,7 +112,10 @@ class Controller:
 
     def _schedule(self, start_seconds: float, start_step: int) -> Schedule:
         service = self.parts.service
-        return build_schedule(self.config, self.parts.task, service.seed, service.sampling, start_seconds, start_step)
+        return build_schedule(
+            self.config, self.parts.task, service.seed, service.sampling, start_seconds, start_step,
+            service.ranks.context_length,
+        )  # fmt: skip
 
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds

@@ -234,6 +234,11 @@ class Engine:
         """Raises the error loading ``model_path`` would raise for its architecture, without loading weights; the
         default checks nothing."""
 
+    context_length: int | None = None
+    """The most prompt + response tokens one sequence may hold: a response that fills it ends ``"length"`` before
+    its ``max_new_tokens``. None: the engine does not say (a schedule that cuts responses then cannot tell a response
+    the context ended from one its budget cut where the two limits are equal)."""
+
     def release(self) -> None:
         """Free memory held for generation (KV cache) while weights stay loaded; the default frees nothing."""
 

@@ -240,6 +240,8 @@ class RankPool(Protocol):
     clock (:class:`bubblespec.virtual_ranks.VirtualRankPool`, :class:`bubblespec.serve_ranks.ServeRankPool`)."""
 
     num_ranks: int
+    context_length: int | None
+    """The ranks' engines' :attr:`~bubblespec.interfaces.Engine.context_length` (None: not known here)."""
     on_activity: ActivityListener
     """Told (rank, activity, detail) as the scheduler decides: the live display. :func:`ignore_activity` by default."""
 

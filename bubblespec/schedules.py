@@ -158,8 +158,19 @@ class CutSchedule(Schedule):
     response over it is carried (see the module's docstring for what each kind does with it). The last step has no
     budget, so that it leaves nothing behind but a tail-batching pool."""
 
-    def __init__(self, config: RunConfig, task: Task, run_seed: int, sampling, start_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        task: Task,
+        run_seed: int,
+        sampling,
+        start_seconds: float = 0.0,
+        context_length: int | None = None,
+    ) -> None:
         super().__init__(config, task, run_seed, sampling, start_seconds)  # never resumed: starts at step 0
+        self.context_length = context_length
+        """The engines' context (prompt + response tokens; None: unknown): a budget at or above the room a prompt
+        leaves cuts nothing, since the context ends that response first."""
         self.kind = config.schedule.kind
         self.drafts = config.speculation.enabled
         """Whether a carried group's cut responses are drafts for its generation again (exact kinds)."""
@@ -196,10 +207,10 @@ class CutSchedule(Schedule):
                 return RolloutPlan(groups, version, self._batches - 1)
             batch = self._batches
             self._batches += 1
-            return RolloutPlan(self._fresh_groups(batch, self._capped(step)), version, batch)
+            return RolloutPlan(self._fresh_groups(batch, self.budget(step)), version, batch)
         carried = [self._again(g) for g in self._carried]
         self._carried = []
-        return RolloutPlan(self._fresh_groups(step, self._capped(step)) + carried, version, step)
+        return RolloutPlan(self._fresh_groups(step, self.budget(step)) + carried, version, step)
 
     def collect(self, step: int, plan: RolloutPlan, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
         by_key = {r.key: r for r in results}
@@ -207,7 +218,7 @@ class CutSchedule(Schedule):
         for group in plan.groups:
             whole, cut, stale = [], False, 0
             for request, generated, kept in zip(group.requests, group.generate, group.kept, strict=True):
-                result = _joined(request, kept, None if generated is None else by_key[generated.key])
+                result = _joined(request, generated, kept, None if generated is None else by_key[generated.key])
                 cut |= result.finish_reason == "preempted"  # the step's budget stopped it: it goes on
                 stale += 0 if kept is None else len(kept.token_ids)
                 whole.append(result)
@@ -221,11 +232,17 @@ class CutSchedule(Schedule):
         self._last_lengths = lengths or self._last_lengths  # a long tail-batching step has no fresh groups
         return trained
 
-    def _capped(self, step: int):
-        budget = self.budget(step)
-        if budget is None or budget >= self.sampling.max_new_tokens:
-            return self.sampling
-        return replace(self.sampling, max_new_tokens=budget)
+    def _fresh_groups(self, batch: int, budget: int | None) -> list[Group]:
+        """The batch's groups, each response capped at ``budget`` where that is less than the room it has (its
+        ``max_new_tokens``, and the context its prompt leaves): only a response the budget stops is cut."""
+        groups = super()._fresh_groups(batch, self.sampling)
+        for group in groups:
+            room = self.sampling.max_new_tokens
+            if self.context_length is not None:
+                room = min(room, self.context_length - len(group.prompt.token_ids))
+            if budget is not None and budget < room:
+                group.generate = [replace(r, sampling=replace(r.sampling, max_new_tokens=budget)) for r in group.generate]
+        return groups
 
     def _again(self, group: TrainedGroup) -> Group:
         """A carried group as this step generates it."""
@@ -254,26 +271,39 @@ class CutSchedule(Schedule):
 
 
 def _joined(
-    request: GenerationRequest, kept: GenerationResult | None, generated: GenerationResult | None
+    request: GenerationRequest,
+    asked: GenerationRequest | None,
+    kept: GenerationResult | None,
+    generated: GenerationResult | None,
 ) -> GenerationResult:
-    """Sample ``request``'s response: what an older policy generated, followed by what this step generated. A
-    response stopped by the step's budget is marked ``preempted`` (it will go on); one that reached its request's own
-    limit ``length``."""
-    if generated is None:
+    """Sample ``request``'s response: what an older policy generated (``kept``), followed by what this step
+    generated for ``asked``. A response stopped by the step's budget (``asked`` capped below what ``request`` still
+    allows, and filled) is marked ``preempted``: it will go on. One that reached its request's own limit or the
+    model's context stays ``length``: it is finished, as it is under ``sync``."""
+    if generated is None or asked is None:
         return kept
     tokens = (list(kept.token_ids) if kept else []) + list(generated.token_ids)
     logprobs = (list(kept.logprobs) if kept else []) + list(generated.logprobs)
     reason = generated.finish_reason
-    if reason == "length" and len(tokens) < request.sampling.max_new_tokens:
+    allowed = request.sampling.max_new_tokens - (len(kept.token_ids) if kept else 0)
+    budgeted = asked.sampling.max_new_tokens < allowed
+    if reason == "length" and budgeted and len(generated.token_ids) >= asked.sampling.max_new_tokens:
         reason = "preempted"
     return GenerationResult(request.key, tokens, logprobs, reason, generated.stats)
 
 
 def build_schedule(
-    config: RunConfig, task: Task, run_seed: int, sampling, start_seconds: float = 0.0, start_step: int = 0
+    config: RunConfig,
+    task: Task,
+    run_seed: int,
+    sampling,
+    start_seconds: float = 0.0,
+    start_step: int = 0,
+    context_length: int | None = None,
 ) -> Schedule:
     """The schedule ``config.schedule`` names, for a run that starts (or resumes) at ``start_step``, ``start_seconds``
-    into its timeline. Only ``sync`` runs resume (the controller refuses the others)."""
+    into its timeline, on engines of ``context_length``. Only ``sync`` runs resume (the controller refuses the
+    others)."""
     if config.schedule.cuts:
-        return CutSchedule(config, task, run_seed, sampling, start_seconds)
+        return CutSchedule(config, task, run_seed, sampling, start_seconds, context_length)
     return Schedule(config, task, run_seed, sampling, start_seconds, start_step)

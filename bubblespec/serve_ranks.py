@@ -189,6 +189,8 @@ class ServeRankPool:
     def __init__(self, handles: Sequence, retry: RetryPolicy | None = None) -> None:
         self.handles = list(handles)
         self.num_ranks = len(self.handles)
+        self.context_length = None
+        """Not asked of the replicas: only the synchronous schedule, which needs none, runs on the wall clock."""
         self.retry = retry or RetryPolicy()
         self.version = 0
         self._step = 0

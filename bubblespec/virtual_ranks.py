@@ -16,7 +16,7 @@ import heapq
 from collections.abc import Sequence
 
 from bubblespec.clocks import CostProfile, DeadlineStop, VirtualTimeline
-from bubblespec.interfaces import GenerationEngine, GenerationRequest, GenerationResult
+from bubblespec.interfaces import Engine, GenerationRequest, GenerationResult
 from bubblespec.rollout import DraftPlan, RolloutOutcome
 from bubblespec.scheduler import (
     ActivityListener,
@@ -37,10 +37,11 @@ class VirtualRankPool:
     """All ranks in this process on virtual time."""
 
     def __init__(
-        self, engine: GenerationEngine, num_ranks: int, profile: CostProfile, max_batch_size: int = 64
+        self, engine: Engine, num_ranks: int, profile: CostProfile, max_batch_size: int = 64
     ) -> None:
         self.engine = engine
         self.num_ranks = num_ranks
+        self.context_length = engine.context_length
         self.profile = profile
         self.max_batch_size = max_batch_size
         """The engine's batch limit, for the replay of shards without drafts (:mod:`bubblespec.speculation_effect`)."""

@@ -73,6 +73,11 @@ class MinimalEngine(Engine):
         return self.model_config.vocab_size
 
     @property
+    def context_length(self) -> int:
+        """Prompt + response tokens a sequence may hold (a schedule that cuts responses asks)."""
+        return self.model_config.max_position_embeddings
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 
@@ -89,7 +94,7 @@ class MinimalEngine(Engine):
         stop: StopSignal | None = None,
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
-        context, eos = self.model_config.max_position_embeddings, self.model_config.eos_token_ids
+        context, eos = self.context_length, self.model_config.eos_token_ids
         # admit() refuses a bad request (empty prompt, ids outside the vocabulary, malformed draft) before any work
         sequences = [decoding.Sequence.admit(i, r, self.vocab_size, context, eos) for i, r in enumerate(requests)]
         while any(s.finish is None for s in sequences):

@@ -15,6 +15,7 @@ import pytest
 
 from bubblespec.clocks import CostProfile
 from bubblespec.interfaces import (
+    Engine,
     ForwardPass,
     GenerationRequest,
     GenerationResult,
@@ -35,7 +36,7 @@ ONE_SECOND_A_PASS = CostProfile(
 )  # fmt: skip
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """One token per request per forward pass until the request's scripted length; tokens follow from the key."""
 
     def __init__(self, lengths: dict[str, int]) -> None:

@@ -4,6 +4,7 @@ of every kind against the synchronous loop, through ``bubblespec bench peers-asy
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -16,6 +17,7 @@ from bubblespec.interfaces import GenerationResult, Prompt, RequestStats, Sampli
 from bubblespec.launch import run
 from bubblespec.run_dir import RunDirectory
 from bubblespec.schedules import CutSchedule, Timeline
+from bubblespec.tasks.arithmetic import ArithmeticTask
 from tests.test_controller import SMALL, _config
 
 
@@ -55,21 +57,25 @@ class _Task:
         return [Prompt(f"p{step}-{i}", (1, 2, 3 + i), f"prompt {i}", "0") for i in range(2)]
 
 
-def _schedule(kind: str, cut_tokens: int = 3, speculation: bool = True, num_steps: int = 5) -> CutSchedule:
+def _schedule(
+    kind: str, cut_tokens: int = 3, speculation: bool = True, num_steps: int = 5, context_length: int | None = None
+) -> CutSchedule:
     config = _config(
         "/tmp", "unit", num_steps=num_steps, task={"prompts_per_step": 2, "samples_per_prompt": 2},
         schedule={"kind": kind, "cut_tokens": cut_tokens}, speculation={"enabled": speculation},
     )  # fmt: skip
-    return CutSchedule(config, _Task(), 7, SamplingParams(max_new_tokens=8))
+    return CutSchedule(config, _Task(), 7, SamplingParams(max_new_tokens=8), context_length=context_length)
 
 
-def _respond(plan, lengths: dict[str, int]) -> list[GenerationResult]:
-    """Responses to the plan's requests: ``lengths[prompt uid]`` tokens (at most the request's limit), token i = i."""
+def _respond(plan, lengths: dict[str, int], context_length: int = 10**6) -> list[GenerationResult]:
+    """Responses to the plan's requests as an engine of ``context_length`` gives them: ``lengths[prompt uid]`` tokens
+    (at most the request's limit and the room its prompt leaves, then finished "length"), token i = i."""
     results = []
     for request in plan.requests:
         wanted = lengths[request.key.prompt_uid.removesuffix("/continued")]
-        n = min(wanted, request.sampling.max_new_tokens)
-        reason = "length" if n == request.sampling.max_new_tokens else "stop"
+        limit = min(request.sampling.max_new_tokens, context_length - len(request.prompt_token_ids))
+        n = min(wanted, limit)
+        reason = "length" if n == limit else "stop"
         results.append(GenerationResult(request.key, list(range(n)), [-0.5] * n, reason, RequestStats()))
     return results
 
@@ -127,6 +133,41 @@ def test_tail_batching_pools_cut_groups_until_a_long_step_generates_only_them():
     trained = schedule.collect(2, plan, _respond(plan, {"p0-1": 6, "p1-1": 6}))
     assert len(trained) == 2 and schedule.carried() == 0
     assert [g.prompt.uid for g in schedule.plan(3).groups] == ["p2-0", "p2-1"]  # fresh batches go on
+
+
+@pytest.mark.parametrize("kind", ["partial", "exact-partial", "tail-batching"])
+def test_a_response_the_context_ended_is_finished_not_cut(kind):
+    """A budget cuts only what it stops: a response that fills the model's context ends there under sync too, so its
+    group trains in its own step (it was carried at every step, forever, when any 'length' short of max_new_tokens
+    counted as a cut)."""
+    for context_length, budget in ((8, 3), (8, 5), (8, 200)):  # prompts of 3 tokens: the context leaves room for 5
+        schedule = _schedule(kind, cut_tokens=budget, num_steps=2, context_length=context_length)
+        plan = schedule.plan(0)
+        capped = {r.sampling.max_new_tokens for r in plan.requests}
+        assert capped == ({3} if budget < 5 else {8}), (budget, capped)  # at or above the room: no cap at all
+        results = _respond(plan, {"p0-0": 2, "p0-1": 6}, context_length)  # p0-1 fills the context: 5 tokens
+        assert {len(r.token_ids) for r in results if r.key.prompt_uid == "p0-1"} == {min(budget, 5)}
+        trained = schedule.collect(0, plan, results)
+        if budget < 5:  # the budget stopped p0-1: carried, and trained whole a step later
+            assert [g.prompt.uid for g in trained] == ["p0-0"] and schedule.carried() == 1
+            plan = schedule.plan(1)  # the last step: no budget (tail-batching: only the pooled group)
+            trained = schedule.collect(1, plan, _respond(plan, {"p0-1": 6, "p1-0": 2, "p1-1": 2}, context_length))
+            assert "p0-1" in [g.prompt.uid for g in trained], kind
+            whole = next(g for g in trained if g.prompt.uid == "p0-1")
+            assert [len(r.token_ids) for r in whole.results] == [5, 5]  # ended by the context, not cut again
+            assert [r.finish_reason for r in whole.results] == ["length", "length"]
+        else:
+            assert [g.prompt.uid for g in trained] == ["p0-0", "p0-1"] and schedule.carried() == 0, (kind, budget)
+
+
+def test_without_the_engines_context_a_response_short_of_its_limit_is_still_finished():
+    """An engine that does not say its context (``Engine.context_length`` None): a response that ended "length"
+    short of the cap it was asked for was ended by the context, never by the budget."""
+    schedule = _schedule("exact-partial", cut_tokens=6)
+    plan = schedule.plan(0)
+    assert {r.sampling.max_new_tokens for r in plan.requests} == {6}  # the room is not known: capped
+    trained = schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 7}, context_length=8))
+    assert [g.prompt.uid for g in trained] == ["p0-0", "p0-1"] and schedule.carried() == 0
 
 
 def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
@@ -263,15 +304,27 @@ def test_the_table_has_every_method_and_the_plot_is_written(schedules):
 
 @pytest.mark.slow
 def test_exact_partial_with_the_cut_off_is_the_synchronous_run(tmp_path):
-    """With no budget to end a step early, the exact schedule changes nothing: speculation off and on."""
-    for speculation in (False, True):
-        sync = _config(tmp_path, f"sync-{speculation}", speculation={"enabled": speculation})
+    """With no budget to end a step early, the exact schedule changes nothing, speculation off and on, also where the
+    model's context ends responses before ``max_new_tokens`` (the shipped model copied with a context of 28: prompts
+    of 5-14 tokens leave 14-23 for responses of up to 48). A budget above every response's room cuts nothing."""
+    model = tmp_path / "short-context"
+    shutil.copytree(ArithmeticTask.model_path(), model)
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(hf_config | {"max_position_embeddings": 28}))
+    context = {"model": {"dtype": "float64", "path": str(model)}, "logged_prompts": 4}
+    for speculation, budget in ((False, 200), (True, 30)):
+        sync = _config(tmp_path, f"sync-{speculation}", speculation={"enabled": speculation}, **context)
         exact = _config(tmp_path, f"exact-{speculation}", speculation={"enabled": speculation},
-                        schedule={"kind": "exact-partial", "cut_tokens": 48})  # fmt: skip
+                        schedule={"kind": "exact-partial", "cut_tokens": budget}, **context)  # fmt: skip
         records = []
         for config in (sync, exact):
             run(config)
             records.append(RunDirectory(config.run_dir).read_steps())
+        samples = RunDirectory(sync.run_dir).read_samples()
+        ended = [r for line in samples for r in line.responses if r.finish_reason == "length" and r.tokens < 48]
+        assert ended, "the context must end some responses before max_new_tokens"
+        assert [s.num_samples for s in records[1]] == [s.num_samples for s in records[0]]
+        assert [s.carried_groups for s in records[1]] == [0] * len(records[1])
         assert [s.rollout_digest for s in records[0]] == [s.rollout_digest for s in records[1]]
         assert [s.train for s in records[0]] == [s.train for s in records[1]]
         assert [s.finished_at_seconds for s in records[0]] == [s.finished_at_seconds for s in records[1]]
