@@ -158,9 +158,41 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written
         typer.echo(str(path))
 
 
+BENCH_MODE_OPTIONS = {
+    "engine": {"threads", "repeats", "quick", "backend", "model", "dtype", "device", "batch_sizes", "max_new_tokens",
+               "weight_noise", "adaptive_draft_length", "exactness_requests"},
+    "peers": {"overrides", "output_dir", "sources", "plot_dir", "plot_prefix"},
+    "peers-async": {"overrides", "output_dir", "methods", "seeds", "jobs", "cut_quantile", "cut_tokens", "plot_dir"},
+    "CONFIG": {"overrides", "output_dir"},
+}  # fmt: skip
+"""The options each ``bench`` mode takes besides ``--json``: any other given on the command line is an error."""
+
+
+def _check_bench_options(ctx: typer.Context, mode: str) -> None:
+    """One line naming an option given to a mode that does not take it, and the modes that do."""
+    from bubblespec.errors import ConfigError
+
+    for param in ctx.command.params:
+        name = param.name
+        if param.param_type_name != "option" or name == "json_path" or name in BENCH_MODE_OPTIONS[mode]:
+            continue
+        source = ctx.get_parameter_source(name)  # typer's own click or click's: compared by name
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            owners = " and ".join(f"`bench {m}`" for m, names in BENCH_MODE_OPTIONS.items() if name in names)
+            raise ConfigError(
+                f"{param.opts[0]} is an option of {owners}, not of `bench {mode}`, which takes "
+                f"{', '.join(sorted(_flag(ctx, n) for n in BENCH_MODE_OPTIONS[mode] | {'json_path'}))}"
+            )
+
+
+def _flag(ctx: typer.Context, name: str) -> str:
+    return next(p.opts[0] for p in ctx.command.params if p.name == name)
+
+
 @app.command()
 @user_errors
 def bench(
+    ctx: typer.Context,
     target: Annotated[
         str,
         typer.Argument(
@@ -175,9 +207,9 @@ def bench(
         Path | None, typer.Argument(help="The run config of `bench peers` / `bench peers-async`.", metavar="[CONFIG]")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
-    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG only).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG, peers, peers-async).")] = None,
     output_dir: Annotated[
-        Path | None, typer.Option(help="Keep both runs' directories here (CONFIG only; default: discarded).")
+        Path | None, typer.Option(help="Keep the runs' directories here (CONFIG, peers, peers-async; default: discarded).")
     ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
@@ -212,7 +244,7 @@ def bench(
     ] = True,
     exactness_requests: Annotated[
         int | None,
-        typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model)."),
+        typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model; engine only)."),
     ] = None,
     sources: Annotated[
         list[str] | None,
@@ -252,6 +284,7 @@ def bench(
     ] = "peers",
 ) -> None:
     """Measure speed side by side in one run and print a table."""
+    _check_bench_options(ctx, target if target in ("engine", "peers", "peers-async") else "CONFIG")
     if target == "peers-async":
         _bench_schedules(peers_config, overrides, methods, seeds, jobs, cut_quantile, cut_tokens, output_dir,
                          plot_dir, json_path)  # fmt: skip

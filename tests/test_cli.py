@@ -50,6 +50,26 @@ def test_unknown_bench_target_is_a_clear_error():
     assert "benchmark target 'nonsense' is neither 'engine' nor an existing config file" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["examples/quickstart.yaml", "--backend", "vllm", "--device", "cuda", "--methods", "sync", "--sources",
+          "ngram", "--batch-sizes", "999"], "--backend is an option of `bench engine`, not of `bench CONFIG`"),
+        (["engine", "--methods", "sync"], "--methods is an option of `bench peers-async`, not of `bench engine`"),
+        (["engine", "--set", "num_steps=2"], "--set is an option of `bench peers` and `bench peers-async` and "
+                                             "`bench CONFIG`, not of `bench engine`"),
+        (["peers", "examples/quickstart.yaml", "--cut-tokens", "8"], "--cut-tokens is an option of `bench peers-async`"),
+        (["peers-async", "examples/quickstart.yaml", "--sources", "ngram"], "--sources is an option of `bench peers`,"),
+        (["examples/quickstart.yaml", "--plot-dir", "x"], "--plot-dir is an option of `bench peers` and"),
+    ],
+)  # fmt: skip
+def test_a_bench_option_of_another_mode_is_an_error_naming_its_mode(args, message):
+    result = runner.invoke(app, ["bench", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+    assert "which takes --json" in result.output or "which takes" in result.output
+
+
 def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("num_steps: 3\nrollout:\n  num_ranks: 4\n")
