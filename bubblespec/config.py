@@ -703,9 +703,10 @@ def _task_path_options(name: Any) -> tuple[str, ...]:
     not installed (validation reports it)."""
     from bubblespec import plugins
     from bubblespec.errors import PluginNotFoundError
+    from bubblespec.interfaces import Task
 
     try:
-        return tuple(getattr(plugins.load("tasks", name), "path_options", ()))
+        return tuple(plugins.load_subclass("tasks", name, Task).path_options)
     except (PluginNotFoundError, TypeError):
         return ()
 

@@ -353,6 +353,16 @@ class Task:
 
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response besides the model's end of sequence."""
+    path_options: ClassVar[tuple[str, ...]] = ()
+    """Options that are input paths: a config file's relative ones are read from the config file's folder."""
+    prompts: Sequence[Prompt] | None = None
+    """Every prompt of the task's split, for a task over rows (a dataset); None where prompts are made step by step."""
+    num_dropped_prompts: int = 0
+    """Rows left out when the task was built (a prompt too long for the model's context)."""
+    unknown_token_share: float | None = None
+    """Share of prompt tokens that are the tokenizer's unknown token; None where the task has no tokenizer."""
+    own_system_prompts: int = 0
+    """Rows that bring their own system message (so ``system_prompt`` is not added to them)."""
 
     @classmethod
     def model_path(cls) -> Path | None:
@@ -391,6 +401,14 @@ class Task:
         """:meth:`score`'s rewards and, for a reward made of named parts (a weighted sum), each part's own scores
         by its name; the default: no parts."""
         return self.score(prompts, responses), {}
+
+    def reward_names(self) -> list[str]:
+        """The rewards the task scores with, as ``bubblespec validate`` shows them; the default: none named."""
+        return []
+
+    def unknown_tokens_warning(self) -> str | None:
+        """A warning when :attr:`unknown_token_share` says the tokenizer does not fit the data; the default: none."""
+        return None
 
     def take_reward_failures(self) -> RewardFailures:
         """Reward calls that timed out or raised (each scored 0) since the last call; the default has none."""

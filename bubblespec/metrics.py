@@ -404,7 +404,8 @@ class RunMetrics:
 def info_labels(config: RunConfig | ServiceConfig) -> dict[str, str]:
     """The labels of ``bubblespec_run_info`` for a run's (or a rollout service's) config: what tells its numbers apart
     from another's, the clock first (seconds are simulated under the virtual clock)."""
-    task = getattr(config, "task", None)
+    run = config if isinstance(config, RunConfig) else None
+    task = run.task if run is not None else None
     labels = {
         "clock": config.clock.kind,
         "profile": config.clock.profile if config.clock.kind == "virtual" else "",
@@ -415,8 +416,7 @@ def info_labels(config: RunConfig | ServiceConfig) -> dict[str, str]:
         "speculation": str(config.speculation.enabled).lower(),
         "version": __version__,
     }
-    schedule = getattr(config, "schedule", None)
-    return labels | ({"schedule": schedule.kind} if schedule is not None else {})
+    return labels | ({"schedule": run.schedule.kind} if run is not None else {})
 
 
 def target_path(run_dir: Path) -> Path:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from bubblespec.interfaces import Task
+
 
 @dataclass
 class TaskSummary:
@@ -17,20 +19,20 @@ class TaskSummary:
     warnings: list[str] = field(default_factory=list)
 
 
-def summarize_task(task, eval_task=None) -> TaskSummary:
+def summarize_task(task: Task, eval_task: Task | None = None) -> TaskSummary:
     """The summary of a built task (and its held-out version). Tasks over rows (the dataset and reasoning-gym
     tasks) say more than procedural ones, whose prompts are made step by step: their first step's prompts are
     shown."""
     summary = TaskSummary()
-    rows = getattr(task, "prompts", None)
+    rows = task.prompts
     prompts = rows if rows is not None else task.batch(0)
     if rows is None:
         summary.lines.append(f"train prompts: made step by step by the task ({len(prompts)} in step 0)")
     else:
-        dropped = getattr(task, "num_dropped_prompts", 0)
+        dropped = task.num_dropped_prompts
         summary.lines.append(f"train rows: {len(rows)}" + (f" ({dropped} dropped: too long)" if dropped else ""))
     if eval_task is not None:
-        held_out = getattr(eval_task, "prompts", None)
+        held_out = eval_task.prompts
         count = len(held_out) if held_out is not None else len(eval_task.batch(0))
         summary.lines.append(f"held-out rows: {count}")
     lengths = sorted(len(p.token_ids) for p in prompts)
@@ -39,19 +41,16 @@ def summarize_task(task, eval_task=None) -> TaskSummary:
         f"prompt tokens: min {lengths[0]}, median {statistics.median(lengths):g}, 90th percentile {deciles[-1]:g}, "
         f"max {lengths[-1]}"
     )
-    scorer = getattr(task, "scorer", None)
-    if scorer is not None:
-        shown = [f"{label} (weight {spec.weight:g})" for label, spec in zip(scorer.labels, scorer.specs, strict=True)]
-        summary.lines.append(f"rewards: {', '.join(shown)}")
-    share = getattr(task, "unknown_token_share", None)
-    if share is not None:
-        summary.lines.append(f"unknown tokens: {share:.1%} of prompt tokens")
+    if task.reward_names():
+        summary.lines.append(f"rewards: {', '.join(task.reward_names())}")
+    if task.unknown_token_share is not None:
+        summary.lines.append(f"unknown tokens: {task.unknown_token_share:.1%} of prompt tokens")
         if task.unknown_tokens_warning() is not None:
             summary.warnings.append(task.unknown_tokens_warning())
-    own = getattr(task, "own_system_prompts", 0)
-    if own:
+    if task.own_system_prompts:
         summary.warnings.append(
-            f"{own} rows begin with their own system message: task.options.system_prompt is not added to them"
+            f"{task.own_system_prompts} rows begin with their own system message: task.options.system_prompt is not "
+            "added to them"
         )
     first = prompts[0]
     summary.lines += [f"first prompt ({first.uid}), as the model reads it:", _indent(first.text)]

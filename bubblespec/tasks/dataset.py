@@ -247,6 +247,10 @@ class RowsTask(Task):
             logger.warning("dataset task: %s", self.unknown_tokens_warning())
         return prompts
 
+    def reward_names(self) -> list[str]:
+        return [f"{label} (weight {spec.weight:g})" for label, spec in zip(self.scorer.labels, self.scorer.specs,
+                                                                           strict=True)]  # fmt: skip
+
     def unknown_tokens_warning(self) -> str | None:
         """A warning when more than :data:`UNKNOWN_TOKENS_WARNING` of the prompts' tokens are the unknown token."""
         if self.unknown_token_share <= UNKNOWN_TOKENS_WARNING:
@@ -308,7 +312,6 @@ class DatasetTask(RowsTask):
     """The ``dataset`` task: rows from the user's local files (see the module docstring)."""
 
     path_options = ("path", "eval_path")
-    """Options that are input paths: a config file's relative ones are read from the config file's folder."""
 
     def __init__(
         self,
