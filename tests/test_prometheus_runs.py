@@ -60,14 +60,16 @@ def test_two_runs_scraped_at_once_stay_apart_on_every_panel(prometheus):
             errors.append(error)
             first_scraped.set()
 
+    def second_step(record: StepRecord) -> None:
+        scraped("second", record)
+        if record.step == steps["second"] - 1:  # stay up until the first run has been scraped to its end too: a
+            first_scraped.wait(timeout=300)  # run that ended is no longer scraped, and its series go stale
+
     thread = threading.Thread(target=first_run)
     thread.start()
     try:
-        run(
-            run_config(prometheus.output_dir, "second", steps["second"], {"port": 0}),
-            on_step=lambda r: scraped("second", r),
-        )
-        # the first run may still be in its last step: ask at a time both runs' last scrapes are in
+        run(run_config(prometheus.output_dir, "second", steps["second"], {"port": 0}), on_step=second_step)
+        # ask at a time both runs' last scrapes are in, while both were still up
         assert first_scraped.wait(timeout=300) and not errors, f"the first run was not scraped to its end: {errors}"
         at = max(seen_at)
         for name, num_steps in steps.items():
