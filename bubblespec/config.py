@@ -784,6 +784,9 @@ class EngineSettings(BaseModel):
     """The data-parallel rank this engine serves (remote backends pick a server by it)."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (``rollout.threads_per_rank``); None leaves torch's setting alone."""
+    colocated: bool = False
+    """The rank shares its hardware with the trainer (``ray.colocated``): ``release()`` is called before each training
+    phase and must free what the engine can (a backend that cannot free memory where it runs refuses this)."""
 
 
 class DraftChainSettings(BaseModel):

@@ -221,6 +221,34 @@ class EngineConformance:
             engine.close()
             fresh.close()
 
+    def test_a_weight_update_of_some_layers_merges_them_into_the_current_weights(
+        self, engine, model_path, requests, plain, tmp_path
+    ):
+        """A run may send a subset of the weights (a trainer that trains some layers): the named ones change, the
+        rest stay. Here layer 0's attention projections (whole fused groups: q, k, v and o), against the reference
+        engine loaded with the merged weights; then the engine gets its own weights back."""
+        from safetensors.torch import save_file
+
+        weights = _checkpoint_weights(model_path)
+        subset = {name: tensor * 1.3 for name, tensor in weights.items() if ".layers.0.self_attn." in name
+                  and name.endswith("_proj.weight")}  # fmt: skip
+        assert len(subset) == 4, f"expected layer 0's q, k, v and o projections, got {sorted(subset)}"
+        folder = tmp_path / "merged"
+        shutil.copytree(model_path, folder)
+        for file in folder.glob("*.safetensors"):
+            file.unlink()
+        save_file({n: t.contiguous() for n, t in (weights | subset).items()}, str(folder / "model.safetensors"))
+        reference = self.make_reference_engine(folder)
+        try:
+            engine.update_weights(subset, version=3)
+            after, expected = _by_key(engine.generate(requests)), _by_key(reference.generate(requests))
+            self._assert_same(expected, after, "after update_weights with layer 0's attention only, against the "
+                                               "reference engine loaded with the merged weights")  # fmt: skip
+            assert any(plain[k].token_ids != after[k].token_ids for k in plain), "the update changed nothing"
+        finally:
+            engine.update_weights(weights, version=0)  # the class's other tests share the engine
+            reference.close()
+
     def test_release_and_resume_keep_the_weights(self, engine, requests, plain):
         engine.release()
         engine.resume()

@@ -10,6 +10,10 @@
 #                   every batch size)
 #   2. qwen         a random checkpoint with Qwen2.5-0.5B's shape (written first, seeded), torch engine and vLLM
 #   3. qwen-drift   the same with drafts that diverge (a ten times larger policy step)
+#   4. vllm-check-{runner,sleep,fused}  (vLLM only; scripts/vllm_gpu_checks.py) speculation off runs vLLM's V1 model
+#                   runner (vLLM 0.32 defaults to V2 there on CUDA) with the torch engine's tokens; a colocated engine
+#                   frees GPU memory in release() (sleep mode) and gives the same tokens after resume() and a weight
+#                   update; a weight update that splits a fused layer is refused
 # Without an importable vLLM the runs are the torch engine's alone. Each report has: HF generate vs each engine at
 # batch 16, tokens/s and engine steps without and with drafts from a policy one step older (speedup_with_draft by
 # backend and batch size), decode steps of fully accepted responses against ceil(L / K), keyed sampling's share of
@@ -65,4 +69,10 @@ model_run=(--model "$CHECKPOINT" --dtype "$DTYPE" --max-new-tokens "$MAX_NEW_TOK
 bench shipped --backend "$backends" --device cuda
 bench qwen --backend "$backends" --device cuda "${model_run[@]}" --weight-noise "$WEIGHT_NOISE"
 bench qwen-drift --backend "$backends" --device cuda "${model_run[@]}" --weight-noise "$drift" --exactness-requests 0
+if [ "$backends" = torch,vllm ]; then  # what only CUDA shows of the vllm backend (scripts/vllm_gpu_checks.py)
+    for check in runner sleep fused; do
+        python scripts/vllm_gpu_checks.py --model "$CHECKPOINT" --out "$OUT" --dtype "$DTYPE" --check "$check" \
+            2>&1 | tee "$OUT/vllm-check-$check.log"
+    done
+fi
 echo "reports in $OUT/"

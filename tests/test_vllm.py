@@ -340,3 +340,59 @@ def test_calls_from_other_threads_run_with_the_engine_thread_count():
         thread.join()
     engine.close()
     assert outcomes == [(expected, 1), (expected, 1)]
+
+
+def test_the_v1_model_runner_is_pinned_and_a_v2_one_refused(engines, monkeypatch):
+    """vLLM 0.32 builds its V2 model runner on CUDA wherever no feature needs V1, for one without a speculative
+    config (speculation off); the backend replaces V1's sampler. The decision, on the CPU: bubblespec pins V1 through
+    vLLM's own switch, which vLLM's config reads as its answer; a V2 runner is refused after start-up by name; an
+    environment that asks for V2 is refused before vLLM starts."""
+    import vllm.envs
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
+
+    from bubblespec.backends.vllm_engine import VLLM_ENVIRONMENT, VLLMEngine, check_model_runner
+    from bubblespec.errors import ModelLoadError
+    from bubblespec.tasks import ArithmeticTask
+
+    vllm_engine, _ = engines
+    assert VLLM_ENVIRONMENT["VLLM_USE_V2_MODEL_RUNNER"] == "0" and vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False
+    assert vllm_engine.engine.vllm_config.use_v2_model_runner is False  # what vLLM decides by
+    check_model_runner(object.__new__(CPUModelRunner))  # V1's CPU runner, a subclass of V1's GPUModelRunner
+    with pytest.raises(ModelLoadError, match=r"model runner vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner, not"):
+        check_model_runner(object.__new__(V2ModelRunner))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ModelLoadError, match="needs VLLM_USE_V2_MODEL_RUNNER=0.*sets VLLM_USE_V2_MODEL_RUNNER=1"):
+        VLLMEngine.from_pretrained(str(ArithmeticTask.model_path()), max_draft_tokens_per_step=0, **KV_CACHE)
+
+
+def test_a_weight_update_that_splits_a_fused_layer_is_refused_and_loads_nothing(engines):
+    """vLLM 0.32 rebuilds a fused layer (qkv_proj) from the shards a reload sends and leaves the others
+    uninitialised: q_proj and v_proj without k_proj are refused, naming k_proj, and the engine keeps its weights."""
+    from bubblespec.errors import EngineError
+
+    vllm_engine, torch_engine = engines
+    requests = _requests(num_prompts=4, samples=1, max_new_tokens=40)
+    before = [r.token_ids for r in vllm_engine.generate(requests)]
+    weights = torch_engine.model.state_dict()
+    split = {n: t * 1.5 for n, t in weights.items() if n.startswith("model.layers.0.self_attn.") and
+             (".q_proj." in n or ".v_proj." in n)}  # fmt: skip
+    with pytest.raises(EngineError, match=r"lacks model\.layers\.0\.self_attn\.k_proj\.weight\. vLLM would fill"):
+        vllm_engine.update_weights(split, version=7)
+    assert vllm_engine.policy_version == 0
+    assert [r.token_ids for r in vllm_engine.generate(requests)] == before
+
+
+def test_colocated_vllm_ranks_are_refused_on_the_cpu(tmp_path):
+    """A colocated rank must free its memory while the trainer trains; vLLM does that through its sleep mode, on
+    CUDA only (scripts/bench_engine_gpu.sh runs it there). On the CPU ray.colocated with the vllm backend is one
+    error before anything starts."""
+    from bubblespec.assembly import checked_engine_settings, load_backend
+    from bubblespec.config import load_config
+    from bubblespec.errors import ConfigError
+    from bubblespec.tasks import ArithmeticTask
+
+    config = load_config("examples/quickstart.yaml", ["rollout.backend=vllm", "ray.colocated=true",
+                                                     f"output_dir={tmp_path}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="ray.colocated: a colocated vLLM rank frees .* CUDA only"):
+        checked_engine_settings(config, str(ArithmeticTask.model_path()), load_backend(config))
