@@ -56,13 +56,29 @@ from pydantic import Field, model_validator
 from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payload, replay
 from bubblespec.config import EngineSettings, engine_config
 from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
-from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
+from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
+from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, SamplingParams
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _POLL_S = 0.005
 _RESERVE = 1
 """Context positions SGLang keeps back: it needs input < context and input + max_new_tokens <= context."""
+
+
+UNSUPPORTED_SAMPLING = ("min_p", "repetition_penalty")
+"""Sampling settings this backend refuses: its keyed processor and the client's top-K verification apply temperature,
+top-k and top-p only (SGLang's own penalties run in its sampler, outside the keyed rows)."""
+
+
+def _refuse_unsupported_sampling(index: int, request: GenerationRequest) -> None:
+    params, default = request.sampling, SamplingParams()
+    used = [f"{name}={getattr(params, name)}" for name in UNSUPPORTED_SAMPLING
+            if getattr(params, name) != getattr(default, name)]  # fmt: skip
+    if used:
+        raise RequestError(
+            f"request {index} ({request.key}) sets {', '.join(used)}: the sglang backend samples with temperature, "
+            "top_k and top_p only; use the torch or vllm backend for min_p and repetition_penalty"
+        )
 
 
 class SGLangError(BubblespecError, RuntimeError):
@@ -328,6 +344,8 @@ class SGLangEngine(Engine):
             Sequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids, reserve=_RESERVE)
             for i, r in enumerate(requests)
         ]
+        for sequence in sequences:
+            _refuse_unsupported_sampling(sequence.index, sequence.request)
         results: list[GenerationResult | None] = [None] * len(sequences)
         waiting, active = list(reversed(sequences)), []
         while waiting or active:

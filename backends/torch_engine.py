@@ -20,10 +20,9 @@ from typing import Literal
 import torch
 from pydantic import field_validator
 
-from bubblespec import sampling
 from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
-from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
+from bubblespec.decoding import ProposalSettings, Sequence, keyed_samples, link_siblings
 from bubblespec.errors import RequestError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
@@ -183,32 +182,19 @@ class TorchEngine(Engine):
         positions = cache_lengths[:, None] + torch.arange(length)
         first_sampled = torch.tensor([len(s.pending) - 1 for s in active])
         select = (first_sampled[:, None] + torch.arange(width)).clamp(max=length - 1)
-        response_positions = torch.tensor([len(s.tokens) for s in active])[:, None] + torch.arange(width)
         logits = self.model.forward(tokens.to(self.device), positions.to(self.device), cache, select.to(self.device))
         self.num_forward_passes += 1
         if on_forward is not None:
             on_forward(_forward_pass(active, chunks, width * self.vocab_size))
-        sampled, logprobs = self._sample(active, logits, response_positions)
+        stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
+        # one_hot: stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other
+        sampled, logprobs = keyed_samples(logits, active, drafts, stream=stream)
         for sequence, draft, row_samples, row_logprobs in zip(active, drafts, sampled, logprobs, strict=True):
             fed = len(sequence.pending)
             accepted = sequence.record(draft, row_samples, row_logprobs, self._proposal)
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
-
-    def _sample(self, active: list[_Slot], logits: torch.Tensor, response_positions: torch.Tensor):
-        """Keyed samples [B][W] and their logprobs at every selected position, as lists."""
-        params = [s.request.sampling for s in active]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=self.device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=self.device)
-        seeds = torch.tensor([s.noise_seed for s in active], dtype=torch.int64)
-        if self.config.verification == "one_hot":
-            # Stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other.
-            seeds = sampling.stream_seeds(seeds, (self._policy_version + 1) % 2**32)
-        positions = response_positions.to(self.device)
-        tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)
-        return tokens.tolist(), logprobs.tolist()
 
 
 def _forward_pass(active: list[_Slot], chunks: list[list[int]], logits_per_row: int) -> ForwardPass:

@@ -53,9 +53,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from bubblespec import sampling
 from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
-from bubblespec.decoding import ProposalSettings, Sequence, link_siblings
+from bubblespec.decoding import ProposalSettings, Sequence, keyed_samples, link_siblings
 from bubblespec.errors import EngineError, ModelLoadError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 
@@ -223,17 +222,11 @@ class KeyedVerifier:
             logits_N1V = logits_RV[: len(rows), None]  # every row: no gather
         else:
             logits_N1V = logits_RV[torch.tensor(rows, device=logits_RV.device), None]
-        owners = [(sequence, j) for _, sequence, draft, _ in steps for j in range(len(draft) + 1)]
-        params = [sequence.request.sampling for sequence, _ in owners]
-        tokens_N1, logprobs_N1 = sampling.keyed_sample(
-            logits_N1V,
-            torch.tensor([sequence.noise_seed for sequence, _ in owners], dtype=torch.int64),
-            torch.tensor([len(sequence.tokens) + j for sequence, j in owners], dtype=torch.int64)[:, None],
-            torch.tensor([p.temperature for p in params], dtype=torch.float64),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        owners = [(sequence, draft, j) for _, sequence, draft, _ in steps for j in range(len(draft) + 1)]
+        tokens_N1, logprobs_N1 = keyed_samples(
+            logits_N1V, [s for s, _, _ in owners], [d for _, d, _ in owners], offsets=[j for _, _, j in owners]
         )
-        return tokens_N1[:, 0].tolist(), logprobs_N1[:, 0].tolist()
+        return [row[0] for row in tokens_N1], [row[0] for row in logprobs_N1]
 
     @staticmethod
     def _check_drafts(steps, spec_decode_metadata) -> None:

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from bubblespec import sampling
 from bubblespec.draft_sources import REQUEST_DRAFT, DynamicDraftSource, ProposalContext, source_class
 from bubblespec.drafts import check_request, realign, stop_token_ids
 from bubblespec.errors import RequestError
@@ -253,6 +254,53 @@ class Sequence:
         if self.finish is None and self.room <= 0:
             self.finish = "length"
         return kept
+
+
+def keyed_samples(
+    logits_BTV: torch.Tensor,
+    sequences: Seq[Sequence],
+    drafts: Seq[Seq[int]],
+    offsets: Seq[int] | None = None,
+    stream: int = 0,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """The keyed samples and their logprobs of one forward pass, as lists [B][T]: row b of ``logits_BTV`` holds the
+    logits of ``sequences[b]`` at response positions ``len(tokens) + offsets[b] + t`` (offsets default 0), the pass
+    having fed ``drafts[b]`` after the sequence's tokens. Each request's sampling settings apply (temperature, top-k,
+    top-p, min-p; the repetition penalty over its prompt, its tokens and the draft tokens before each position).
+    ``stream``: the noise stream (0: the key's own; one-hot verification samples another)."""
+    params = [s.request.sampling for s in sequences]
+    device = logits_BTV.device
+    batch, num_positions = logits_BTV.shape[:2]
+    offsets = [0] * batch if offsets is None else list(offsets)
+    seeds_B2 = torch.tensor([s.noise_seed for s in sequences], dtype=torch.int64)
+    if stream:
+        seeds_B2 = sampling.stream_seeds(seeds_B2, stream)
+    starts_B1 = torch.tensor([len(s.tokens) + o for s, o in zip(sequences, offsets, strict=True)])[:, None]
+    penalty = None
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = sampling.RepetitionPenalty(
+            torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64),
+            _padded([[*s.request.prompt_token_ids, *s.tokens, *d[:o]] for s, d, o in zip(sequences, drafts, offsets,
+                                                                                         strict=True)]),
+            _padded([list(d[o:]) for d, o in zip(drafts, offsets, strict=True)]),
+        )  # fmt: skip
+    tokens_BT, logprobs_BT = sampling.keyed_sample(
+        logits_BTV,
+        seeds_B2,
+        (starts_B1 + torch.arange(num_positions)).to(device),
+        torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+        torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+        penalty,
+    )
+    return tokens_BT.tolist(), logprobs_BT.tolist()
+
+
+def _padded(rows: Seq[Seq[int]]) -> torch.Tensor:
+    """Token id lists as one [B, S] int64 tensor, -1 where a row is shorter (at least one column)."""
+    width = max(1, max((len(row) for row in rows), default=0))
+    return torch.tensor([[*row, *[-1] * (width - len(row))] for row in rows], dtype=torch.int64)
 
 
 def link_siblings(sequences: Seq[Sequence]) -> None:

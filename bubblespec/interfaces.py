@@ -54,8 +54,10 @@ class RolloutKey:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample one response. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
-    those filters."""
+    """How to sample one response. ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1``, ``min_p == 0``
+    and ``repetition_penalty == 1`` disable those. Applied in transformers' order (:func:`bubblespec.sampling.
+    mask_logits`): the repetition penalty on the raw logits (every token of the prompt and of the response so far),
+    the temperature, then top-k, top-p and min-p."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -63,6 +65,10 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    """Keep the tokens whose probability is at least this share of the most likely one's."""
+    repetition_penalty: float = 1.0
+    """Divide the logit of every token already in the sequence by this where it is positive, multiply it where not."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)) or (
@@ -75,6 +81,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_p, int | float) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        penalty = self.repetition_penalty
+        if not (isinstance(penalty, int | float) and math.isfinite(penalty)) or penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {penalty!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 

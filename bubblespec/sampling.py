@@ -4,7 +4,9 @@ Keyed sampling. For response position ``i`` of rollout key ``k`` with logits ``z
 
     y_i = argmax_v( mask(z / T)[v] + G(k, i, v) )
 
-where ``mask`` applies top-k then top-p (computed from ``z`` itself, masked entries become -inf) and ``G`` is
+where ``mask`` applies top-k, then top-p, then min-p (computed from ``z`` itself, masked entries become -inf), ``z``
+has the repetition penalty applied first (a deterministic function of the logits and the tokens before position
+``i``: prompt, response so far, and the draft tokens fed before it in a verify pass), and ``G`` is
 standard Gumbel noise from a counter-based hash of ``(k, i, v)``. This is an exact sample of
 ``softmax(mask(z / T))`` and needs no RNG state, so any engine, batch composition or verification pass that
 computes the logits of position ``i`` of key ``k`` picks the same token. ``T == 0`` is greedy (first argmax).
@@ -255,25 +257,40 @@ def keyed_gumbel_max_outside(
 
 
 def mask_logits(
-    logits_BTV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+    logits_BTV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    min_p_B: torch.Tensor | None = None,
+    penalty: RepetitionPenalty | None = None,
 ) -> torch.Tensor:
-    """``mask(z / T)`` in float64: temperature, then top-k, then top-p; masked entries are -inf.
+    """``mask(z / T)`` in float64: the repetition penalty, temperature, then top-k, top-p and min-p; masked entries
+    are -inf. The order of transformers' ``generate`` (and so of TRL's own generation): the penalty on the raw
+    logits, the temperature, then the filters.
 
-    top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept); ``k == 0`` keeps
-    all. top-p keeps, in order of decreasing probability (ties: lower token id first), each token whose
-    preceding cumulative probability (summed in that order) is < p, so the most likely token is always kept.
-    Rows with ``T == 0`` are returned unscaled (greedy ignores the filters). Returns a new tensor.
+    The repetition penalty (``penalty``, see :class:`RepetitionPenalty`) divides the logit of every token seen before
+    the position by the row's penalty where it is positive and multiplies it where it is not. top-k keeps every
+    token whose logit is >= the k-th largest (ties at the boundary are kept); ``k == 0`` keeps all. top-p keeps, in
+    order of decreasing probability (ties: lower token id first), each token whose preceding cumulative probability
+    (summed in that order) is < p, so the most likely token is always kept. min-p keeps the tokens whose probability
+    is at least ``min_p`` times the most likely one's (``min_p == 0`` keeps all). Rows with ``T == 0`` get the penalty
+    but are otherwise returned unscaled (greedy ignores the filters). Returns a new tensor.
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
     temperature_B = temperature_B.to(device, torch.float64)
     greedy_B = temperature_B == 0
     divisor_B = torch.where(greedy_B, 1.0, temperature_B)
-    if bool((divisor_B == 1.0).all()):
+    penalised = penalty is not None and penalty.active
+    if bool((divisor_B == 1.0).all()) or penalised:
         scores_BTV = logits_BTV.to(torch.float64, copy=True)  # z / 1 == z exactly
     else:  # a float64 divisor promotes the logits: one float64 division, as float(z) / T
         scores_BTV = logits_BTV / divisor_B[:, None, None]
     scores_BTV = scores_BTV.contiguous()  # the filters mask in place through views
+    if penalised:
+        penalty.apply_(scores_BTV)
+        if not bool((divisor_B == 1.0).all()):
+            scores_BTV.div_(divisor_B[:, None, None])
 
     top_k_B = top_k_B.to(device, torch.int64)
     use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B
@@ -283,7 +300,66 @@ def mask_logits(
     use_top_p_B = (top_p_B < 1.0) & ~greedy_B
     if bool(use_top_p_B.any()):
         _on_rows_(scores_BTV, use_top_p_B, lambda scores, rows: _top_p_(scores, top_p_B[rows], use_top_k_B[rows]))
+    if min_p_B is not None:
+        min_p_B = min_p_B.to(device, torch.float64)
+        use_min_p_B = (min_p_B > 0) & ~greedy_B
+        if bool(use_min_p_B.any()):
+            _on_rows_(scores_BTV, use_min_p_B, lambda scores, rows: _min_p_(scores, min_p_B[rows]))
     return scores_BTV
+
+
+class RepetitionPenalty:
+    """The repetition penalty of rows of logits: per batch row a penalty (1: none) and the token ids each position
+    has seen.
+
+    penalty_B: [B] float64 > 0. seen_BS: [B, S] int64, the ids before the first position of the row (prompt and
+    response so far), -1 where padded. fed_BK (optional): [B, K] int64, the tokens fed at the positions of a verify
+    pass (a draft), -1 where padded; position t also sees ``fed[:, :t]``. A token counts once however often it was
+    seen (transformers' ``RepetitionPenaltyLogitsProcessor``, vLLM's ``repetition_penalty``).
+    """
+
+    def __init__(self, penalty_B: torch.Tensor, seen_BS: torch.Tensor, fed_BK: torch.Tensor | None = None) -> None:
+        self.penalty_B = penalty_B.to(torch.float64)
+        self.seen_BS = seen_BS.to(torch.int64)
+        self.fed_BK = fed_BK.to(torch.int64) if fed_BK is not None else None
+        self.active = bool((self.penalty_B != 1.0).any())
+
+    def rows(self, start: int, stop: int, num_positions: int) -> RepetitionPenalty:
+        """The penalty of rows ``[start, stop)`` of the flattened [B * T] rows, as rows of one position each."""
+        batch_rows = torch.arange(start, stop) // num_positions
+        offsets = torch.arange(start, stop) % num_positions
+        seen = self.seen_BS[batch_rows.to(self.seen_BS.device)]
+        if self.fed_BK is not None and self.fed_BK.shape[1]:
+            fed = self.fed_BK[batch_rows.to(self.fed_BK.device)]
+            visible = torch.arange(fed.shape[1], device=fed.device)[None, :] < offsets.to(fed.device)[:, None]
+            seen = torch.cat([seen, fed.masked_fill(~visible, -1)], dim=1)
+        return RepetitionPenalty(self.penalty_B[batch_rows.to(self.penalty_B.device)], seen)
+
+    def apply_(self, scores_BTV: torch.Tensor) -> None:
+        """Penalises ``scores_BTV`` (float64, raw logits) in place."""
+        batch, num_positions, vocab = scores_BTV.shape
+        device = scores_BTV.device
+        ids_BTS = self.seen_BS.to(device)[:, None, :].expand(batch, num_positions, -1)
+        if self.fed_BK is not None and self.fed_BK.shape[1]:
+            fed_BK = self.fed_BK.to(device)
+            visible_TK = torch.arange(fed_BK.shape[1], device=device)[None, :] < torch.arange(num_positions,
+                                                                                             device=device)[:, None]
+            fed_BTK = fed_BK[:, None, :].expand(-1, num_positions, -1).masked_fill(~visible_TK[None], -1)
+            ids_BTS = torch.cat([ids_BTS, fed_BTK], dim=-1)  # fmt: skip
+        index_BTS = torch.where(ids_BTS >= 0, ids_BTS, vocab)  # padding lands in a column of its own
+        seen_BTW = torch.zeros(batch, num_positions, vocab + 1, dtype=torch.bool, device=device)
+        seen_BTV = seen_BTW.scatter_(-1, index_BTS, True)[..., :vocab]
+        penalty_BTV = self.penalty_B.to(device)[:, None, None].expand_as(scores_BTV)
+        penalised_BTV = torch.where(scores_BTV > 0, scores_BTV / penalty_BTV, scores_BTV * penalty_BTV)
+        scores_BTV.copy_(torch.where(seen_BTV, penalised_BTV, scores_BTV))
+
+
+def _min_p_(scores_STV: torch.Tensor, min_p_S: torch.Tensor) -> None:
+    """Masks, in place, the tokens whose probability is below ``min_p`` times the row's largest (0 < min_p <= 1):
+    ``score < best + log(min_p)``, the normaliser cancelling out."""
+    best_ST1 = scores_STV.max(-1, keepdim=True).values
+    threshold_ST1 = best_ST1 + torch.log(min_p_S)[:, None, None]
+    scores_STV.masked_fill_(scores_STV < threshold_ST1, float("-inf"))
 
 
 def _on_rows_(scores_BTV: torch.Tensor, selected_B: torch.Tensor, mask_) -> None:
@@ -380,30 +456,39 @@ def keyed_sample(
     temperature_B: torch.Tensor,
     top_k_B: torch.Tensor,
     top_p_B: torch.Tensor,
+    min_p_B: torch.Tensor | None = None,
+    penalty: RepetitionPenalty | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keyed samples ``argmax_v(mask(z / T)[v] + G(k, i, v))`` and their log-probabilities at every position.
 
-    Returns tokens [B, T] int64 and logprobs [B, T] float64 (under ``softmax(mask(z / T))``; under the raw
-    distribution for greedy rows); a row whose logits are not all finite numbers (one NaN, +inf, or no finite logit
-    at all) is a :class:`~bubblespec.errors.NonFiniteError`. Rows (b, t) are independent; on CPU they are processed
-    a few at a time so that the float64 temporaries stay small (fresh large allocations cost more than the
-    arithmetic there).
+    Returns tokens [B, T] int64 and logprobs [B, T] float64 (under ``softmax(mask(z / T))``, the distribution
+    sampled, penalty and filters included; under the penalised but otherwise raw distribution for greedy rows); a row
+    whose logits are not all finite numbers (one NaN, +inf, or no finite logit at all) is a
+    :class:`~bubblespec.errors.NonFiniteError`. ``min_p_B`` (None: 0) and ``penalty`` (None: none) as in
+    :func:`mask_logits`. Rows (b, t) are independent; on CPU they are processed a few at a time so that the float64
+    temporaries stay small (fresh large allocations cost more than the arithmetic there).
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
     num_rows = batch * num_positions
+    if min_p_B is None:
+        min_p_B = torch.zeros(batch, dtype=torch.float64)
     per_row = [
         seeds_B2.to(device, torch.int64)[:, None].expand(batch, num_positions, 2).reshape(num_rows, 2),
         positions_BT.to(device, torch.int64).reshape(num_rows, 1),
-        *(_per_position(x.to(device), num_positions) for x in (temperature_B, top_k_B, top_p_B)),
+        *(_per_position(x.to(device), num_positions) for x in (temperature_B, top_k_B, top_p_B, min_p_B)),
     ]
+    penalised = penalty is not None and penalty.active
     logits_R1V = logits_BTV.reshape(num_rows, 1, vocab)
     tokens_R = torch.empty(num_rows, dtype=torch.int64, device=device)
     logprobs_R = torch.empty(num_rows, dtype=torch.float64, device=device)
     block = num_rows if device.type != "cpu" else max(1, _CPU_BLOCK_ELEMENTS // vocab)
     for start in range(0, num_rows, block):
         rows = slice(start, start + block)
-        tokens_R[rows], logprobs_R[rows] = _keyed_sample_rows(logits_R1V[rows], *(x[rows] for x in per_row))
+        block_penalty = penalty.rows(start, min(start + block, num_rows), num_positions) if penalised else None
+        tokens_R[rows], logprobs_R[rows] = _keyed_sample_rows(
+            logits_R1V[rows], *(x[rows] for x in per_row), block_penalty
+        )
     return tokens_R.view(batch, num_positions), logprobs_R.view(batch, num_positions)
 
 
@@ -412,9 +497,9 @@ def _per_position(values_B: torch.Tensor, num_positions: int) -> torch.Tensor:
     return values_B[:, None].expand(-1, num_positions).reshape(-1)
 
 
-def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R):
+def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R, min_p_R, penalty):
     """:func:`keyed_sample` for rows of one position each: tokens [R] int64, logprobs [R] float64."""
-    scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R)
+    scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R, min_p_R, penalty)
     scores_RV = scores_R1V[:, 0]
     best_R, tokens_R = scores_RV.max(-1)  # the first argmax: greedy rows' token
     if not bool(torch.isfinite(best_R).all()):  # a NaN anywhere in a row makes its maximum NaN

@@ -79,11 +79,23 @@ def stream_seeds(seed: tuple[int, int], stream: int) -> tuple[int, int]:
     return derived >> 32, derived & _MASK32
 
 
-def mask_logits(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> list[float]:
-    """``mask(z / T)`` for one position: temperature, top-k, then top-p."""
+def mask_logits(
+    logits: Sequence[float],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seen: Sequence[int] = (),
+) -> list[float]:
+    """``mask(z / T)`` for one position: the repetition penalty on the tokens in ``seen``, temperature, top-k,
+    top-p, then min-p."""
+    logits = [float(z) for z in logits]
+    for v in set(seen):
+        logits[v] = logits[v] / repetition_penalty if logits[v] > 0 else logits[v] * repetition_penalty
     if temperature == 0:
-        return [float(z) for z in logits]
-    scores = [float(z) / temperature for z in logits]
+        return logits
+    scores = [z / temperature for z in logits]
     vocab = len(scores)
     if 0 < top_k < vocab:
         kth_largest = sorted(scores, reverse=True)[top_k - 1]
@@ -96,14 +108,26 @@ def mask_logits(logits: Sequence[float], temperature: float, top_k: int, top_p: 
             if preceding >= top_p:
                 scores[v] = -math.inf
             preceding += probs[v]
+    if min_p > 0:
+        probs = _softmax(scores)
+        largest = max(probs)
+        scores = [s if probs[v] >= min_p * largest else -math.inf for v, s in enumerate(scores)]
     return scores
 
 
 def keyed_sample(
-    logits: Sequence[float], seed: tuple[int, int], position: int, temperature: float, top_k: int, top_p: float
+    logits: Sequence[float],
+    seed: tuple[int, int],
+    position: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seen: Sequence[int] = (),
 ) -> tuple[int, float]:
     """The keyed sample at one position and its log-probability."""
-    scores = mask_logits(logits, temperature, top_k, top_p)
+    scores = mask_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen)
     if temperature == 0:
         token = max(range(len(scores)), key=lambda v: (scores[v], -v))
     else:

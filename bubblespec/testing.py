@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from bubblespec import plugins
-from bubblespec.errors import DraftError
+from bubblespec.errors import DraftError, RequestError
 from bubblespec.interfaces import (
     Draft,
     ForwardPass,
@@ -298,6 +298,26 @@ class EngineConformance:
         """Temperature 0: the argmax, and the logprob of the raw model distribution."""
         self.assert_matches_reference(engine, reference_engine, self.reference_requests(temperature=0.0), "greedy")
 
+    unsupported_sampling: tuple[str, ...] = ()
+    """:class:`SamplingParams` fields the engine refuses (a ``RequestError`` naming them) rather than applies; every
+    other setting must give the reference's samples."""
+
+    def test_min_p_and_the_repetition_penalty_match_the_reference(self, engine, reference_engine):
+        """min-p and the repetition penalty (over the prompt and the response so far) as the reference applies them,
+        greedy too; or one clear refusal naming them where the engine declares them unsupported."""
+        settings = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+        requests = self.reference_requests(**settings)
+        if self.unsupported_sampling:
+            with pytest.raises(RequestError, match="|".join(self.unsupported_sampling)):
+                engine.generate(requests)
+            return
+        self.assert_matches_reference(engine, reference_engine, requests, "temperature 0.9, min-p 0.05, penalty 1.3")
+        greedy = self.reference_requests(temperature=0.0, repetition_penalty=1.3)
+        self.assert_matches_reference(engine, reference_engine, greedy, "greedy, repetition penalty 1.3")
+        without = _by_key(reference_engine.generate(self.reference_requests(temperature=0.9)))
+        penalised = _by_key(reference_engine.generate(requests))
+        assert any(without[k].token_ids != penalised[k].token_ids for k in without), "the settings changed nothing"
+
     def test_stop_tokens_ignore_eos_and_max_new_tokens_match_the_reference(self, engine, reference_engine):
         """Extra stop tokens end a response at their first occurrence (the token kept, finish "stop"), ``ignore_eos``
         generates past the end-of-sequence token to ``max_new_tokens`` (finish "length")."""
@@ -450,6 +470,7 @@ class RealVocabularyConformance:
     sampling_settings: dict[str, dict] = {
         "t1": {"temperature": 1.0},
         "t0.7-topk40-topp0.9": {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
+        "t0.9-minp0.05-penalty1.2": {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.2},
     }
 
     @pytest.fixture(scope="class")

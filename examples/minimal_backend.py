@@ -5,7 +5,9 @@ CPU only: slow, but every rule of the contract is in plain sight, and it passes 
 (``tests/test_example_plugins.py`` runs it through its entry point). A real backend keeps the same four rules:
 
 1. Keyed sampling: the token at response position ``i`` of key ``k`` comes from ``bubblespec.sampling`` with the
-   key's noise seed and the position ``i`` (never from an RNG), so it does not depend on the batch.
+   key's noise seed and the position ``i`` (never from an RNG), so it does not depend on the batch;
+   ``bubblespec.decoding.keyed_samples`` does it for the rows of a pass, with every sampling setting of the request
+   (temperature, top-k, top-p, min-p, the repetition penalty over the tokens before each position).
 2. Verification: feed the last token plus the draft tokens :class:`bubblespec.decoding.Sequence` proposes in one
    pass, sample at every position, and hand the samples back to ``Sequence.record``: the shared bookkeeping
    accepts draft tokens while they equal the samples, emits the first differing sample (or a bonus token), and
@@ -32,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from bubblespec import decoding, sampling
+from bubblespec import decoding
 from bubblespec.config import EngineSettings, engine_config
 from bubblespec.decoder import DTYPES, DecoderModel, read_checkpoint
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
@@ -106,16 +108,9 @@ class MinimalEngine(Engine):
             rows = [[*s.request.prompt_token_ids, *s.tokens, *d] for s, d in zip(active, drafts, strict=True)]
             logits = self._logits_at_response_positions(rows, [len(d) for d in drafts])
             for sequence, draft, row_logits in zip(active, drafts, logits, strict=True):
-                params, width = sequence.request.sampling, len(draft) + 1
-                samples, logprobs = sampling.keyed_sample(
-                    row_logits[None],
-                    torch.tensor([sequence.noise_seed]),
-                    torch.arange(len(sequence.tokens), len(sequence.tokens) + width)[None],
-                    torch.tensor([params.temperature], dtype=torch.float64),
-                    torch.tensor([params.top_k]),
-                    torch.tensor([params.top_p], dtype=torch.float64),
-                )
-                sequence.record(draft, samples[0].tolist(), logprobs[0].tolist(), self._proposal)
+                # the keyed samples at the positions this pass scored, with the request's sampling settings
+                samples, logprobs = decoding.keyed_samples(row_logits[None], [sequence], [draft])
+                sequence.record(draft, samples[0], logprobs[0], self._proposal)
             if on_forward is not None:
                 fed = sum(len(row) for row in rows)
                 sampled = sum(len(d) + 1 for d in drafts) * self.vocab_size

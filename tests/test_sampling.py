@@ -103,6 +103,55 @@ def test_mixed_sampling_params_in_one_batch_match_per_row_reference():
             assert tokens[b, t].item() == expected
 
 
+@pytest.mark.parametrize("block_logits", [1 << 20, 40])  # one block; blocks of two rows (the penalty per block)
+def test_min_p_and_the_repetition_penalty_match_the_reference(monkeypatch, block_logits):
+    """min-p and the repetition penalty (transformers' order: the penalty on the raw logits, then temperature, top-k,
+    top-p, min-p) against the loop reference, with mixed settings per row; each position sees the row's context and
+    the draft tokens fed before it, a token once however often, and greedy rows get the penalty too."""
+    monkeypatch.setattr(sampling, "_CPU_BLOCK_ELEMENTS", block_logits)
+    rows = [(1.0, 0, 1.0, 0.0, 1.0), (0.7, 0, 1.0, 0.2, 2.5), (1.2, 5, 0.9, 0.05, 3.0), (0.0, 0, 1.0, 0.3, 2.0),
+            (1.0, 3, 1.0, 0.5, 0.8), (0.9, 0, 0.7, 0.1, 1.0)]  # fmt: skip
+    batch, num_positions, vocab = len(rows), 4, 19
+    logits = torch.randn(batch, num_positions, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    logits = logits * 3
+    seeds = _random_seeds(random.Random(13), batch)
+    positions = torch.randint(0, 300, (batch, num_positions), generator=torch.Generator().manual_seed(5))
+    best = logits.argmax(-1).tolist()  # seen tokens among the likeliest, so that the penalty shows in the samples
+    seen = [[1, 2, 2, best[0][0]], [best[1][0]], [5, 5, best[2][0], 18, 3, 4], [best[3][0]], [9, 10, 11], [6]]
+    fed = [[3, 3, 12], [1, best[1][1]], [], [best[3][1], 4, 4], [9], [17, 2, 8]]  # draft tokens the pass was fed
+    pad = lambda lists: torch.tensor([ids + [-1] * (max(map(len, lists)) - len(ids)) for ids in lists])  # noqa: E731
+    columns = [torch.tensor(column, dtype=torch.float64) for column in zip(*rows, strict=True)]
+    temperature, top_k, top_p, min_p, penalty = columns
+    tokens, logprobs = sampling.keyed_sample(
+        logits, seeds, positions, temperature, top_k.long(), top_p, min_p,
+        sampling.RepetitionPenalty(penalty, pad(seen), pad(fed)),
+    )  # fmt: skip
+    for b, t in itertools.product(range(batch), range(num_positions)):
+        t_value, k_value, p_value, min_p_value, penalty_value = rows[b]
+        token, logprob = reference.keyed_sample(
+            logits[b, t].tolist(), tuple(seeds[b].tolist()), int(positions[b, t]), t_value, k_value, p_value,
+            min_p_value, penalty_value, seen[b] + fed[b][:t],
+        )  # fmt: skip
+        assert tokens[b, t].item() == token, (b, t)
+        assert logprobs[b, t].item() == pytest.approx(logprob, abs=1e-9)
+    unpenalised, _ = sampling.keyed_sample(logits, seeds, positions, temperature, top_k.long(), top_p, min_p)
+    assert (unpenalised != tokens).any(), "the penalty changed no sample: the test would not see it ignored"
+    plain, _ = sampling.keyed_sample(logits, seeds, positions, temperature, top_k.long(), top_p)
+    assert (plain != unpenalised).any(), "min-p changed no sample"
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_best():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.12, 0.08]]], dtype=torch.float64))
+    one = torch.ones(1, dtype=torch.float64)
+    for min_p, kept in [(0.0, 4), (0.2, 3), (0.25, 2), (0.59, 2), (0.61, 1), (1.0, 1)]:
+        scores = sampling.mask_logits(logits, one, torch.zeros(1, dtype=torch.int64), one, torch.tensor([min_p]))
+        assert int(torch.isfinite(scores).sum()) == kept, (min_p, scores)
+    # after top-p, as transformers applies it: top-p 0.85 keeps 0.5, 0.3 and 0.12; min-p 0.2 keeps all three
+    scores = sampling.mask_logits(logits, one, torch.zeros(1, dtype=torch.int64), torch.tensor([0.85]),
+                                  torch.tensor([0.2]))  # fmt: skip
+    assert torch.isfinite(scores).flatten().tolist() == [True, True, True, False]
+
+
 def test_keyed_sample_distribution_matches_softmax():
     """Over many keys, keyed samples follow softmax(mask(z / T)) exactly (chi-square against enumeration)."""
     vocab, num_keys = 6, 60_000

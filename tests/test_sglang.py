@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bubblespec.backends.sglang_engine import SGLangEngine, SGLangError, processor_payload
+from bubblespec.backends.sglang_engine import UNSUPPORTED_SAMPLING, SGLangEngine, SGLangError, processor_payload
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.errors import ConfigError
 from bubblespec.interfaces import GenerationRequest, SamplingParams
@@ -118,6 +118,7 @@ class TestSGLangEngineOnTheFake(EngineConformance):
     """Exact (float64 fake). ``tokens_per_call: 4`` so that two round trips leave responses unfinished for the stop
     check (with 64 tokens a call, every response ends in the first round trip)."""
 
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
     dtype = "float64"
     engine_settings = {"tokens_per_call": 4, "max_draft_tokens_per_step": 8}
 
@@ -128,6 +129,7 @@ class TestSGLangEngineOnTheFake(EngineConformance):
 class TestSGLangEngineOnTheFakeWithFewCandidates(EngineConformance):
     """K = 3 of 19 candidates: positions the bound cannot decide are sampled by the server; still exact."""
 
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
     dtype = "float64"
     engine_settings = {"tokens_per_call": 4, "top_logprobs_num": 3, "adaptive_draft_length": True}
 
@@ -139,6 +141,9 @@ class TestSGLangEngineOnTheFakeAtARealVocabulary(RealVocabularyConformance):
     """32,000 tokens with the top 20 candidates per draft position (float64 fake: exact)."""
 
     backend = "sglang"
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
+    sampling_settings = {name: settings for name, settings in RealVocabularyConformance.sampling_settings.items()
+                         if not set(settings) & set(UNSUPPORTED_SAMPLING)}  # fmt: skip
     dtype = "float64"
     num_prompts = 4
     engine_settings = {"tokens_per_call": 8, "top_logprobs_num": 20}
@@ -151,6 +156,7 @@ class TestSGLangEngineSpeculativeOnTheFake(EngineConformance):
     """``speculative: true``: the fake runs the BUBBLESPEC algorithm (the plugin's chunk, layout and keyed verify
     rows, SGLang's greedy tree walk over 9 slots), one request per response; exact (float64 fake)."""
 
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
     dtype = "float64"
     engine_settings = {"speculative": True, "max_draft_tokens_per_step": 8}
 
@@ -456,6 +462,7 @@ def test_real_sglang_server(requests):
 class TestSGLangEngineOnARealServer(EngineConformance):
     """The suite on one real server (float32 logits: a rounding near-tie may flip a token)."""
 
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
     dtype = "float32"
     max_mismatch_rate = 0.07
     engine_settings = {"tokens_per_call": 4}
@@ -476,6 +483,7 @@ class TestSGLangEngineSpeculativeOnARealServer(EngineConformance):
     """The speculative route on a real server: SGLang's own NGRAM worker classes with bubblespec's drafts and keyed
     verify rows (backends/sglang_server.py), which no test here can run."""
 
+    unsupported_sampling = UNSUPPORTED_SAMPLING  # refused by name (backends/sglang_engine.py)
     dtype = "float32"
     max_mismatch_rate = 0.07
     engine_settings = {"speculative": True, "max_draft_tokens_per_step": 8}

@@ -158,6 +158,36 @@ def test_settings_the_rollout_cannot_honour_fail_at_construction(tmp_path):
         BubblespecRollout({"rollout": {"num_ranks": 0}}, path)
 
 
+def test_sampling_is_trl_s_own_generation_s_and_what_it_cannot_apply_is_refused_by_name(tmp_path):
+    """min_p, repetition_penalty and generation_kwargs reach the rollout's sampling as TRL's own generation takes them
+    (they were dropped without a word); a generation_kwargs key or a model generation_config setting that would
+    change the samples and that the rollout does not apply is refused, naming it, when the rollout is built."""
+    from transformers import GenerationConfig
+    from trl import GRPOConfig
+
+    from bubblespec.integrations.trl import sampling_params
+
+    def config(**settings):
+        return GRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", **settings)
+
+    params = sampling_params(config(min_p=0.1, repetition_penalty=1.2, temperature=0.8, top_k=20), None, (2,))
+    assert (params.min_p, params.repetition_penalty, params.temperature, params.top_k) == (0.1, 1.2, 0.8, 20)
+    assert params.stop_token_ids == (2,) and params.max_new_tokens == config().max_completion_length
+    overridden = sampling_params(config(min_p=0.1, generation_kwargs={"min_p": 0.3, "repetition_penalty": 1.5,
+                                                                      "use_cache": True}), None, ())  # fmt: skip
+    assert (overridden.min_p, overridden.repetition_penalty) == (0.3, 1.5)
+    assert sampling_params(config(generation_kwargs={"do_sample": False}), None, ()).temperature == 0.0
+    assert sampling_params(config(), GenerationConfig(min_p=0.05), ()).min_p == 0.05  # generate fills it in
+    assert sampling_params(config(min_p=0.2), GenerationConfig(min_p=0.05), ()).min_p == 0.2
+    with pytest.raises(ConfigError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]: bubblespec"):
+        sampling_params(config(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}), None, ())
+    with pytest.raises(ConfigError, match=r"generation_config sets typical_p=0\.9, which TRL's own generation"):
+        sampling_params(config(), GenerationConfig(typical_p=0.9), ())
+    assert sampling_params(config(), GenerationConfig(typical_p=1.0, num_beams=1), ()).min_p == 0.0  # neutral values
+    with pytest.raises(ConfigError, match="typical_p"):
+        BubblespecRollout({}, ArithmeticTask.model_path(), args=config(generation_kwargs={"typical_p": 0.9}))
+
+
 def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
     distinct = BubblespecRollout._distinct(["a", "a", "b", "b"], 2)
     assert distinct == ["a", "b"]

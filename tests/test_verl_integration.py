@@ -250,6 +250,22 @@ def test_settings_the_rollout_cannot_honour_are_refused_with_what_to_set(folder)
     assert inbox().newer_than(None) is None  # nothing was handed over
 
 
+def test_verl_s_sampling_settings_reach_the_rollout(folder):
+    """ignore_eos (verl's vLLM server honours it) and repetition_penalty were dropped without a word; they apply to
+    training and validation batches alike, and do_sample=False is greedy."""
+    from bubblespec.integrations.verl import _sampling
+
+    config = verl_config(folder, "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.top_k=7",
+                         "+actor_rollout_ref.rollout.repetition_penalty=1.2")  # fmt: skip
+    rollout = config.actor_rollout_ref.rollout
+    for kwargs in (rollout, rollout.val_kwargs):
+        params = _sampling(kwargs, rollout, (2,))
+        assert (params.ignore_eos, params.repetition_penalty, params.stop_token_ids) == (True, 1.2, (2,))
+    assert _sampling(rollout, rollout, ()).top_k == 7 and _sampling(rollout.val_kwargs, rollout, ()).temperature == 0.0
+    default = verl_config(folder).actor_rollout_ref.rollout
+    assert (_sampling(default, default, ()).ignore_eos, _sampling(default, default, ()).repetition_penalty) == (False, 1)
+
+
 @pytest.mark.slow
 def test_verl_s_own_trainer_runs_with_the_bubblespec_rollout_and_drafts_from_the_second_step(tmp_path):
     """examples/verl_trainer_cpu.py: ``python -m verl.trainer.main_ppo`` (verl's legacy trainer, FSDP2 on gloo, its

@@ -33,6 +33,14 @@ batch: the slices are gathered to the main process, which owns the service and g
 and peek as on one process, the weights synced once per update), and each process gets its slice's completions
 back, with the records (:attr:`~BubblespecRollout.steps`) or the main process's error.
 
+Sampling is TRL's own generation's (``use_vllm=False``: transformers' ``generate``, in its order): ``temperature``,
+``top_k``, ``top_p``, ``min_p`` (the model's ``generation_config`` where the config leaves it unset, as ``generate``
+fills it), ``repetition_penalty`` and ``max_completion_length``, each overridden by ``generation_kwargs`` as TRL does
+(``do_sample=False`` there is greedy); the logprobs returned are of the distribution sampled (penalty and filters
+applied). Any other ``generation_kwargs`` key that changes samples, and any sampling setting of the model's
+``generation_config`` that TRL would take (``typical_p``, ``no_repeat_ngram_size``, ``num_beams``, ...), is refused by
+name when the rollout is built (:func:`sampling_params`).
+
 Supported: TRL 1.16 on one or several processes, map-style datasets, text or chat prompts, evaluation
 (``eval_strategy``, ``num_generations_eval``), full fine-tuning or one plain LoRA adapter
 (``peft_config=LoraConfig(...)`` or a ``PeftModel``; ``model_path`` is then the base model's folder), resuming from
@@ -83,6 +91,80 @@ def check_grpo_args(args) -> None:
             "GRPOConfig(use_vllm=True) with bubblespec's rollout: the bubblespec ranks are the generation engine "
             "(rollout.backend: vllm runs vLLM inside them); set use_vllm=False"
         )
+
+
+GENERATION_KWARGS_APPLIED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+                             "do_sample")  # fmt: skip
+"""``GRPOConfig.generation_kwargs`` keys the rollout applies as TRL's own generation would (they override the
+config's fields there too; ``do_sample=False`` is greedy)."""
+GENERATION_KWARGS_NEUTRAL = ("use_cache", "cache_implementation", "disable_compile", "pad_token_id", "bos_token_id",
+                             "output_scores", "output_logits", "return_dict_in_generate")  # fmt: skip
+"""Keys that change how transformers generates, not what it samples: accepted and not needed."""
+MODEL_GENERATION_NEUTRAL = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "sequence_bias": None, "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": None,
+    "dola_layers": None, "guidance_scale": 1.0, "watermarking_config": None, "stop_strings": None,
+}  # fmt: skip
+"""Fields of the model's ``generation_config.json`` that TRL's own generation takes (it leaves them unset) and that
+change the samples unless they hold these values: the rollout refuses them rather than sample differently."""
+
+
+def sampling_params(args, generation_config, stop: tuple[int, ...]) -> SamplingParams:
+    """The sampling of TRL's own generation (``use_vllm=False``: transformers' ``generate``) for ``args`` (a
+    ``GRPOConfig``) and the model's ``generation_config``: temperature, top-k, top-p, min-p (the model's
+    ``generation_config`` where the config leaves it unset, as ``generate`` fills it), the repetition penalty and
+    the length, with ``generation_kwargs`` overriding them as in TRL. Any other setting that would change the samples
+    is a :class:`ConfigError` naming it."""
+    settings = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p if args.min_p is not None else getattr(generation_config, "min_p", None),
+        "repetition_penalty": args.repetition_penalty,
+        "max_new_tokens": args.max_completion_length,
+    }
+    extra = dict(args.generation_kwargs or {})
+    unknown = sorted(set(extra) - set(GENERATION_KWARGS_APPLIED) - set(GENERATION_KWARGS_NEUTRAL))
+    if unknown:
+        raise ConfigError(
+            f"GRPOConfig.generation_kwargs {unknown}: bubblespec's rollout does not apply them, and they would change "
+            f"the samples TRL's own generation makes; it applies {', '.join(GENERATION_KWARGS_APPLIED)} (and ignores "
+            f"{', '.join(GENERATION_KWARGS_NEUTRAL)}, which change no sample)"
+        )
+    settings |= {key: value for key, value in extra.items() if key in GENERATION_KWARGS_APPLIED}
+    model_settings = {
+        name: getattr(generation_config, name, None) for name in MODEL_GENERATION_NEUTRAL
+    }  # fmt: skip
+    changing = sorted(
+        name for name, value in model_settings.items() if value is not None and value != MODEL_GENERATION_NEUTRAL[name]
+    )
+    if changing:
+        shown = ", ".join(f"{name}={model_settings[name]!r}" for name in changing)
+        raise ConfigError(
+            f"the model's generation_config sets {shown}, which TRL's own generation applies and bubblespec's rollout "
+            "does not; remove them from the model's generation_config (or its generation_config.json)"
+        )
+    greedy = settings.pop("do_sample", True) is False
+    return SamplingParams(
+        temperature=0.0 if greedy else float(settings["temperature"]),
+        top_k=int(settings["top_k"] or 0),
+        top_p=float(settings["top_p"] if settings["top_p"] is not None else 1.0),
+        min_p=float(settings["min_p"] or 0.0),
+        repetition_penalty=float(settings["repetition_penalty"] if settings["repetition_penalty"] is not None else 1.0),
+        max_new_tokens=int(settings["max_new_tokens"]),
+        stop_token_ids=stop,
+    )
+
+
+def _folder_generation_config(model_path: str):
+    """The model folder's ``generation_config.json`` as transformers reads it (None without one)."""
+    if not (Path(model_path) / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(model_path)
 
 
 def check_mergeable(model) -> None:
@@ -151,6 +233,8 @@ class BubblespecRollout:
         self.model_path = str(Path(model_path).expanduser().resolve())
         if not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError(f"model_path {str(model_path)!r} is not a Hugging Face model folder (no config.json)")
+        if args is not None:  # its sampling settings, against the model folder's generation_config.json
+            sampling_params(args, _folder_generation_config(self.model_path), ())
         self.steps: list[GenerationRecord] = []
         """One record per generation batch: ``generation``, ``global_step``, per-rank records, decode steps..."""
         self.evaluations: list[dict] = []
@@ -274,14 +358,8 @@ class BubblespecRollout:
         self._sampler = trainer._get_train_sampler()  # a fresh RepeatSampler: TRL's seed, TRL's order
         trainer.add_callback(_on_evaluate(self._training_starts))  # TRL's evaluation is over: it trains again
         tokenizer = trainer.processing_class
-        stop = eos_ids(tokenizer, getattr(trainer.model, "generation_config", None))
-        sampling = SamplingParams(
-            temperature=float(args.temperature),
-            top_k=int(args.top_k or 0),
-            top_p=float(args.top_p),
-            max_new_tokens=int(args.max_completion_length),
-            stop_token_ids=stop,
-        )
+        generation_config = getattr(trainer.model, "generation_config", None)
+        sampling = sampling_params(args, generation_config, eos_ids(tokenizer, generation_config))
         config = self.config.model_copy(update={"seed": int(args.seed)})
         if config.metrics.enabled:  # the per-rank metrics of a bubblespec run, on metrics.host:port
             from bubblespec.metrics import RunMetrics, info_labels

@@ -558,7 +558,9 @@ def _settings(custom: dict) -> ServiceConfig:
 
 def _sampling(kwargs, rollout, stop: tuple[int, ...]) -> SamplingParams:
     """bubblespec's sampling from verl's (``rollout`` or ``rollout.val_kwargs``): ``do_sample=False`` is greedy,
-    ``top_k=-1`` off."""
+    ``top_k=-1`` off; ``rollout.ignore_eos`` (verl's vLLM server honours it: responses run to ``response_length``)
+    and ``rollout.repetition_penalty`` (a field of verl's rollout config that its own agent loop leaves at 1.0) for
+    both."""
     greedy = not kwargs.get("do_sample", True)
     return SamplingParams(
         temperature=0.0 if greedy else float(kwargs.temperature),
@@ -566,6 +568,8 @@ def _sampling(kwargs, rollout, stop: tuple[int, ...]) -> SamplingParams:
         top_p=float(kwargs.get("top_p", 1.0)),
         max_new_tokens=int(rollout.response_length),
         stop_token_ids=stop,
+        ignore_eos=bool(rollout.get("ignore_eos", False)),
+        repetition_penalty=float(rollout.get("repetition_penalty", 1.0)),
     )
 
 

@@ -5,7 +5,8 @@ entry point ``transformers-example`` in the group ``bubblespec.backends``. No KV
 each active sequence from its first token (rows right-padded, with an attention mask), so it is slow on long
 responses; what makes it a bubblespec engine is the same as in ``examples/minimal_backend.py``:
 
-- keyed sampling: the token at response position ``i`` of key ``k`` is ``bubblespec.sampling.keyed_sample`` of the
+- keyed sampling (``bubblespec.decoding.keyed_samples``, every sampling setting of the request): the token at
+  response position ``i`` of key ``k`` is ``bubblespec.sampling.keyed_sample`` of the
   logits there with the key's noise seed and ``i``, never an RNG draw, so neither the batch nor drafts change it;
 - verification through :class:`bubblespec.decoding.Sequence`: the last token and the draft tokens it proposes are
   scored in one pass, and ``Sequence.record`` takes the keyed samples at those positions (accepting draft tokens
@@ -27,7 +28,7 @@ import torch
 from pydantic import field_validator
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bubblespec import decoding, sampling
+from bubblespec import decoding
 from bubblespec.config import EngineSettings, engine_config
 from bubblespec.errors import ModelLoadError
 from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
@@ -125,7 +126,7 @@ class TransformersEngine(Engine):
             rows = [[*s.request.prompt_token_ids, *s.tokens, *d] for s, d in zip(active, drafts, strict=True)]
             logits = self._logits_at_response_positions(rows, [len(d) for d in drafts])
             for sequence, draft, row_logits in zip(active, drafts, logits, strict=True):
-                samples, logprobs = self._keyed_samples(sequence, row_logits)
+                samples, logprobs = self._keyed_samples(sequence, draft, row_logits)
                 sequence.record(draft, samples, logprobs, self._proposal)
             if on_forward is not None:
                 fed = sum(len(row) for row in rows)
@@ -134,21 +135,14 @@ class TransformersEngine(Engine):
                 on_forward(ForwardPass(len(rows), fed, fed, pairs, sampled_logits=sampled))
         return [s.result() for s in sequences]
 
-    def _keyed_samples(self, sequence: decoding.Sequence, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _keyed_samples(
+        self, sequence: decoding.Sequence, draft: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list[float]]:
         """The keyed samples (and their logprobs) at the response positions ``logits`` [W, V] predict."""
-        params, start = sequence.request.sampling, len(sequence.tokens)
-        seeds = torch.tensor([sequence.noise_seed])
-        if self.config.verification == "one_hot":  # each policy version samples its own noise stream of the key
-            seeds = sampling.stream_seeds(seeds, (self._policy_version + 1) % 2**32)
-        samples, logprobs = sampling.keyed_sample(
-            logits[None],
-            seeds,
-            torch.arange(start, start + logits.shape[0])[None],
-            torch.tensor([params.temperature], dtype=torch.float64),
-            torch.tensor([params.top_k]),
-            torch.tensor([params.top_p], dtype=torch.float64),
-        )
-        return samples[0].tolist(), logprobs[0].tolist()
+        # one_hot: each policy version samples its own noise stream of the key
+        stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
+        samples, logprobs = decoding.keyed_samples(logits[None], [sequence], [draft], stream=stream)
+        return samples[0], logprobs[0]
 
     def _logits_at_response_positions(self, rows: list[list[int]], num_draft: list[int]) -> list[torch.Tensor]:
         """Per row, the logits [num_draft + 1, V] that predict the next token and each draft position's token."""
