@@ -186,15 +186,19 @@ class TorchEngine(Engine):
         self.num_forward_passes += 1
         if on_forward is not None:
             on_forward(_forward_pass(active, chunks, width * self.vocab_size))
-        stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
-        # one_hot: stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other
-        sampled, logprobs = keyed_samples(logits, active, drafts, stream=stream)
+        sampled, logprobs = self._sample(active, logits, drafts)
         for sequence, draft, row_samples, row_logprobs in zip(active, drafts, sampled, logprobs, strict=True):
             fed = len(sequence.pending)
             accepted = sequence.record(draft, row_samples, row_logprobs, self._proposal)
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
+
+    def _sample(self, active: list[_Slot], logits: torch.Tensor, drafts: list[list[int]]):
+        """Keyed samples [B][W] and their logprobs at every selected position, as lists."""
+        # one_hot: stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other
+        stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
+        return keyed_samples(logits, active, drafts, stream=stream)
 
 
 def _forward_pass(active: list[_Slot], chunks: list[list[int]], logits_per_row: int) -> ForwardPass:

@@ -51,26 +51,26 @@ def _broken_engines():
     from bubblespec.backends.torch_engine import TorchEngine
 
     class ZeroLogprobs(TorchEngine):
-        def _sample(self, active, logits, positions):
-            tokens, logprobs = super()._sample(active, logits, positions)
+        def _sample(self, active, logits, drafts):
+            tokens, logprobs = super()._sample(active, logits, drafts)
             return tokens, [[0.0] * len(row) for row in logprobs]
 
     class LogprobsWithoutTemperature(TorchEngine):
         """Samples right, but reports logprobs of the raw distribution whatever the temperature and filters."""
 
-        def _sample(self, active, logits, positions):
-            tokens, _ = super()._sample(active, logits, positions)
+        def _sample(self, active, logits, drafts):
+            tokens, _ = super()._sample(active, logits, drafts)
             raw = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(tokens)[..., None])[..., 0]
             return tokens, raw.tolist()
 
     class HalfLogits(TorchEngine):
-        def _sample(self, active, logits, positions):
-            return super()._sample(active, logits * 0.5, positions)
+        def _sample(self, active, logits, drafts):
+            return super()._sample(active, logits * 0.5, drafts)
 
     class MultinomialSampler(TorchEngine):
         """The right distribution (temperature 1, no filters), sampled with torch.multinomial instead of keyed noise."""
 
-        def _sample(self, active, logits, positions):
+        def _sample(self, active, logits, drafts):
             probabilities = torch.softmax(logits.double(), -1)
             tokens = torch.multinomial(probabilities.reshape(-1, probabilities.shape[-1]), 1).reshape(logits.shape[:2])
             return tokens.tolist(), probabilities.log().gather(-1, tokens[..., None])[..., 0].tolist()
