@@ -30,6 +30,19 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 """The dtypes of ``model.dtype``, by name."""
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
+KEY_ALIGNMENT = 16
+"""With a cache, attention reads key positions up to a multiple of this many (masked past the last fed one), and
+:class:`KVCache` holds a multiple of it. torch's CPU attention runs over keys 16 floats at a time and handles a
+partial last vector apart: with a span that ends where the pass's longest row ends, the keys a row sees would be
+summed in an order set by the other rows (and by the draft tokens after it), and in bfloat16 or float32 the row's
+attention output, hence its logits, would change with the batch."""
+KEY_BLOCK = 512
+"""A sliding window's first key position is a multiple of this: torch's CPU attention takes keys in blocks of 512
+from the first one it is given and rescales its running softmax sum per block, so blocks starting at a position
+set by the batch's shortest row would change a row's rounding with the batch."""
+_FOLDED_MASK_ELEMENTS = 1 << 24
+"""At most this many mask entries per attention call when a chunk's queries are folded into heads (see
+:meth:`DecoderModel._attention`): a long prefill runs in several calls."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +310,8 @@ class KVCache:
     """Keys and values by (layer, slot, head, absolute position). Slots ``[0, num_active)`` are in use."""
 
     def __init__(self, config: DecoderConfig, num_slots: int, max_positions: int, dtype, device) -> None:
+        # At least max_positions: a whole number of KEY_ALIGNMENT, so that an aligned key span always fits.
+        max_positions = -(-max_positions // KEY_ALIGNMENT) * KEY_ALIGNMENT
         shape = (config.num_layers, num_slots, config.num_kv_heads, max_positions, config.head_dim)
         # Zeros, not empty: masked positions still enter attention as 0 * value, and 0 * NaN would be NaN.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
@@ -322,6 +337,10 @@ class DecoderModel:
         self.load_weights(weights, strict=True)
         inverse_frequency = rope_inverse_frequency(config.head_dim, config.rope_theta, config.rope_llama3)
         self._inverse_frequency = inverse_frequency.to(self.device)
+        # bfloat16 on a CPU: a chunk's queries attend one per head, as a decode pass's do (see _attention). Not in
+        # float32, where the matrix products already round differently with the number of rows (so this would cost
+        # time for nothing), nor in float64 or on CUDA, whose kernels this was not measured on.
+        self._one_query_per_head = dtype == torch.bfloat16 and self.device.type == "cpu"
 
     def _allocate_weights(self) -> dict[str, torch.Tensor]:
         """Zeroed weights by Hugging Face name. Per layer, q/k/v and gate/up are views into one fused matrix
@@ -435,16 +454,19 @@ class DecoderModel:
         key positions ``[start, ...)``: ``key <= query`` and, with a window, ``key > query - window``.
 
         Without a cache and a window the mask is None (causal attention by index). With a cache, keys are cache
-        positions ``[start, span)`` with ``span`` one past the last fed position: a window also skips the cache
-        positions no query of the batch can see."""
+        positions ``[start, span)`` with ``span`` one past the last fed position rounded up to a multiple of
+        :data:`KEY_ALIGNMENT`: a window also skips the cache positions no query of the batch can see, from a multiple
+        of :data:`KEY_BLOCK` on. Both roundings keep a row's attention from depending on the other rows of the pass:
+        masked keys add exact zeros, but where the span ends and where the key blocks start changes the order in
+        which the visible ones are summed."""
         if cache is None:
             if window is None:
                 return 0, None
             keys_B1S = positions_BT[:, None, :]
             queries_BT1 = positions_BT[:, :, None]
             return 0, ((keys_B1S <= queries_BT1) & (keys_B1S > queries_BT1 - window))[:, None]
-        span = int(positions_BT.max()) + 1
-        start = 0 if window is None else max(0, int(positions_BT.min()) - window + 1)
+        span = min(-(-(int(positions_BT.max()) + 1) // KEY_ALIGNMENT) * KEY_ALIGNMENT, cache.max_positions)
+        start = 0 if window is None else max(0, int(positions_BT.min()) - window + 1) // KEY_BLOCK * KEY_BLOCK
         keys_11S = torch.arange(start, span, device=self.device)[None, None, :]
         queries_BT1 = positions_BT[:, :, None]
         visible_BTS = keys_11S <= queries_BT1
@@ -467,17 +489,35 @@ class DecoderModel:
                 enable_gqa=gqa,
             )
         slots_BT, positions_BT = where
-        batch = slots_BT.shape[0]
+        batch, length, heads, dim = q_BTND.shape
         cache.keys[layer, slots_BT, :, positions_BT] = k_BTND
         cache.values[layer, slots_BT, :, positions_BT] = v_BTND
         span = start + mask_B1TS.shape[-1]
-        return F.scaled_dot_product_attention(
-            q_BTND.transpose(1, 2),
-            cache.keys[layer, :batch, :, start:span],
-            cache.values[layer, :batch, :, start:span],
-            attn_mask=mask_B1TS,
-            enable_gqa=gqa,
-        )
+        keys_BKSD = cache.keys[layer, :batch, :, start:span]
+        values_BKSD = cache.values[layer, :batch, :, start:span]
+        q_BNTD = q_BTND.transpose(1, 2)
+        if length == 1 or not self._one_query_per_head:
+            return F.scaled_dot_product_attention(q_BNTD, keys_BKSD, values_BKSD, attn_mask=mask_B1TS, enable_gqa=gqa)
+        # One query per head, as in a decode pass: torch's CPU attention computes a head's lone query with other
+        # kernels (another summation order) than a block of several, so a chunk's T queries become T heads of one
+        # query each. Head n * T + t still reads key/value head n // (N / K); the mask is copied per head. It costs
+        # time in passes of several tokens per sequence (attention 3-7x slower there on a CPU).
+        num_keys = mask_B1TS.shape[-1]
+        step = max(1, _FOLDED_MASK_ELEMENTS // (batch * heads * num_keys))
+        outputs = []
+        for first in range(0, length, step):
+            q_BNtD = q_BNTD[:, :, first : first + step]
+            chunk = q_BNtD.shape[2]
+            mask_BNtS = mask_B1TS[:, :, first : first + chunk].expand(batch, heads, chunk, num_keys)
+            out_BHlD = F.scaled_dot_product_attention(
+                q_BNtD.reshape(batch, heads * chunk, 1, dim),
+                keys_BKSD,
+                values_BKSD,
+                attn_mask=mask_BNtS.reshape(batch, heads * chunk, 1, num_keys),
+                enable_gqa=True,
+            )
+            outputs.append(out_BHlD.view(batch, heads, chunk, dim))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Like Hugging Face: normalise in at least float32, scale in the model's dtype.

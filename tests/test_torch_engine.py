@@ -12,7 +12,7 @@ import torch
 
 from bubblespec import sampling_reference as reference
 from bubblespec.backends.torch_engine import TorchEngine, TorchEngineConfig
-from bubblespec.decoder import KVCache
+from bubblespec.decoder import DecoderConfig, DecoderModel, KVCache
 from bubblespec.errors import DraftError, ModelLoadError, RequestError
 from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
 
@@ -131,6 +131,53 @@ def test_float32_mismatch_rate_is_measured_and_small(llama_path):
     mismatched = sum(a.token_ids != b.token_ids for a, b in zip(plain_new, speculative, strict=True))
     print(f"float32 mismatch rate: {mismatched}/{len(requests)} responses")
     assert mismatched / len(requests) <= 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_rows_attention_is_the_same_in_every_pass(dtype, window):
+    """A query's attention output is bit-identical whether its row is decoded next to rows of other lengths or
+    alone and, in bfloat16, whether it feeds one token (a decode pass) or a chunk of draft tokens (a verify pass).
+    Otherwise bfloat16 verification flips near-tie tokens that plain decoding samples (torch's CPU attention sums a
+    row's keys in an order set by the key span, the key blocks' start and the number of queries per head), more
+    often than two plain runs of other batch compositions differ from each other. float32 chunks keep the faster
+    attention: its matrix products round with the number of rows anyway."""
+    config = DecoderConfig(
+        model_type="mistral", vocab_size=VOCAB, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=64, intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=1024,
+        tie_word_embeddings=False, attention_bias=False, eos_token_ids=(EOS,), sliding_windows=(window,),
+    )  # fmt: skip
+    model = DecoderModel(config, {n: torch.zeros(s) for n, s in config.parameter_shapes().items()}, dtype, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    batch, chunk = 6, 17
+    lengths = torch.tensor([20, 90, 333, 500, 650, 700])  # keys already cached per row; windows start at 0 or 512
+    start_cache = KVCache(config, batch, 800, dtype, "cpu")
+    start_cache.keys.normal_(generator=generator)
+    start_cache.values.normal_(generator=generator)
+    q, k, v = (torch.randn(batch, chunk, n, 64, generator=generator).to(dtype) for n in (4, 2, 2))
+
+    def attend(rows, first, count, cache):
+        positions = lengths[rows, None] + torch.arange(first, first + count)
+        slots = torch.arange(len(rows))[:, None].expand(-1, count)
+        mask = model._mask(positions, cache, window)
+        part = slice(first, first + count)
+        return model._attention(0, q[rows, part], k[rows, part], v[rows, part], cache, (slots, positions), mask)
+
+    def copy(rows):
+        cache = KVCache(config, len(rows), 800, dtype, "cpu")
+        cache.keys.copy_(start_cache.keys[:, rows])
+        cache.values.copy_(start_cache.values[:, rows])
+        return cache
+
+    every = list(range(batch))
+    verify_BNTD = attend(every, 0, chunk, copy(every))
+    cache = copy(every)
+    decode_BNTD = torch.cat([attend(every, t, 1, cache) for t in range(chunk)], dim=2)
+    alone = [copy([row]) for row in every]
+    alone_BNTD = torch.cat([torch.cat([attend([r], t, 1, alone[r]) for t in range(chunk)], dim=2) for r in every])
+    assert torch.equal(decode_BNTD, alone_BNTD)
+    if dtype == torch.bfloat16:
+        assert torch.equal(verify_BNTD, decode_BNTD)
 
 
 @pytest.mark.parametrize("kind", ["random", "empty", "too_long", "other_key", "truncated"])

@@ -1,0 +1,107 @@
+"""How often drafts change a response, against how often two plain runs of other batch compositions do: the
+exactness row of ``bubblespec bench engine`` (:func:`bubblespec.cli.bench_engine_measures.exactness_row`) over several
+seeds, with 95% Wilson intervals (BENCHMARKS.md, *bfloat16: drafts within batch nondeterminism*).
+
+Per seed: random prompts of 32-128 tokens (the seed's), 64 new tokens with ``ignore_eos`` at temperature 1; pi_t+1 is
+pi_t with every weight tensor moved by ``--weight-noise`` times its RMS (the seed's); pi_t (the torch engine) drafts
+every request, and the engine under test, holding pi_t+1, generates them without drafts twice (all at once; reversed,
+half as many per call) and once with pi_t's drafts. Keyed verification emits exactly plain keyed decoding's tokens,
+so a difference is a rounding near-tie between the logits of one position computed in two pass shapes.
+
+The checkpoint is a random ``--family`` model at ``--vocab`` (hidden 128, 2 layers, heads of 64) whose output head is
+peaked on 256 tokens as a trained model's is (``bubblespec.testing.write_policy_pair``), written once to
+``--folder``.
+
+    python benchmarks/bf16_exactness.py --backend torch --vocab 32000 --requests 512 --seeds 0,1,2
+    python benchmarks/bf16_exactness.py --backend vllm --family qwen2 --vocab 151936 --requests 512 --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def wilson(count: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``count / total``."""
+    if total == 0:
+        return 0.0, 1.0
+    share = count / total
+    denominator = 1 + z * z / total
+    centre = share + z * z / (2 * total)
+    half = z * math.sqrt(share * (1 - share) / total + z * z / (4 * total * total))
+    return (centre - half) / denominator, (centre + half) / denominator
+
+
+def main() -> None:
+    import torch
+
+    from bubblespec.cli.bench_engine_measures import exactness_row, make_engine
+    from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
+    from bubblespec.decoder import read_checkpoint
+    from bubblespec.testing import write_policy_pair
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("torch", "vllm"), default="torch")
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--vocab", type=int, default=32_000)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--weight-noise", type=float, default=1e-3)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--folder", type=Path, default=None, help="Where the checkpoint is (written if missing).")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    folder = args.folder or Path("ckpt") / f"{args.family}{args.vocab // 1000}k"
+    if not (folder / "newer" / "config.json").is_file():
+        write_policy_pair(folder, args.family, args.vocab, 40.0, 0.02)
+    model = str(folder / "newer")
+    max_new_tokens = 64
+    settings = SimpleNamespace(max_batch_size=args.max_batch_size, max_draft_tokens_per_step=16,
+                               adaptive_draft_length=True, device="cpu",
+                               max_model_len=128 + 2 * max_new_tokens + 16)  # fmt: skip
+    _, weights = read_checkpoint(model)
+    engine = make_engine(args.backend, model, args.dtype, settings) if args.backend == "vllm" else None
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        started = time.perf_counter()
+        workload = random_workload(model, args.requests, (32, 128), max_new_tokens, seed)
+        new_state, _ = perturbed_weights(weights, args.weight_noise, seed)
+        drafts = make_engine("torch", model, args.dtype, settings).generate(workload.requests)
+        if args.backend == "torch":  # a fresh engine per seed; vLLM engines live as long as the process
+            engine = make_engine("torch", model, args.dtype, settings)
+        engine.update_weights(new_state, version=seed + 1)
+        row = exactness_row(engine, workload.requests, drafts) | {"seed": seed}
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    total = sum(r["responses"] for r in rows)
+    drafted = sum(r["differing"] for r in rows)
+    between = sum(r["differing_between_plain_batches"] for r in rows)
+    summary = {
+        "backend": args.backend, "family": args.family, "vocab": args.vocab, "dtype": args.dtype,
+        "responses": total, "differing_with_drafts": drafted, "differing_with_drafts_ci95": wilson(drafted, total),
+        "differing_between_plain_batches": between, "differing_between_plain_batches_ci95": wilson(between, total),
+        "seeds": [r["seed"] for r in rows], "rows": rows,
+    }  # fmt: skip
+    low, high = summary["differing_with_drafts_ci95"]
+    low2, high2 = summary["differing_between_plain_batches_ci95"]
+    print(f"{args.backend} {args.family} {args.vocab} {args.dtype}: {total} responses; with drafts {drafted} "
+          f"({drafted / total:.1%}, 95% CI {low:.1%}-{high:.1%}); between plain batches {between} "
+          f"({between / total:.1%}, 95% CI {low2:.1%}-{high2:.1%})")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
