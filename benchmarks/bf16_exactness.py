@@ -14,6 +14,12 @@ peaked on 256 tokens as a trained model's is (``bubblespec.testing.write_policy_
 
     python benchmarks/bf16_exactness.py --backend torch --vocab 32000 --requests 512 --seeds 0,1,2
     python benchmarks/bf16_exactness.py --backend vllm --family qwen2 --vocab 151936 --requests 512 --seeds 0,1,2
+
+``--pass-cost MODEL``: what the torch engine's exact bfloat16 attention costs instead (a chunk's queries attend one
+per head, ``DecoderModel._one_query_per_head``): the median seconds of a decode pass (1 token per sequence), a verify
+pass (17) and a prefill (128) on that model folder, with it on and off, interleaved in one process.
+
+    python benchmarks/bf16_exactness.py --pass-cost ckpt/qwen-body --batch 16 --context 200
 """
 
 from __future__ import annotations
@@ -41,6 +47,45 @@ def wilson(count: int, total: int, z: float = 1.96) -> tuple[float, float]:
     return (centre - half) / denominator, (centre + half) / denominator
 
 
+def pass_cost(model_path: str, batch: int, context: int, repeats: int = 10) -> None:
+    """Median milliseconds per forward pass with the folded (exact) and the plain attention, bfloat16, one thread."""
+    import statistics
+
+    import torch
+
+    from bubblespec.decoder import DecoderModel, KVCache, read_checkpoint
+
+    torch.set_num_threads(1)
+    config, weights = read_checkpoint(model_path)
+    model = DecoderModel(config, weights, torch.bfloat16, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    cache = KVCache(config, batch, context + 128 + 64, torch.bfloat16, "cpu")
+    cache.keys.normal_(generator=generator)
+    cache.values.normal_(generator=generator)
+    lengths = torch.randint(max(1, context - 40), context + 1, (batch,), generator=generator)
+    vocab = config.vocab_size
+    passes = {
+        "decode": (1, lengths[:, None], torch.zeros(batch, 1, dtype=torch.long)),
+        "verify": (17, lengths[:, None] + torch.arange(17), torch.arange(17).expand(batch, -1)),
+        "prefill": (128, torch.arange(128).expand(batch, -1), torch.full((batch, 1), 127)),
+    }
+    seconds: dict = {}
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for folded in (False, True):
+                model._one_query_per_head = folded
+                for name, (width, positions, select) in passes.items():
+                    tokens = torch.randint(3, vocab, (batch, width), generator=generator)
+                    started = time.perf_counter()
+                    model.forward(tokens, positions, cache, select)
+                    if repeat:  # the first round warms up
+                        seconds.setdefault((name, folded), []).append(time.perf_counter() - started)
+    print(f"{model_path}: bfloat16, batch {batch}, context ~{context}, median of {repeats} (ms per forward pass)")
+    for name in passes:
+        plain, folded = (statistics.median(seconds[(name, f)]) * 1e3 for f in (False, True))
+        print(f"  {name:8s} one query per head off {plain:8.2f}  on {folded:8.2f}  ({folded / plain:.2f}x)")
+
+
 def main() -> None:
     import torch
 
@@ -60,7 +105,13 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--folder", type=Path, default=None, help="Where the checkpoint is (written if missing).")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--pass-cost", default=None, metavar="MODEL", help="Time the exact attention instead.")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=200)
     args = parser.parse_args()
+    if args.pass_cost is not None:
+        pass_cost(args.pass_cost, args.batch, args.context)
+        return
     torch.set_num_threads(1)
     folder = args.folder or Path("ckpt") / f"{args.family}{args.vocab // 1000}k"
     if not (folder / "newer" / "config.json").is_file():

@@ -342,8 +342,10 @@ class RepetitionPenalty:
         ids_BTS = self.seen_BS.to(device)[:, None, :].expand(batch, num_positions, -1)
         if self.fed_BK is not None and self.fed_BK.shape[1]:
             fed_BK = self.fed_BK.to(device)
-            visible_TK = torch.arange(fed_BK.shape[1], device=device)[None, :] < torch.arange(num_positions,
-                                                                                             device=device)[:, None]
+            visible_TK = (
+                torch.arange(fed_BK.shape[1], device=device)[None, :]
+                < torch.arange(num_positions, device=device)[:, None]
+            )
             fed_BTK = fed_BK[:, None, :].expand(-1, num_positions, -1).masked_fill(~visible_TK[None], -1)
             ids_BTS = torch.cat([ids_BTS, fed_BTK], dim=-1)  # fmt: skip
         index_BTS = torch.where(ids_BTS >= 0, ids_BTS, vocab)  # padding lands in a column of its own

@@ -241,7 +241,9 @@ class CutSchedule(Schedule):
             if self.context_length is not None:
                 room = min(room, self.context_length - len(group.prompt.token_ids))
             if budget is not None and budget < room:
-                group.generate = [replace(r, sampling=replace(r.sampling, max_new_tokens=budget)) for r in group.generate]
+                group.generate = [
+                    replace(r, sampling=replace(r.sampling, max_new_tokens=budget)) for r in group.generate
+                ]
         return groups
 
     def _again(self, group: TrainedGroup) -> Group:

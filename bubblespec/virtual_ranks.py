@@ -36,9 +36,7 @@ _SHARD, _CHUNK = 0, 1
 class VirtualRankPool:
     """All ranks in this process on virtual time."""
 
-    def __init__(
-        self, engine: Engine, num_ranks: int, profile: CostProfile, max_batch_size: int = 64
-    ) -> None:
+    def __init__(self, engine: Engine, num_ranks: int, profile: CostProfile, max_batch_size: int = 64) -> None:
         self.engine = engine
         self.num_ranks = num_ranks
         self.context_length = engine.context_length

@@ -207,9 +207,12 @@ def bench(
         Path | None, typer.Argument(help="The run config of `bench peers` / `bench peers-async`.", metavar="[CONFIG]")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
-    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a config field (CONFIG, peers, peers-async).")] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field (CONFIG, peers, peers-async).")
+    ] = None,
     output_dir: Annotated[
-        Path | None, typer.Option(help="Keep the runs' directories here (CONFIG, peers, peers-async; default: discarded).")
+        Path | None,
+        typer.Option(help="Keep the runs' directories here (CONFIG, peers, peers-async; default: discarded)."),
     ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine (engine only).")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions, median reported (engine only).")] = 3,
@@ -244,7 +247,9 @@ def bench(
     ] = True,
     exactness_requests: Annotated[
         int | None,
-        typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model; engine only)."),
+        typer.Option(
+            min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model; engine only)."
+        ),
     ] = None,
     sources: Annotated[
         list[str] | None,

@@ -58,7 +58,7 @@ def test_unknown_bench_target_is_a_clear_error():
         (["engine", "--methods", "sync"], "--methods is an option of `bench peers-async`, not of `bench engine`"),
         (["engine", "--set", "num_steps=2"], "--set is an option of `bench peers` and `bench peers-async` and "
                                              "`bench CONFIG`, not of `bench engine`"),
-        (["peers", "examples/quickstart.yaml", "--cut-tokens", "8"], "--cut-tokens is an option of `bench peers-async`"),
+        (["peers", "examples/quickstart.yaml", "--cut-tokens", "8"], "--cut-tokens is an option of `bench peers-as"),
         (["peers-async", "examples/quickstart.yaml", "--sources", "ngram"], "--sources is an option of `bench peers`,"),
         (["examples/quickstart.yaml", "--plot-dir", "x"], "--plot-dir is an option of `bench peers` and"),
     ],

@@ -263,7 +263,10 @@ def test_verl_s_sampling_settings_reach_the_rollout(folder):
         assert (params.ignore_eos, params.repetition_penalty, params.stop_token_ids) == (True, 1.2, (2,))
     assert _sampling(rollout, rollout, ()).top_k == 7 and _sampling(rollout.val_kwargs, rollout, ()).temperature == 0.0
     default = verl_config(folder).actor_rollout_ref.rollout
-    assert (_sampling(default, default, ()).ignore_eos, _sampling(default, default, ()).repetition_penalty) == (False, 1)
+    assert (_sampling(default, default, ()).ignore_eos, _sampling(default, default, ()).repetition_penalty) == (
+        False,
+        1,
+    )
 
 
 @pytest.mark.slow
