@@ -10,8 +10,8 @@ to ``max_batch_size``):
   ``--disable-overlap-schedule`` (the overlap scheduler samples before the previous token is appended).
 - **verification**: ``input_ids`` = prompt + response + draft chunk, ``max_new_tokens: 1``, input logprobs from the
   position before the chunk with the top-K candidates and each draft token's own logprob;
-  :func:`bubblespec.verification.decide_keyed_samples` computes the keyed samples on the client, and the shared
-  bookkeeping (:mod:`bubblespec.decoding`) accepts draft tokens while they equal them, emits the first differing
+  :func:`bubblespec.verify.verification.decide_keyed_samples` computes the keyed samples on the client, and the shared
+  bookkeeping (:mod:`bubblespec.verify.sequence`) accepts draft tokens while they equal them, emits the first differing
   sample, takes the processor's sample as the bonus after a fully accepted chunk, and decodes a position the top K
   cannot decide as one plain token on the server before it goes on (exact, only slower).
 
@@ -54,10 +54,10 @@ import torch
 from pydantic import Field, model_validator
 
 from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payload, replay
-from bubblespec.config import EngineSettings, engine_config
-from bubblespec.decoding import ProposalSettings, Sequence, record_top_k_verifications
-from bubblespec.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, SamplingParams
+from bubblespec.core.config import EngineSettings, engine_config
+from bubblespec.core.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, SamplingParams
+from bubblespec.verify.sequence import ProposalSettings, Sequence, record_top_k_verifications
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _POLL_S = 0.005
@@ -142,7 +142,7 @@ class SGLangEngineConfig(EngineSettings):
 
 
 class SGLangEngine(Engine):
-    """A :class:`bubblespec.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
+    """A :class:`bubblespec.core.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
 
     config_class = SGLangEngineConfig
 

@@ -32,7 +32,7 @@ the fake server (``tests/sglang_fake_server.py``, which emulates SGLang's greedy
 (:func:`_worker_class`) touches SGLang's private classes and runs only on a real server (a GPU):
 ``scripts/sglang_real_test.sh``.
 
-This module imports torch, the standard library and ``bubblespec.sampling`` only (SGLang inside functions):
+This module imports torch, the standard library and ``bubblespec.verify.sampling`` only (SGLang inside functions):
 servers import it.
 """
 
@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from bubblespec import sampling
-from bubblespec.errors import ConfigError, EngineError
-from bubblespec.sampling import keyed_sample
+from bubblespec.core.errors import ConfigError, EngineError
+from bubblespec.verify import sampling
+from bubblespec.verify.sampling import keyed_sample
 
 ALGORITHM = "BUBBLESPEC"
 """The ``--speculative-algorithm`` name this module registers."""
@@ -95,7 +95,7 @@ def processor_payload(mode: str) -> str:
     """The ``custom_logit_processor`` string: ``{"callable": hex(pickle of the class)}`` as SGLang's ``to_str``.
 
     "reference" pickles the class by name (stdlib pickle; SGLang's ``dill.loads`` reads it; the server imports
-    bubblespec). "value" rebuilds the class and bubblespec.sampling in a ``__main__`` namespace so dill pickles
+    bubblespec). "value" rebuilds the class and bubblespec.verify.sampling in a ``__main__`` namespace so dill pickles
     their bytecode.
     """
     if mode == "reference":
@@ -108,7 +108,7 @@ def processor_payload(mode: str) -> str:
             "or use processor: 'reference' with bubblespec installed on the server"
         ) from None
     namespace: dict[str, Any] = {"__name__": "__main__"}
-    exec(compile(inspect.getsource(sampling), "<bubblespec.sampling>", "exec"), namespace)
+    exec(compile(inspect.getsource(sampling), "<bubblespec.verify.sampling>", "exec"), namespace)
     exec(compile(inspect.getsource(KeyedGumbelProcessor), "<KeyedGumbelProcessor>", "exec"), namespace)
     return json.dumps({"callable": dill.dumps(namespace["KeyedGumbelProcessor"]).hex()})
 

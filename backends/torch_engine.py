@@ -3,8 +3,8 @@
 Every forward pass feeds each active sequence one chunk: a new sequence its prompt, a running one its last
 sampled token; either followed by up to ``max_draft_tokens_per_step`` draft tokens at the positions they
 propose. The keyed samples at the chunk's last prompt/last token and at every draft position decide how many
-draft tokens are accepted (:mod:`bubblespec.decoding`); the rest are rolled back for free,
-because the cache is addressed by absolute position (see :mod:`bubblespec.decoder`). Finished
+draft tokens are accepted (:mod:`bubblespec.verify.sequence`); the rest are rolled back for free,
+because the cache is addressed by absolute position (see :mod:`bubblespec.models.decoder`). Finished
 sequences leave the batch at once and queued requests take their slots (continuous batching), so a shard's
 long tail does not hold short requests hostage. Drafts align by position: after a mismatch the next step
 proposes the draft's tokens at the following positions.
@@ -20,11 +20,11 @@ from typing import Literal
 import torch
 from pydantic import field_validator
 
-from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
-from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
-from bubblespec.decoding import ProposalSettings, Sequence, keyed_samples, link_siblings
-from bubblespec.errors import RequestError
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
+from bubblespec.core.errors import RequestError
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
+from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings
 
 
 class TorchEngineConfig(EngineSettings, DraftChainSettings):
@@ -55,7 +55,7 @@ class _Slot(Sequence):
 
 
 class TorchEngine(Engine):
-    """A :class:`bubblespec.interfaces.GenerationEngine` on a Llama/Qwen2-family checkpoint, CPU or CUDA."""
+    """A :class:`bubblespec.core.interfaces.GenerationEngine` on a Llama/Qwen2-family checkpoint, CPU or CUDA."""
 
     config_class = TorchEngineConfig
     supports_draft_chain = True

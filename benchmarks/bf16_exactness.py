@@ -53,7 +53,7 @@ def pass_cost(model_path: str, batch: int, context: int, repeats: int = 10) -> N
 
     import torch
 
-    from bubblespec.decoder import DecoderModel, KVCache, read_checkpoint
+    from bubblespec.models.decoder import DecoderModel, KVCache, read_checkpoint
 
     torch.set_num_threads(1)
     config, weights = read_checkpoint(model_path)
@@ -91,7 +91,7 @@ def main() -> None:
 
     from bubblespec.cli.bench_engine_measures import exactness_row, make_engine
     from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
-    from bubblespec.decoder import read_checkpoint
+    from bubblespec.models.decoder import read_checkpoint
     from bubblespec.testing import write_policy_pair
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,4 +1,4 @@
-"""Fits the ``cpu-tiny`` cost profile of the virtual clock (bubblespec/clocks.py) on this machine.
+"""Fits the ``cpu-tiny`` cost profile of the virtual clock (bubblespec/rollout/clocks.py) on this machine.
 
 Times real forward passes of the built-in engine on the shipped model (1 torch thread) over a grid of batch
 sizes, tokens per sequence and context lengths, and fits ``seconds = fixed + a * tokens + b * attention pairs``
@@ -20,12 +20,12 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bubblespec import sampling
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.config import TrainerConfig
-from bubblespec.decoder import KVCache
+from bubblespec.core.config import TrainerConfig
+from bubblespec.models.decoder import KVCache
+from bubblespec.rl.learner import GRPOLearner, TrainSample
 from bubblespec.tasks import ArithmeticTask
-from bubblespec.trainer import GRPOLearner, TrainSample
+from bubblespec.verify import sampling
 
 
 def time_forward(engine: TorchEngine, batch: int, tokens: int, context: int, repeats: int = 7) -> float:

@@ -36,10 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from bubblespec.assembly import build_parts
-    from bubblespec.config import validate
-    from bubblespec.controller import Controller
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.core.config import validate
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.rl.loop import Controller
+    from bubblespec.run.assembly import build_parts
 
     rows = []
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:

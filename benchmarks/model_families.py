@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bubblespec.decoder import DecoderModel, read_checkpoint
-from bubblespec.random_checkpoints import write_random_checkpoint
+from bubblespec.models.decoder import DecoderModel, read_checkpoint
+from bubblespec.testing.random_checkpoints import write_random_checkpoint
 from tests.test_model_families import (
     CASES,
     LENGTH,

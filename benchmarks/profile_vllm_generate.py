@@ -6,7 +6,7 @@ one untimed call of each; the table splits its time into:
 
 - model forward: vLLM's ``_model_forward`` (the decoder layers, attention, the output head's input);
 - output head: the logits of every sampled row (vLLM's ``LogitsProcessor``);
-- keyed sampling: ``bubblespec.sampling.keyed_sample`` on those logits;
+- keyed sampling: ``bubblespec.verify.sampling.keyed_sample`` on those logits;
 - verifier and proposer: the rest of :class:`bubblespec.backends.vllm_engine.KeyedVerifier` (recording, vLLM's
   sampler output) and of the proposer;
 - vLLM scheduling and bookkeeping: ``schedule``, ``update_from_output``, the runner's input preparation and
@@ -37,7 +37,7 @@ for _name, _value in {
 PARTS = {
     "model forward": [("gpu_model_runner.py", "_model_forward")],
     "output head": [("logits_processor.py", "forward")],
-    "keyed sampling": [("bubblespec/sampling.py", "keyed_sample")],
+    "keyed sampling": [("bubblespec/verify/sampling.py", "keyed_sample")],
     "verifier and proposer": [("backends/vllm_engine.py", "sample"), ("backends/vllm_engine.py", "propose")],
     "vLLM scheduling and bookkeeping": [
         ("scheduler.py", "schedule"),
@@ -61,7 +61,7 @@ def _split(profile: cProfile.Profile) -> dict[str, float]:
     stats = pstats.Stats(profile)
     total = _cumulative(stats, "backends/vllm_engine.py", "generate")
     parts = {label: sum(_cumulative(stats, *where) for where in places) for label, places in PARTS.items()}
-    keyed = _cumulative(stats, "bubblespec/sampling.py", "keyed_sample")
+    keyed = _cumulative(stats, "bubblespec/verify/sampling.py", "keyed_sample")
     parts["verifier and proposer"] -= keyed  # keyed sampling runs inside the verifier: counted once, above
     parts["other"] = total - sum(parts.values())
     return {"total": total, **parts}
@@ -87,7 +87,7 @@ def main() -> None:
         random_workload,
         with_drafts,
     )
-    from bubblespec.decoder import read_checkpoint
+    from bubblespec.models.decoder import read_checkpoint
 
     torch.set_num_threads(arguments.threads)
     low, high = RANDOM_PROMPT_LENGTHS

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from bubblespec import sampling
+from bubblespec.verify import sampling
 
 
 def _time_pair(keyed: Callable[[], object], baseline: Callable[[], object], repeats: int) -> dict[str, float]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bubblespec.config import TrainerConfig
-from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
+from bubblespec.core.config import TrainerConfig
+from bubblespec.rl.learner import GRPOLearner, TrainSample, group_advantages
 
 
 def main() -> None:
@@ -56,8 +56,8 @@ def _engine_samples(path: str, vocab_size: int, batch: int, length: int):
     """``batch`` responses of up to ``length`` tokens to random prompts, sampled by the bfloat16 torch engine
     (temperature 1), in groups of 4 with random rewards; and the log-probabilities the engine reported."""
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import Prompt, SamplingParams
-    from bubblespec.rollout import step_requests
+    from bubblespec.core.interfaces import Prompt, SamplingParams
+    from bubblespec.rollout.step import step_requests
 
     rng = random.Random(0)
     prompts = [Prompt(f"p{i}", tuple(rng.randrange(3, vocab_size) for _ in range(16)), "", "") for i in range(batch)]

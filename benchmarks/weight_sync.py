@@ -6,8 +6,8 @@
 Each configuration deploys the ranks as a run does (Ray Serve, the torch engine, bfloat16) on a random Qwen2-shaped
 checkpoint (vocabulary 32,000, hidden 1,024, as many layers as the size asks), then times
 ``ServeRankPool.update_weights`` — the one path a run's weights take: one ``ray.put`` of the weights as byte
-buffers (:class:`bubblespec.weights.PackedWeights`, in their own dtype) that every rank maps from its node's object
-store, each rank loading them into its engine — ``--repeats`` times after one untimed sync, alternating with the
+buffers (:class:`bubblespec.rollout.weights.PackedWeights`, in their own dtype) that every rank maps from its node's
+object store, each rank loading them into its engine — ``--repeats`` times after one untimed sync, alternating with the
 same sync of the plain state dict (Ray pickles its tensors one by one: what bubblespec sent before). With
 ``--nodes`` the ranks run on that many extra nodes of a local ``ray.cluster_utils.Cluster`` (the driver's node
 holds none), so every sync crosses nodes through Ray's object manager. Prints a table; ``--json`` writes every
@@ -28,12 +28,12 @@ from unittest import mock
 import torch
 from safetensors.torch import load_file
 
-import bubblespec.serve_ranks as serve_ranks_module
-from bubblespec.assembly import engine_settings, load_backend
-from bubblespec.config import ServiceConfig
-from bubblespec.random_checkpoints import write_random_checkpoint
-from bubblespec.ray_cluster import local_cluster, ray_session, serve_ranks
-from bubblespec.weights import PackedWeights
+import bubblespec.rollout.serve_ranks as serve_ranks_module
+from bubblespec.core.config import ServiceConfig
+from bubblespec.rollout.weights import PackedWeights
+from bubblespec.run.assembly import engine_settings, load_backend
+from bubblespec.run.ray_cluster import local_cluster, ray_session, serve_ranks
+from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
 EMBEDDING_MB = 32_000 * 1024 * 2 / 1e6
 LAYER_MB = (2 * 1024 * 1024 + 2 * 1024 * 128 + 3 * 1024 * 2816) * 2 / 1e6

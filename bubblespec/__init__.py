@@ -8,7 +8,7 @@ __all__ = ["RolloutService"]
 def __getattr__(name: str):
     # Lazy: `import bubblespec` (the CLI's --help) stays free of torch.
     if name == "RolloutService":
-        from bubblespec.service import RolloutService
+        from bubblespec.rollout.service import RolloutService
 
         return RolloutService
     raise AttributeError(f"module 'bubblespec' has no attribute {name!r}")

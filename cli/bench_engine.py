@@ -48,8 +48,8 @@ from bubblespec.cli.bench_engine_requests import (
     task_workload,
     with_drafts,
 )
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import GenerationRequest, GenerationResult, acceptance_length
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import GenerationRequest, GenerationResult, acceptance_length
 
 DTYPES_BY_BACKEND = {"torch": ("float32", "bfloat16", "float64"), "vllm": ("float32", "bfloat16")}
 """The backends this benchmark runs and the engine dtypes each offers."""
@@ -229,7 +229,7 @@ def _next_policy(settings: EngineBenchSettings, shipped: bool, drafter) -> tuple
     """pi_t+1's weights (float32, Hugging Face names) and how they were made."""
     if shipped:
         return policy_gradient_step(drafter, settings)
-    from bubblespec.decoder import read_checkpoint
+    from bubblespec.models.decoder import read_checkpoint
 
     _, weights = read_checkpoint(settings.model_path)
     return perturbed_weights(weights, settings.weight_noise, settings.seed)

@@ -11,7 +11,7 @@ float64 must show none (docs/design.md §3.2); float32 and bfloat16 are measured
 backends' engines at the benchmarked dtype are reused.
 
 Keyed sampling's share. One decode forward pass of the torch engine's model (``batch_size`` sequences, one
-token each, at a context of ``context_tokens`` cached positions) against :func:`bubblespec.sampling.keyed_sample`
+token each, at a context of ``context_tokens`` cached positions) against :func:`bubblespec.verify.sampling.keyed_sample`
 on that pass's logits (temperature 1, no top-k / top-p, the model's whole vocabulary): the median time of each
 over ``repeats`` and their ratio.
 """
@@ -25,7 +25,7 @@ import time
 import torch
 
 from bubblespec.cli.bench_engine_requests import with_drafts
-from bubblespec.interfaces import GenerationRequest, GenerationResult
+from bubblespec.core.interfaces import GenerationRequest, GenerationResult
 
 VLLM_DTYPES = ("float32", "bfloat16")
 """The dtypes of the exactness table on the vLLM backend (vLLM has no float64)."""
@@ -108,8 +108,8 @@ def exactness_table(settings, engines: dict, new_state: dict, requests: list[Gen
 def keyed_sampling_share(model, batch_size: int, context_tokens: int, repeats: int) -> dict:
     """Median seconds of one decode forward pass of ``model`` (a ``DecoderModel``) and of keyed sampling on its
     logits, and their ratio."""
-    from bubblespec.decoder import KVCache
-    from bubblespec.sampling import keyed_sample
+    from bubblespec.models.decoder import KVCache
+    from bubblespec.verify.sampling import keyed_sample
 
     device, vocab_size = model.device, model.config.vocab_size
     cache = KVCache(model.config, batch_size, context_tokens + 1, model.dtype, device)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bubblespec.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
 
 RANDOM_PROMPT_LENGTHS = (32, 128)
 """Prompt lengths of a model folder's requests, uniform in [low, high]: a chat turn or a short problem."""
@@ -56,7 +56,7 @@ def task_workload(num_requests: int, seed: int) -> Workload:
 
 
 def task_requests(task, step: int, num_prompts: int, samples: int = 1) -> list[GenerationRequest]:
-    from bubblespec.rollout import step_requests
+    from bubblespec.rollout.step import step_requests
 
     params = SamplingParams(temperature=1.0, max_new_tokens=task.max_new_tokens)
     return step_requests(

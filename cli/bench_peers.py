@@ -25,10 +25,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bubblespec.config import RunConfig
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import acceptance_length
-from bubblespec.records import StepRecord
+from bubblespec.core.config import RunConfig
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import acceptance_length
+from bubblespec.observe.records import StepRecord
 
 DEFAULT_VARIANTS = (
     "none",
@@ -109,8 +109,8 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
 
 
 def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = None) -> dict:
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     variants = with_baselines(variants)
     configs = {v: _variant(config, v, Path(".")) for v in variants}  # fail before any run

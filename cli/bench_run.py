@@ -13,10 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bubblespec.config import RunConfig
-from bubblespec.interfaces import acceptance_length
-from bubblespec.launch import bubble_utilization
-from bubblespec.records import StepRecord
+from bubblespec.core.config import RunConfig
+from bubblespec.core.interfaces import acceptance_length
+from bubblespec.observe.records import StepRecord
+from bubblespec.observe.summary import bubble_utilization
 
 
 def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
@@ -28,8 +28,8 @@ def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
 def run_side_by_side(config: RunConfig, output_dir: Path | None = None) -> dict:
     from safetensors.torch import load_file
 
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-bench-")) if scratch else output_dir
@@ -121,7 +121,7 @@ def _aggregate(off: list[StepRecord], on: list[StepRecord], clock: str, num_step
         "draft_coverage": sum(s.draft_coverage for s in on) / len(on),
         "throughput_ratio_virtual": ratio if clock == "virtual" else None,
         "throughput_ratio_wall": ratio if clock == "wall" else None,
-        # what the speculation-on run estimated of the same ratio on its own (bubblespec.speculation_effect)
+        # what the speculation-on run estimated of the same ratio on its own (bubblespec.rollout.speculation_effect)
         "throughput_ratio_estimated_in_run": _estimated_ratio(on),
         # rollout + train + weight sync: drafting while training on shared hardware may slow the trainer
         "step_seconds_ratio": step_off / step_on,

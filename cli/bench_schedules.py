@@ -21,9 +21,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bubblespec.config import RunConfig
-from bubblespec.errors import ConfigError
-from bubblespec.records import StepRecord
+from bubblespec.core.config import RunConfig
+from bubblespec.core.errors import ConfigError
+from bubblespec.observe.records import StepRecord
 
 DEFAULT_METHODS = (
     "sync",
@@ -78,7 +78,7 @@ def run_methods(
 ) -> dict:
     """Runs every method with every seed (``jobs`` runs at a time, each in a process of its own with one torch
     thread when ``jobs`` > 1) and measures them against ``sync`` of the same seed."""
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.observe.run_dir import RunDirectory
 
     if config.num_steps < 3:
         raise ConfigError(
@@ -131,7 +131,7 @@ def run_methods(
 
 
 def _run_one(config_json: str) -> None:
-    from bubblespec.launch import run
+    from bubblespec.run.launch import run
 
     run(RunConfig.model_validate_json(config_json))
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from bubblespec.plugins import KINDS
+from bubblespec.core.plugins import KINDS
 
 app = typer.Typer(
     help="Faster synchronous RL rollouts: idle ranks draft the next step, the updated policy verifies exactly.",
@@ -25,7 +25,7 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         from pydantic import ValidationError
 
-        from bubblespec.errors import BubblespecError
+        from bubblespec.core.errors import BubblespecError
 
         try:
             return command(*args, **kwargs)
@@ -39,7 +39,7 @@ def user_errors(command):
 @app.command(help=f"List the installed plugins by kind: {', '.join(KINDS)}.")
 @user_errors
 def plugins() -> None:
-    from bubblespec.plugins import available
+    from bubblespec.core.plugins import available
 
     for kind in KINDS:
         typer.secho(kind, bold=True)
@@ -62,9 +62,9 @@ def validate(
     task is built, so a dataset, tokenizer or reward that does not load is reported here."""
     import yaml
 
-    from bubblespec.assembly import checked_engine_settings, close_tasks, load_backend, make_tasks, model_path
-    from bubblespec.config import load_config
-    from bubblespec.task_summary import summarize_task
+    from bubblespec.core.config import load_config
+    from bubblespec.observe.task_summary import summarize_task
+    from bubblespec.run.assembly import checked_engine_settings, close_tasks, load_backend, make_tasks, model_path
 
     config = load_config(config_path, overrides or [])
     tasks = make_tasks(config)
@@ -91,9 +91,9 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also debug logs.")] = False,
 ) -> None:
     """Run synchronous RL with bubble-time drafting, as the config says."""
-    from bubblespec.config import load_config
-    from bubblespec.launch import run as run_config
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.core.config import load_config
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run as run_config
 
     if quiet and verbose:
         raise typer.BadParameter("--quiet and --verbose exclude each other")
@@ -107,8 +107,8 @@ def run(
         config = load_config(config_path, overrides or [])
     from rich.console import Console
 
-    from bubblespec.progress import StepPrinter, setup_logging
-    from bubblespec.report import write_report
+    from bubblespec.observe.progress import StepPrinter, setup_logging
+    from bubblespec.observe.report import write_report
 
     console = Console()
     setup_logging(console, "WARNING" if quiet else "DEBUG" if verbose else "INFO")
@@ -131,7 +131,7 @@ def run(
 
 
 def _where_it_stopped(run_dir: Path) -> str:
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.observe.run_dir import RunDirectory
 
     folder = RunDirectory(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -151,7 +151,7 @@ def _where_it_stopped(run_dir: Path) -> str:
 @user_errors
 def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `bubblespec run`.")]) -> None:
     """Write RUN_DIR/report/: a per-rank timeline picture, per-step plots and a summary (markdown)."""
-    from bubblespec.report import write_report
+    from bubblespec.observe.report import write_report
 
     folder = write_report(run_dir)
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
@@ -170,7 +170,7 @@ BENCH_MODE_OPTIONS = {
 
 def _check_bench_options(ctx: typer.Context, mode: str) -> None:
     """One line naming an option given to a mode that does not take it, and the modes that do."""
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.errors import ConfigError
 
     for param in ctx.command.params:
         name = param.name
@@ -296,8 +296,8 @@ def bench(
         return
     if target == "peers":
         from bubblespec.cli import bench_peers
-        from bubblespec.config import load_config
-        from bubblespec.errors import ConfigError
+        from bubblespec.core.config import load_config
+        from bubblespec.core.errors import ConfigError
 
         if peers_config is None or not peers_config.is_file():
             raise ConfigError(f"bench peers needs an existing run config, got {str(peers_config)!r}")
@@ -313,7 +313,7 @@ def bench(
             raise typer.Exit(code=1)
         return
     if peers_config is not None:
-        from bubblespec.errors import ConfigError
+        from bubblespec.core.errors import ConfigError
 
         raise ConfigError(
             f"a second argument ({str(peers_config)!r}) is only for `bench peers CONFIG` and `bench peers-async CONFIG`"
@@ -344,10 +344,10 @@ def bench(
         report = run_engine_bench(settings)
     else:
         from bubblespec.cli.bench_run import print_report, run_side_by_side
-        from bubblespec.config import load_config
+        from bubblespec.core.config import load_config
 
         if not Path(target).is_file():
-            from bubblespec.errors import ConfigError
+            from bubblespec.core.errors import ConfigError
 
             raise ConfigError(f"benchmark target {target!r} is neither 'engine' nor an existing config file")
         report = run_side_by_side(load_config(target, overrides or []), output_dir)
@@ -359,8 +359,8 @@ def _bench_schedules(
     config_path, overrides, methods, seeds, jobs, cut_quantile, cut_tokens, output_dir, plot_dir, json_path
 ):
     from bubblespec.cli import bench_schedules
-    from bubblespec.config import load_config
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.config import load_config
+    from bubblespec.core.errors import ConfigError
 
     if config_path is None or not config_path.is_file():
         raise ConfigError(f"bench peers-async needs an existing run config, got {str(config_path)!r}")

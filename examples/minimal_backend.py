@@ -4,20 +4,20 @@ No KV cache (every forward pass recomputes each active sequence from its first t
 CPU only: slow, but every rule of the contract is in plain sight, and it passes the conformance suite
 (``tests/test_example_plugins.py`` runs it through its entry point). A real backend keeps the same four rules:
 
-1. Keyed sampling: the token at response position ``i`` of key ``k`` comes from ``bubblespec.sampling`` with the
+1. Keyed sampling: the token at response position ``i`` of key ``k`` comes from ``bubblespec.verify.sampling`` with the
    key's noise seed and the position ``i`` (never from an RNG), so it does not depend on the batch;
-   ``bubblespec.decoding.keyed_samples`` does it for the rows of a pass, with every sampling setting of the request
-   (temperature, top-k, top-p, min-p, the repetition penalty over the tokens before each position).
-2. Verification: feed the last token plus the draft tokens :class:`bubblespec.decoding.Sequence` proposes in one
+   ``bubblespec.verify.sequence.keyed_samples`` does it for the rows of a pass, with every sampling setting of the
+   request (temperature, top-k, top-p, min-p, the repetition penalty over the tokens before each position).
+2. Verification: feed the last token plus the draft tokens :class:`bubblespec.verify.sequence.Sequence` proposes in one
    pass, sample at every position, and hand the samples back to ``Sequence.record``: the shared bookkeeping
    accepts draft tokens while they equal the samples, emits the first differing sample (or a bonus token), and
    keeps alignment, stop tokens, the length limit and the stats. (An engine that returns only top-K logprobs
-   decides its samples with ``bubblespec.verification.decide_keyed_samples``; see the vLLM backend.)
+   decides its samples with ``bubblespec.verify.verification.decide_keyed_samples``; see the vLLM backend.)
 3. ``stop.is_set()`` is checked before every forward pass; unfinished requests come back ``"preempted"`` with
    the tokens they have.
 4. ``update_weights`` takes Hugging Face weight names and records the policy version.
 
-Its settings are the run's (``from_pretrained`` gets every field of :class:`bubblespec.config.EngineSettings`:
+Its settings are the run's (``from_pretrained`` gets every field of :class:`bubblespec.core.config.EngineSettings`:
 dtype, max_batch_size, max_draft_tokens_per_step, ...). ``config_class`` declares them, so a run checks them before
 anything starts, and narrows the ones this engine cannot follow: ``verification: one_hot`` is refused by name.
 
@@ -34,10 +34,10 @@ from typing import Literal
 
 import torch
 
-from bubblespec import decoding
-from bubblespec.config import EngineSettings, engine_config
-from bubblespec.decoder import DTYPES, DecoderModel, read_checkpoint
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.core.config import EngineSettings, engine_config
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.models.decoder import DTYPES, DecoderModel, read_checkpoint
+from bubblespec.verify import sequence as decoding
 
 
 class MinimalConfig(EngineSettings):

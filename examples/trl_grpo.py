@@ -42,8 +42,8 @@ def train(speculation: bool, steps: int, clock: str, output_dir: str, stop_at: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from bubblespec.core.interfaces import Prompt
     from bubblespec.integrations.trl import BubblespecRollout
-    from bubblespec.interfaces import Prompt
     from bubblespec.tasks import ArithmeticTask
 
     torch.manual_seed(0)

@@ -66,7 +66,7 @@ def write_inputs(folder: Path) -> Path:
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
     """The task's reward as a verl reward function (``reward.custom_reward_function.path`` / ``name``): 1 for the
     right sum, else 0."""
-    from bubblespec.interfaces import Prompt
+    from bubblespec.core.interfaces import Prompt
     from bubblespec.tasks import ArithmeticTask
 
     task = ArithmeticTask(seed=0)

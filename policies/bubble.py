@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from bubblespec.interfaces import BubblePolicyBase, RolloutKey
+from bubblespec.core.interfaces import BubblePolicyBase, RolloutKey
 
 
 class CoverageFirst(BubblePolicyBase):
@@ -27,7 +27,7 @@ class LongestFirst(BubblePolicyBase):
     them saves the most time on the critical path. Keys without a prediction come last, coverage-first.
 
     The controller predicts from a key's draft (an unfinished one is a lower bound) or from the responses to
-    the same prompt the last time it was sampled (:mod:`bubblespec.predictions`)."""
+    the same prompt the last time it was sampled (:mod:`bubblespec.rollout.predictions`)."""
 
     def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]:
         position = {key: i for i, key in enumerate(keys)}

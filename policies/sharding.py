@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from bubblespec.interfaces import GenerationRequest, RolloutKey, ShardingPolicyBase
+from bubblespec.core.interfaces import GenerationRequest, RolloutKey, ShardingPolicyBase
 
 
 class RoundRobin(ShardingPolicyBase):

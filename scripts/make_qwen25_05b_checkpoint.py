@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bubblespec.random_checkpoints import DTYPE_NAMES, write_preset_checkpoint
+from bubblespec.testing.random_checkpoints import DTYPE_NAMES, write_preset_checkpoint
 
 
 def parse_args() -> argparse.Namespace:

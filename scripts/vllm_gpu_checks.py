@@ -36,7 +36,7 @@ def _runner_class(worker) -> str:
 def _requests(vocab_size: int, count: int = 8, max_new_tokens: int = 32):
     import torch
 
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -87,7 +87,7 @@ def check_sleep(model: str, dtype: str) -> dict:
 
 def check_fused(model: str, dtype: str) -> dict:
     from bubblespec.backends.vllm_engine import VLLMEngine
-    from bubblespec.errors import EngineError
+    from bubblespec.core.errors import EngineError
 
     engine = VLLMEngine.from_pretrained(model, dtype=dtype, gpu_memory_utilization=0.3)
     requests = _requests(engine.vocab_size)

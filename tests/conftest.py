@@ -64,8 +64,8 @@ def _no_default_metrics_port_under_xdist():
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    from bubblespec.config import MetricsConfig
-    from bubblespec.metrics import RunMetrics
+    from bubblespec.core.config import MetricsConfig
+    from bubblespec.observe.metrics import RunMetrics
 
     default, serve = MetricsConfig().port, RunMetrics.serve
 
@@ -107,7 +107,7 @@ def write_checkpoint(
     distributions are neither flat nor one-hot, which makes sampling and verification non-trivial."""
     from safetensors.torch import save_file
 
-    from bubblespec.decoder import DecoderConfig
+    from bubblespec.models.decoder import DecoderConfig
 
     hf_config = {
         "model_type": model_type,

@@ -12,8 +12,8 @@ import time
 import psutil
 import yaml
 
-from bubblespec.config import RunConfig
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core.config import RunConfig
+from bubblespec.observe.run_dir import RunDirectory
 
 RUN = [sys.executable, "-m", "bubblespec.cli.main", "run", "--quiet"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bubblespec.metrics import TARGETS_DIR
+from bubblespec.observe.metrics import TARGETS_DIR
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 

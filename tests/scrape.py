@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bubblespec.metrics import target_path
+from bubblespec.observe.metrics import target_path
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[tuple[str, tuple], float]:

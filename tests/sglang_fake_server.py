@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bubblespec.backends import sglang_server
-from bubblespec.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint
+from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint
 
 # decode_SamplingParams' field list (sglang/api/v1/api_types.py), in its order: the unknown-field text lists it.
 SAMPLING_FIELDS = (

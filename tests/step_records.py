@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bubblespec.records import PhaseSeconds, StepRecord
+from bubblespec.observe.records import PhaseSeconds, StepRecord
 
 
 def step_record(step: int, **fields) -> StepRecord:

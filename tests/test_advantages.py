@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bubblespec.advantages import compute_advantages
+from bubblespec.rl.advantages import compute_advantages
 
 
 def _std(values):

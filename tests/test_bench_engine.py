@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from bubblespec.cli.bench_engine import ROW_FIELDS, EngineBenchSettings, parse_backends, parse_batch_sizes
 from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
 from bubblespec.cli.main import app
-from bubblespec.errors import ConfigError
+from bubblespec.core.errors import ConfigError
 
 runner = CliRunner()
 
@@ -53,7 +53,7 @@ EXACTNESS_FIELDS = {
 @pytest.fixture(scope="module")
 def small_folder(tmp_path_factory):
     """A Qwen2-family checkpoint with a real-sized vocabulary and a tiny body."""
-    from bubblespec.random_checkpoints import write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
     folder = tmp_path_factory.mktemp("qwen2-small")
     return write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=64, num_heads=1, head_dim=64)

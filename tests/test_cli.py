@@ -9,9 +9,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from bubblespec import plugins
 from bubblespec.cli.main import app
-from bubblespec.errors import PluginNotFoundError
+from bubblespec.core import plugins
+from bubblespec.core.errors import PluginNotFoundError
 from tests.step_records import step_record
 
 runner = CliRunner()
@@ -116,8 +116,8 @@ def test_the_readme_python_example_runs():
 def test_the_live_display_shows_what_each_rank_is_doing_now():
     from rich.console import Console
 
-    from bubblespec.config import validate
-    from bubblespec.progress import StepPrinter
+    from bubblespec.core.config import validate
+    from bubblespec.observe.progress import StepPrinter
 
     console = Console(record=True, width=120)
     printer = StepPrinter(validate({}), console)
@@ -132,8 +132,8 @@ def test_the_live_display_shows_what_each_rank_is_doing_now():
 
 
 def test_report_command_writes_the_report_and_explains_a_bad_folder(tmp_path):
-    from bubblespec.config import validate
-    from bubblespec.launch import run
+    from bubblespec.core.config import validate
+    from bubblespec.run.launch import run
 
     config = validate(
         {
@@ -246,8 +246,8 @@ def test_bench_peers_refuses_unknown_sources_before_running():
 
 
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypatch):
-    import bubblespec.launch
-    from bubblespec.run_dir import RunDirectory
+    import bubblespec.run.launch
+    from bubblespec.observe.run_dir import RunDirectory
 
     def interrupted_after_two_steps(config, **kwargs):
         folder = RunDirectory(config.run_dir)
@@ -256,7 +256,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypat
             folder.append_step(step_record(step))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bubblespec.launch, "run", interrupted_after_two_steps)
+    monkeypatch.setattr(bubblespec.run.launch, "run", interrupted_after_two_steps)
     config = tmp_path / "run.yaml"
     config.write_text(f"name: stopped\noutput_dir: {tmp_path}\nclock: {{kind: virtual}}\n")
     result = runner.invoke(app, ["run", "--quiet", str(config)])
@@ -399,7 +399,7 @@ def test_bench_names_no_slowest_response_for_a_step_recorded_before_it_was_kept(
     from pydantic import TypeAdapter
 
     from bubblespec.cli.bench_run import _slowest_response
-    from bubblespec.rollout import RankRecord
+    from bubblespec.rollout.step import RankRecord
 
     old = TypeAdapter(RankRecord).validate_python({"rank": 1, "forward_passes": 7, "generation_seconds": 2.0})
     assert old.slowest_response_tokens is None

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bubblespec.clocks import PROFILES
-from bubblespec.interfaces import ForwardPass
+from bubblespec.core.interfaces import ForwardPass
+from bubblespec.rollout.clocks import PROFILES
 
 
 def test_sampled_logits_default_to_zero_and_come_last():

@@ -3,7 +3,7 @@ an object store per node, fake GPU counts): placement by labels and GPUs, coloca
 lost mid-run, each run compared with the in-process simulation of the same config.
 
 How the node faults fire: never after a delay (a shard that takes 50 ms here takes 5 ms on a faster machine, or
-500 ms beside a busy process). The test arms a point of :mod:`bubblespec.fault_gates` from an ``on_phase``
+500 ms beside a busy process). The test arms a point of :mod:`bubblespec.core.fault_gates` from an ``on_phase``
 callback; the rank (or trainer worker) that reaches it holds there, in the middle of its shard (or with its train
 command received), and tells the gate its node. The run runs in a background thread, while the test's main thread
 waits for the hold, removes that node and adds its replacement (Ray's ``Cluster`` starts and stops nodes with
@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bubblespec.config import validate
-from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
-from bubblespec.launch import run
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core.config import validate
+from bubblespec.core.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.run.launch import run
 from tests.ray_turns import ray_turn
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.cluster]
@@ -39,7 +39,7 @@ def cluster(monkeypatch_module, tmp_path_factory):
     and a node for the draft store: as few nodes as the tests need (each node is a raylet and two agent processes,
     and a node that cannot register within Ray's 30 s fails the start-up; on 2 busy cores every node counts).
     Nodes detect a dead peer within about a second."""
-    from bubblespec.ray_cluster import local_cluster
+    from bubblespec.run.ray_cluster import local_cluster
 
     # a removed node is declared dead after 3 missed health checks 0.2 s apart (the default takes 15 s)
     monkeypatch_module.setenv("RAY_health_check_period_ms", "200")
@@ -207,7 +207,7 @@ def test_bubblespec_run_on_an_existing_cluster_leaves_it_running_without_its_ran
 
 def test_labels_no_node_carries_are_a_clear_error_before_anything_is_deployed(cluster, tmp_path):
     """Ray would keep a rank or a trainer worker pending forever on a label selector no node matches."""
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.errors import ConfigError
 
     for key in ("rollout_nodes", "trainer_nodes"):
         config = validate(

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from bubblespec.config import validate
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import PromptSource, RewardFn
+from bubblespec.core.config import validate
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import PromptSource, RewardFn
 from bubblespec.tasks.collatz import (
     MAX_RESPONSE_TOKENS,
     CollatzTask,
@@ -108,7 +108,7 @@ def test_a_malformed_response_scores_zero_without_raising(task, response):
     ],
 )
 def test_bad_options_are_config_errors_that_say_what_is_allowed(tmp_path, options, message):
-    from bubblespec.assembly import make_task
+    from bubblespec.run.assembly import make_task
 
     config = validate({"name": "c", "output_dir": str(tmp_path), "task": {"name": "collatz", "options": options}})
     with pytest.raises(ConfigError, match=message):
@@ -159,7 +159,7 @@ def test_the_shipped_model_writes_trajectories_greedily_and_worse_at_temperature
     from tokenizers import Tokenizer
 
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
     from bubblespec.tasks.arithmetic import build_tokenizer
 
     folder = CollatzTask.model_path()

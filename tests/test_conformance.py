@@ -25,9 +25,9 @@ def test_the_suite_fails_an_engine_that_trusts_drafts_or_ignores_stop(monkeypatc
     stop, fails it."""
     import pytest
 
-    from bubblespec import decoding
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.tasks import ArithmeticTask
+    from bubblespec.verify import sequence as decoding
 
     suite = TestTorchEngine()
     engine = TorchEngine.from_pretrained(str(ArithmeticTask.model_path()), dtype="float64")
@@ -134,7 +134,7 @@ class TestTorchEngineAtQwenVocabulary(RealVocabularyConformance):
 @pytest.mark.slow
 class TestTorchEngineInBfloat16(RealVocabularyConformance):
     """bfloat16 on the CPU, exact: a row's attention is computed the same way in a verify pass as in a decode pass
-    and whatever the batch (bubblespec/decoder.py: aligned key spans, one query per head), so its logits are
+    and whatever the batch (bubblespec/models/decoder.py: aligned key spans, one query per head), so its logits are
     bit-identical and no draft flips a token (before: up to one response in six was allowed;
     benchmarks/bf16_exactness.py measured 3.2% of responses flipped by drafts)."""
 

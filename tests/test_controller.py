@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from bubblespec.config import apply_overrides, load_config, validate
-from bubblespec.errors import BubblespecError, CheckpointError, ConfigError
-from bubblespec.launch import run
-from bubblespec.records import StepRecord
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core.config import apply_overrides, load_config, validate
+from bubblespec.core.errors import BubblespecError, CheckpointError, ConfigError
+from bubblespec.observe.records import StepRecord
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.run.launch import run
 from tests.step_records import step_record
 
 SMALL = {
@@ -197,8 +197,8 @@ def test_draft_source_config_errors(sources, message):
 
 
 THIRD_PARTY_SOURCES = """
-from bubblespec.draft_sources import StaticDraftSource
-from bubblespec.interfaces import Draft
+from bubblespec.core.draft_sources import StaticDraftSource
+from bubblespec.core.interfaces import Draft
 
 
 class LastResponse(StaticDraftSource):
@@ -261,17 +261,17 @@ def test_a_draft_source_that_is_no_draft_source_class_is_refused_by_name(third_p
 
 
 def test_plugins_that_do_not_subclass_their_kinds_base_are_refused_by_name(tmp_path, third_party_sources):
-    from bubblespec.assembly import load_backend, make_task
+    from bubblespec.run.assembly import load_backend, make_task
 
     with pytest.raises(BubblespecError, match=r"tasks plugin 'not-a-task' \(thirdparty_sources:not_a_source\) is not a "
-                       r"subclass of bubblespec.interfaces.Task"):  # fmt: skip
+                       r"subclass of bubblespec.core.interfaces.Task"):  # fmt: skip
         make_task(_config(tmp_path, "task", task={"name": "not-a-task"}))
-    with pytest.raises(BubblespecError, match="backends plugin 'not-an-engine' .* bubblespec.interfaces.Engine"):
+    with pytest.raises(BubblespecError, match="backends plugin 'not-an-engine' .* bubblespec.core.interfaces.Engine"):
         load_backend(_config(tmp_path, "engine", rollout={"backend": "not-an-engine"}))
 
 
 def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):
-    from bubblespec.assembly import load_backend
+    from bubblespec.run.assembly import load_backend
 
     speculation = {"enabled": True, "draft_sources": ["bubble", "ngram"]}
     config = _config(tmp_path, "sglang", speculation=speculation, rollout={"backend": "sglang"})
@@ -384,7 +384,7 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
 
 def test_flat_trainer_keys_of_earlier_versions_name_their_new_place():
     """Every key the trainer section had before it was grouped fails with the key it is now, all at once."""
-    from bubblespec.config import MOVED_TRAINER_KEYS
+    from bubblespec.core.config import MOVED_TRAINER_KEYS
 
     with pytest.raises(ConfigError) as raised:
         validate({"trainer": {key: None for key in MOVED_TRAINER_KEYS}})
@@ -425,7 +425,7 @@ def test_config_errors_name_the_field_and_the_choices(tmp_path):
 
 
 def test_task_options_reach_the_task_and_bad_ones_are_config_errors():
-    from bubblespec.assembly import make_task
+    from bubblespec.run.assembly import make_task
 
     config = validate({"task": {"options": {"reward": "digits", "max_digits": 5}}, "eval_prompts": 7})
     task, held_out = make_task(config), make_task(config, held_out=True)
@@ -458,13 +458,13 @@ def test_a_task_that_cannot_peek_runs_without_drafts_and_says_so(tmp_path, basel
 
 def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
     """Invariant 5 on the virtual clock: a rank's drafting ends at most one forward pass after the barrier."""
-    from bubblespec.clocks import PROFILES
+    from bubblespec.rollout.clocks import PROFILES
 
     steps, _ = _run(tmp_path, "preempt", speculation={"enabled": True}, rollout={"num_ranks": 4})
     profile = PROFILES["h100-7b"]
     # the most a single forward pass of these sizes can cost: 16 sequences x 17 tokens at 256 positions, each
     # position sampled over the shipped model's vocabulary
-    from bubblespec.interfaces import ForwardPass
+    from bubblespec.core.interfaces import ForwardPass
     from bubblespec.tasks import ArithmeticTask
 
     vocab = ArithmeticTask(seed=0).vocab_size
@@ -483,9 +483,9 @@ def test_held_out_eval_is_recorded_and_repeatable(tmp_path):
 
 
 def test_a_step_without_reward_signal_does_not_move_the_weights(tmp_path):
-    from bubblespec.config import TrainerConfig
+    from bubblespec.core.config import TrainerConfig
+    from bubblespec.rl.learner import GRPOLearner, TrainSample
     from bubblespec.tasks import ArithmeticTask
-    from bubblespec.trainer import GRPOLearner, TrainSample
 
     learner = GRPOLearner(
         str(ArithmeticTask.model_path()), "float64", TrainerConfig(optimizer={"learning_rate": 1e-2}), 1.0
@@ -511,7 +511,7 @@ def test_a_full_draft_store_evicts_reports_it_and_changes_no_rollout(tmp_path, b
 
 def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch, caplog):
     """The store dies after step 0 (a lost actor or node): the run goes on without drafts, results unchanged."""
-    from bubblespec.draft_store import InMemoryDraftStore
+    from bubblespec.rollout.draft_store import InMemoryDraftStore
 
     calls = {"get": 0}
     real_get = InMemoryDraftStore.get
@@ -533,10 +533,10 @@ def test_losing_the_draft_store_only_costs_speed(tmp_path, baseline, monkeypatch
 def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
     """Predictions come from drafts (an unfinished one is a lower bound) and from the responses to the same
     prompt the last time it was sampled, never from prompt lengths; keys with neither come last."""
-    from bubblespec.draft_store import InMemoryDraftStore
-    from bubblespec.interfaces import Draft, GenerationResult, Prompt, RequestStats, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import Draft, GenerationResult, Prompt, RequestStats, RolloutKey, SamplingParams
     from bubblespec.policies.bubble import LongestFirst
-    from bubblespec.service import RolloutService
+    from bubblespec.rollout.draft_store import InMemoryDraftStore
+    from bubblespec.rollout.service import RolloutService
 
     prompt_lengths = {"long-answer": 2, "long-prompt": 30, "unknown": 20, "cut": 3, "short": 4}
 
@@ -583,8 +583,8 @@ def test_longest_first_drafts_the_longest_predicted_responses_first(tmp_path):
 def test_response_lengths_are_bounded_and_restore_in_the_order_they_forget():
     """The least recently sampled prompts are forgotten first, and a restored snapshot forgets in the same
     order as the original (resumed runs must draft the same keys)."""
-    from bubblespec.interfaces import GenerationResult, RequestStats, RolloutKey
-    from bubblespec.predictions import ResponseLengths
+    from bubblespec.core.interfaces import GenerationResult, RequestStats, RolloutKey
+    from bubblespec.rollout.predictions import ResponseLengths
 
     def results(step, lengths_by_uid):
         return [

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bubblespec.config import RunConfig, validate
-from bubblespec.launch import run
-from bubblespec.metrics import ACCEPTANCE_LENGTH_BUCKETS, RUN_CLOCK, TARGETS_DIR, RunMetrics, metric_names
-from bubblespec.records import StepRecord
+from bubblespec.core.config import RunConfig, validate
+from bubblespec.observe.metrics import ACCEPTANCE_LENGTH_BUCKETS, RUN_CLOCK, TARGETS_DIR, RunMetrics, metric_names
+from bubblespec.observe.records import StepRecord
+from bubblespec.run.launch import run
 from tests.prometheus import DASHBOARDS, prometheus_binary, running_prometheus
 
 METRIC_NAME = re.compile(r"\b(?:bubblespec|process)_[a-z_]+")
@@ -317,9 +317,9 @@ def test_one_value_panels_are_instant_and_learning_rate_and_logprobs_are_on_log_
 
 
 def test_seconds_of_the_run_clock_are_labelled_with_the_clock():
-    """A panel that shows seconds of the run's clock (simulated under clock.kind virtual; bubblespec/metrics.py marks
-    them in their help) says so and joins the run's clock into every legend, unless it divides them by seconds of the
-    same clock."""
+    """A panel that shows seconds of the run's clock (simulated under clock.kind virtual; bubblespec/observe/metrics.py
+    marks them in their help) says so and joins the run's clock into every legend, unless it divides them by seconds of
+    the same clock."""
     run_clock = {
         name for family in families() if RUN_CLOCK.strip() in family.documentation for name in sample_names(family)
     }

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bubblespec.assembly import make_task, make_tasks
-from bubblespec.config import load_config, validate
-from bubblespec.errors import ConfigError
-from bubblespec.launch import run
-from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core.config import load_config, validate
+from bubblespec.core.errors import ConfigError
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.run.assembly import make_task, make_tasks
+from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
 from bubblespec.tasks.dataset import DatasetTask
+from bubblespec.testing.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
 
 VOCAB = 32_000
 PROBLEMS = [

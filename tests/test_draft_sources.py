@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.draft_sources import (
+from bubblespec.core.draft_sources import (
     REQUEST_DRAFT,
     GroupProposer,
     HistoryDrafts,
@@ -13,7 +13,7 @@ from bubblespec.draft_sources import (
     draft_chain,
     lookup_continuation,
 )
-from bubblespec.interfaces import GenerationRequest, GenerationResult, RequestStats, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import GenerationRequest, GenerationResult, RequestStats, RolloutKey, SamplingParams
 
 KEY = RolloutKey(0, 3, "p", 1)
 
@@ -93,7 +93,7 @@ def test_dynamic_sources_change_no_engine_output(tmp_path, chain):
     engine = TorchEngine.from_pretrained(
         str(path), dtype="float64", draft_chain=chain, draft_source_options={"ngram": {"min_n": 1}}
     )
-    from bubblespec.interfaces import Draft
+    from bubblespec.core.interfaces import Draft
 
     foreign = [r.token_ids[::-1] for r in plain]  # a wrong draft, so that the chain falls back
     drafted = [
@@ -111,7 +111,7 @@ def test_dynamic_sources_change_no_engine_output(tmp_path, chain):
 
 def test_a_static_source_in_an_engine_chain_is_refused(tmp_path):
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.errors import RequestError
+    from bubblespec.core.errors import RequestError
     from tests.conftest import write_checkpoint
 
     path = write_checkpoint(tmp_path / "model")
@@ -139,7 +139,7 @@ def test_prompt_grouped_sharding_keeps_every_sample_of_a_prompt_on_one_rank():
 
 def test_a_dynamic_source_takes_over_when_the_request_draft_runs_out(tmp_path):
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import Draft
+    from bubblespec.core.interfaces import Draft
     from tests.conftest import write_checkpoint
 
     path = write_checkpoint(tmp_path / "model", seed=5)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.draft_store import InMemoryDraftStore
-from bubblespec.errors import DraftError
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey
+from bubblespec.core.errors import DraftError
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey
 from bubblespec.policies.bubble import CoverageFirst, LongestFirst
 from bubblespec.policies.sharding import LengthBalanced, RoundRobin
+from bubblespec.rollout.draft_store import InMemoryDraftStore
 
 
 def _draft(step: int, uid: str, sample: int = 0, length: int = 3) -> Draft:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from bubblespec import plugins
-from bubblespec.config import EngineSettings, validate
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import Engine, ForwardPass
-from bubblespec.launch import run
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core import plugins
+from bubblespec.core.config import EngineSettings, validate
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import Engine, ForwardPass
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.run.launch import run
 from bubblespec.testing import EngineConformance, RealVocabularyConformance, run_settings
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -119,7 +119,7 @@ def test_the_transformers_example_updates_tied_embeddings_in_both_forms_trainers
     in the built-in engine. An unknown name is refused."""
     from safetensors.torch import load_file
 
-    from bubblespec.random_checkpoints import write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
     path = write_random_checkpoint(tmp_path, "qwen2", vocab_size=64, tie_word_embeddings=True, norm_and_bias_noise=0.1)
     weights = load_file(str(path / "model.safetensors"))

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bubblespec.cli.main import app
-from bubblespec.config import RunConfig, apply_overrides, validate
-from bubblespec.errors import BubblespecError, DraftError
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.config import RunConfig, apply_overrides, validate
+from bubblespec.core.errors import BubblespecError, DraftError
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
 
 SECTIONS = ["task", "model", "rollout", "speculation", "trainer", "clock", "ray", "metrics"]
 FIELDS = {name: list(type(getattr(RunConfig(), name)).model_fields) for name in SECTIONS}
@@ -134,9 +134,9 @@ def test_no_command_shows_a_traceback_whatever_its_arguments(
     import bubblespec.cli.bench_engine
     import bubblespec.cli.bench_peers
     import bubblespec.cli.bench_run
-    import bubblespec.launch
+    import bubblespec.run.launch
 
-    monkeypatch.setattr(bubblespec.launch, "run", _reached)
+    monkeypatch.setattr(bubblespec.run.launch, "run", _reached)
     monkeypatch.setattr(bubblespec.cli.bench_run, "run_side_by_side", _reached)
     monkeypatch.setattr(bubblespec.cli.bench_peers, "run_peers", _reached)
     monkeypatch.setattr(bubblespec.cli.bench_engine, "run_engine_bench", _reached)

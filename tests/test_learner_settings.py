@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from bubblespec.config import TrainerConfig
-from bubblespec.errors import NonFiniteError
-from bubblespec.trainer import GRPOLearner, TrainSample
+from bubblespec.core.config import TrainerConfig
+from bubblespec.core.errors import NonFiniteError
+from bubblespec.rl.learner import GRPOLearner, TrainSample
 
 from .conftest import write_checkpoint
 from .trainer_settings import trainer_config
@@ -31,7 +31,7 @@ def _engine_samples(model_path: str, lengths: tuple[int, ...], top_k: int = TOP_
     """Responses the float64 torch engine sampled at temperature 0.7 with top-k, of the given lengths, with its
     logprobs; rewards alternate within each group of two."""
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
     engine = TorchEngine.from_pretrained(model_path, dtype="float64", max_batch_size=len(lengths))
     requests = [
@@ -145,8 +145,8 @@ def test_a_reward_that_is_not_a_number_is_refused_by_name(model_path):
 def test_non_finite_logits_are_an_engine_error_that_says_so(model_path):
     """Before, a row of NaN logits gave the out-of-vocabulary sentinel token (an IndexError further on)."""
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
-    from bubblespec.sampling import keyed_sample
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.verify.sampling import keyed_sample
 
     logits = torch.randn(2, 1, 32000, dtype=torch.float64)
     logits[1, 0, 7] = math.nan
@@ -163,9 +163,9 @@ def test_non_finite_logits_are_an_engine_error_that_says_so(model_path):
 
 def test_the_end_to_end_run_with_sampling_filters_trains_finite_steps(tmp_path):
     """The quickstart's task on the virtual clock with trainer.sampling_filters and top-k 5: two steps, finite."""
-    from bubblespec.config import validate
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.core.config import validate
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     config = validate({
         "name": "filters", "output_dir": str(tmp_path), "num_steps": 2, "metrics": {"enabled": False},
@@ -281,7 +281,7 @@ def test_engine_logprobs_two_tokens_short_are_one_clear_error_on_every_worker(mo
 @pytest.mark.parametrize("settings", [{}, {"ppo_epochs": 2, "kl.coef": 0.1, "kl.penalty": "reward"}],
                          ids=["in the update", "before the updates"])  # fmt: skip
 def test_a_failure_on_one_worker_stops_its_peer_wherever_it_happens(model_path, settings):
-    from bubblespec.trainer import PeerFailed
+    from bubblespec.rl.learner import PeerFailed
 
     batch = [TrainSample((1, 5), (6, 2, 7), group=0, reward=1.0), TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
 

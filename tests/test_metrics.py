@@ -9,13 +9,21 @@ import time
 
 import pytest
 
-from bubblespec.config import validate
-from bubblespec.controller import REWIND
-from bubblespec.errors import ConfigError
-from bubblespec.launch import run
-from bubblespec.metrics import PHASES, RANK_STATES, TRAIN_COUNTERS, TRAIN_GAUGES, RunMetrics, metric_names, target_path
-from bubblespec.run_dir import RunDirectory
-from bubblespec.scheduler import REPLACED
+from bubblespec.core.config import validate
+from bubblespec.core.errors import ConfigError
+from bubblespec.observe.metrics import (
+    PHASES,
+    RANK_STATES,
+    TRAIN_COUNTERS,
+    TRAIN_GAUGES,
+    RunMetrics,
+    metric_names,
+    target_path,
+)
+from bubblespec.observe.records import REWIND
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.rollout.bubble_scheduler import REPLACED
+from bubblespec.run.launch import run
 from tests.prometheus import free_port
 from tests.scrape import scrape, target_of
 

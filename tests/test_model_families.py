@@ -1,6 +1,6 @@
 """Every supported model family against Hugging Face transformers' own forward pass.
 
-Each checkpoint is written by transformers (:mod:`bubblespec.random_checkpoints`) and read back by the built-in
+Each checkpoint is written by transformers (:mod:`bubblespec.testing.random_checkpoints`) and read back by the built-in
 decoder; the logits of both are compared in the two ways the decoder is used: the trainer's (whole right-padded
 sequences, no cache) and the engine's (a prompt prefilled into a :class:`KVCache`, then chunks of several tokens
 at later positions, each followed by rejected draft tokens that the next chunk overwrites). Sequences are long
@@ -18,11 +18,11 @@ import random
 import pytest
 import torch
 
-from bubblespec import sampling
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.decoder import DecoderConfig, DecoderModel, KVCache, read_checkpoint
-from bubblespec.errors import ModelLoadError
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.errors import ModelLoadError
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.models.decoder import DecoderConfig, DecoderModel, KVCache, read_checkpoint
+from bubblespec.verify import sampling
 
 # Checkpoints are written in transformers 5's format (rope_parameters), which 4.x cannot write.
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -65,7 +65,7 @@ BFLOAT16_TOLERANCE = 0.0625
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    from bubblespec.random_checkpoints import write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
     folder = tmp_path_factory.mktemp("families")
     return {
@@ -194,7 +194,7 @@ def test_llama3_inverse_frequencies_are_those_of_transformers(checkpoints):
     """All three llama3 regimes (kept, interpolated, divided by the factor) occur and match transformers."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from bubblespec.decoder import rope_inverse_frequency
+    from bubblespec.models.decoder import rope_inverse_frequency
 
     config, _ = read_checkpoint(checkpoints["llama3"])
     ours_d = rope_inverse_frequency(config.head_dim, config.rope_theta, config.rope_llama3)
@@ -346,8 +346,8 @@ def test_engine_samples_transformers_distribution_and_own_drafts_change_nothing(
 def test_grpo_step_trains_every_qwen3_weight_by_its_hugging_face_name(checkpoints):
     """One GRPO step on a Qwen3 checkpoint moves q_norm/k_norm too, and the trained weights load into
     transformers' model by name and give our logits."""
-    from bubblespec.config import TrainerConfig
-    from bubblespec.trainer import GRPOLearner, TrainSample
+    from bubblespec.core.config import TrainerConfig
+    from bubblespec.rl.learner import GRPOLearner, TrainSample
 
     learner = GRPOLearner(str(checkpoints["qwen3"]), "float32", TrainerConfig(), 1.0)
     rng = random.Random(7)
@@ -379,7 +379,7 @@ def test_grpo_step_trains_every_qwen3_weight_by_its_hugging_face_name(checkpoint
 def test_random_checkpoints_are_deterministic_per_seed(tmp_path):
     from safetensors.torch import load_file
 
-    from bubblespec.random_checkpoints import write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
     tiny = SMALL | {"vocab_size": 64}
 

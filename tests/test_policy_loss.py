@@ -1,4 +1,4 @@
-"""The policy loss against a loop written from its equations (bubblespec/policy_loss.py's docstring), and the
+"""The policy loss against a loop written from its equations (bubblespec/rl/policy_loss.py's docstring), and the
 learner's update schedule: PPO epochs and mini-batches, old logprobs, data parallelism, the KL reward penalty,
 DAPO's overlong shaping and masking. TRL's implementation is compared in tests/test_trl_loss.py."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from bubblespec.advantages import compute_advantages
-from bubblespec.config import TrainerConfig
-from bubblespec.policy_loss import LossSettings, aggregation_normaliser, kl_divergence, policy_loss
-from bubblespec.trainer import GRPOLearner, TrainSample, shaped_rewards
+from bubblespec.core.config import TrainerConfig
+from bubblespec.rl.advantages import compute_advantages
+from bubblespec.rl.learner import GRPOLearner, TrainSample, shaped_rewards
+from bubblespec.rl.policy_loss import LossSettings, aggregation_normaliser, kl_divergence, policy_loss
 
 from .conftest import write_checkpoint
 from .trainer_settings import trainer_config
@@ -217,7 +217,7 @@ def test_dapo_overlong_shaping_and_truncated_masking(model_path):
 
 def test_old_logprobs_from_the_engine_and_truncated_importance_sampling(model_path):
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
     engine = TorchEngine.from_pretrained(model_path, dtype="float64", max_batch_size=8)
     params = SamplingParams(temperature=0.8, max_new_tokens=10, ignore_eos=True)
@@ -247,15 +247,15 @@ def test_settings_that_contradict_each_other_are_refused():
         TrainerConfig(loss={"policy": {"kind": "cispo", "importance_ratio": "sequence"}})
     with pytest.raises(ValidationError, match=r"loss\.aggregation\s+Input should be"):
         TrainerConfig(loss={"aggregation": "sum"})
-    from bubblespec.config import validate
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.config import validate
+    from bubblespec.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="filter_groups .* needs task.samples_per_prompt >= 2"):
         validate({"task": {"samples_per_prompt": 1}, "trainer": {"dapo": {"filter_groups": True}}})
 
 
 def test_dynamic_sampling_trains_on_groups_with_signal_only(model_path):
-    from bubblespec.trainer import filter_groups
+    from bubblespec.rl.learner import filter_groups
 
     samples = [TrainSample((1, 2), (5, 6, 7), group=g, reward=r) for g, rs in enumerate(
         [(1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (0.5, 0.2), (1.0, 0.0)]) for r in rs]  # fmt: skip
@@ -280,7 +280,7 @@ def test_sampling_filters_make_the_trainer_score_what_the_engine_sampled_from(mo
     """The engine samples with top-k / top-p and reports logprobs under that distribution; with
     trainer.sampling_filters the trainer's logprobs (and entropy) are the same distribution's (float64)."""
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
     engine = TorchEngine.from_pretrained(model_path, dtype="float64", max_batch_size=8)
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=12, ignore_eos=True)

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from bubblespec.errors import BubblespecError
-from bubblespec.launch import run
-from bubblespec.metrics import target_path
-from bubblespec.records import StepRecord
+from bubblespec.core.errors import BubblespecError
+from bubblespec.observe.metrics import target_path
+from bubblespec.observe.records import StepRecord
+from bubblespec.run.launch import run
 from tests.prometheus import free_port, running_prometheus
 from tests.test_dashboards import expressions, grafana_to_promql, load_dashboard, run_config
 

@@ -1,7 +1,7 @@
 """One small real run on Ray: Serve rank deployments and a Ray Train trainer, wall clock.
 
 Faults fire at events, never after a delay: at a phase the run enters (``on_phase``, which runs before the phase
-does anything), or where a rank or trainer worker holds at a point of :mod:`bubblespec.fault_gates` (a rank after
+does anything), or where a rank or trainer worker holds at a point of :mod:`bubblespec.core.fault_gates` (a rank after
 two forward passes of its shard, a trainer worker with its train command received) until a thread of the test
 has injected the fault and released it. Each run starts its own local Ray, whose processes inherit
 ``BUBBLESPEC_FAULT_GATE`` from the test (the ``fault_gate`` fixture)."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bubblespec.config import validate
-from bubblespec.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
-from bubblespec.launch import run
-from bubblespec.run_dir import RunDirectory
+from bubblespec.core.config import validate
+from bubblespec.core.fault_gates import ENVIRONMENT_VARIABLE, FaultGate
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.run.launch import run
 from tests.prometheus import alert_expression, running_prometheus
 from tests.scrape import scrape_run
 
@@ -315,7 +315,7 @@ def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
     architecture or files the engine can tell are wrong fails before Ray starts."""
     import shutil
 
-    from bubblespec.errors import EngineError, ModelLoadError
+    from bubblespec.core.errors import EngineError, ModelLoadError
     from bubblespec.tasks.arithmetic import ArithmeticTask
 
     missing = tmp_path / "no-weights"
@@ -348,7 +348,7 @@ def test_a_rank_that_cannot_load_its_model_is_one_clear_error(tmp_path):
 def test_gpus_a_local_ray_lacks_fail_at_once(tmp_path, changes, message):
     """Ray would keep ranks or trainer workers waiting for GPUs forever: the local Ray this run started will never
     have them."""
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.errors import ConfigError
 
     config = validate(
         _small_run(tmp_path, name="no-gpu", metrics={"enabled": False}) | {"clock": {"kind": "wall"}} | changes
@@ -362,11 +362,11 @@ def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(t
     """Two bfloat16 Ray Train workers; worker 1's share of a batch holds a token outside the vocabulary. The
     caller gets worker 1's own exception, not a restart loop; the next batch trains, and weights come back as
     bfloat16 tensors, float32 master weights in the checkpoint state."""
-    from bubblespec.errors import TrainerError
-    from bubblespec.ray_cluster import ray_session
-    from bubblespec.ray_train import RayTrainer
+    from bubblespec.core.errors import TrainerError
+    from bubblespec.rl.learner import LearnerSpec, TrainSample
+    from bubblespec.rl.ray_train import RayTrainer
+    from bubblespec.run.ray_cluster import ray_session
     from bubblespec.tasks import ArithmeticTask
-    from bubblespec.trainer import LearnerSpec, TrainSample
 
     config = validate({"model": {"dtype": "bfloat16"}, "trainer": {"num_workers": 2, "max_restarts": 1}})
     with ray_session(config, num_cpus=3):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bubblespec.errors import BubblespecError
-from bubblespec.interfaces import acceptance_length
-from bubblespec.records import PhaseSeconds, StepRecord
-from bubblespec.report import (
+from bubblespec.core.errors import BubblespecError
+from bubblespec.core.interfaces import acceptance_length
+from bubblespec.observe.records import PhaseSeconds, StepRecord
+from bubblespec.observe.report import (
     ReportError,
     Segment,
     eval_points,
@@ -22,8 +22,8 @@ from bubblespec.report import (
     timeline_segments,
     write_report,
 )
-from bubblespec.rollout import RankRecord
-from bubblespec.run_dir import RunDirectory
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.rollout.step import RankRecord
 from tests.step_records import step_record
 
 NUM_STEPS, NUM_RANKS = 3, 2
@@ -31,8 +31,8 @@ NUM_STEPS, NUM_RANKS = 3, 2
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from bubblespec.config import validate
-    from bubblespec.launch import run
+    from bubblespec.core.config import validate
+    from bubblespec.run.launch import run
 
     config = validate(
         {
@@ -93,7 +93,7 @@ def test_report_has_the_three_files_and_valid_images(run_dir, report):
 def test_the_timeline_stays_readable_at_any_run_length(records, tmp_path):
     """80 steps: the picture draws the last TIMELINE_STEPS in detail (it was 3,080 pixels wide before) and every
     rank's seconds per activity over the whole run, which add up to the run's seconds."""
-    from bubblespec.report import TIMELINE_STEPS, draw_timeline, rank_activity_seconds
+    from bubblespec.observe.report import TIMELINE_STEPS, draw_timeline, rank_activity_seconds
 
     long_run = [r.model_copy(update={"step": i}) for i, r in enumerate(records * 27)][:80]
     draw_timeline(long_run, "virtual", tmp_path / "timeline.png")
@@ -110,7 +110,7 @@ def test_the_timeline_stays_readable_at_any_run_length(records, tmp_path):
 
 
 def test_training_series_leave_gaps_for_steps_that_trained_nothing():
-    from bubblespec.report import training_series
+    from bubblespec.observe.report import training_series
 
     trains = [{"loss": 0.5, "kl": 0.1}, {"loss": 0.0, "skipped": 1}, {"loss": 0.2}]
     records = [step_record(step, train=train) for step, train in enumerate(trains)]

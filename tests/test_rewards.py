@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.errors import ConfigError, RewardError
-from bubblespec.rewards import (
+from bubblespec.core.errors import ConfigError, RewardError
+from bubblespec.tasks.rewards import (
     RewardItem,
     RewardScorer,
     RewardSpec,

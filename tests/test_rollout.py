@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.clocks import PROFILES
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.rollout import DraftPlan, drafted_tokens, drafts_from, step_requests
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.rollout.clocks import PROFILES
+from bubblespec.rollout.step import DraftPlan, drafted_tokens, drafts_from, step_requests
+from bubblespec.rollout.virtual_ranks import VirtualRankPool
 from bubblespec.tasks import ArithmeticTask
-from bubblespec.virtual_ranks import VirtualRankPool
 
 from .conftest import write_checkpoint
 
@@ -108,8 +108,8 @@ def test_a_rank_record_names_its_slowest_response(engine):
 
 
 def test_a_failing_engine_names_its_rank_and_backend():
-    from bubblespec.errors import EngineError
-    from bubblespec.serve_ranks import RankReplica
+    from bubblespec.core.errors import EngineError
+    from bubblespec.rollout.serve_ranks import RankReplica
 
     class Broken:
         def generate(self, requests, stop=None, on_forward=None):
@@ -131,7 +131,7 @@ def test_a_failing_engine_names_its_rank_and_backend():
 
 def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
     """A replacement replica starts from the initial model: generating with it would silently change rollouts."""
-    from bubblespec.serve_ranks import RankReplica, StalePolicy
+    from bubblespec.rollout.serve_ranks import RankReplica, StalePolicy
 
     replica = RankReplica.__new__(RankReplica)
     replica.rank, replica.backend, replica.stopped_step, replica.version = 1, "torch", -1, 0
@@ -178,14 +178,14 @@ class _FakeReplica:
     def _fail(self, requests):
         import time
 
-        from bubblespec.errors import EngineError
+        from bubblespec.core.errors import EngineError
 
         time.sleep(0.2)
         raise EngineError(f"rank {self.rank} (backend 'fake') failed on {len(requests)} requests: RuntimeError: lost")
 
     @staticmethod
     def _result(request, length, reason):
-        from bubblespec.interfaces import GenerationResult, RequestStats
+        from bubblespec.core.interfaces import GenerationResult, RequestStats
 
         return GenerationResult(request.key, [5] * length, [0.0] * length, reason, RequestStats())
 
@@ -217,8 +217,8 @@ def test_an_engine_error_stops_every_rank_and_is_raised_with_its_message(phase):
     stop, its drafting call has returned when the error reaches the caller, and the error is the engine's."""
     import time
 
-    from bubblespec.errors import EngineError
-    from bubblespec.serve_ranks import ServeRankPool
+    from bubblespec.core.errors import EngineError
+    from bubblespec.rollout.serve_ranks import ServeRankPool
 
     replicas = [_FakeReplica(0, fails_in="generate" if phase == "rollout" else "draft"), _FakeReplica(1)]
     pool = ServeRankPool([_FakeHandle(r) for r in replicas])

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from bubblespec import sampling
-from bubblespec import sampling_reference as reference
-from bubblespec.interfaces import RolloutKey
+from bubblespec.core.interfaces import RolloutKey
+from bubblespec.verify import sampling
+from bubblespec.verify import sampling_reference as reference
 
 
 def _random_seeds(rng: random.Random, batch: int) -> torch.Tensor:
@@ -252,7 +252,7 @@ def test_one_hot_verification_is_exact_in_distribution():
 
 
 def test_bad_sampling_params_are_refused_with_the_value():
-    from bubblespec.interfaces import SamplingParams
+    from bubblespec.core.interfaces import SamplingParams
 
     for kwargs, fragment in [
         ({"temperature": -0.1}, "temperature"),

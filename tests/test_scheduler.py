@@ -13,8 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from bubblespec.clocks import CostProfile
-from bubblespec.interfaces import (
+from bubblespec.core.interfaces import (
     Engine,
     ForwardPass,
     GenerationRequest,
@@ -23,10 +22,11 @@ from bubblespec.interfaces import (
     RolloutKey,
     SamplingParams,
 )
-from bubblespec.rollout import DraftPlan
-from bubblespec.scheduler import DraftChunk, Generate, PhaseScheduler, RetryPolicy, StopDrafting
-from bubblespec.serve_ranks import ServeRankPool
-from bubblespec.virtual_ranks import VirtualRankPool
+from bubblespec.rollout.bubble_scheduler import DraftChunk, Generate, PhaseScheduler, RetryPolicy, StopDrafting
+from bubblespec.rollout.clocks import CostProfile
+from bubblespec.rollout.serve_ranks import ServeRankPool
+from bubblespec.rollout.step import DraftPlan
+from bubblespec.rollout.virtual_ranks import VirtualRankPool
 
 ONE_SECOND_A_PASS = CostProfile(
     name="one-second", description="every forward pass takes one second", fixed_s=1.0, weight_bytes=0.0,

@@ -1,5 +1,5 @@
-"""Rollout schedules (bubblespec/schedules.py): the timeline, what each kind generates and trains on, and whole runs
-of every kind against the synchronous loop, through ``bubblespec bench peers-async``."""
+"""Rollout schedules (bubblespec/rl/rollout_schedules.py): the timeline, what each kind generates and trains on, and
+whole runs of every kind against the synchronous loop, through ``bubblespec bench peers-async``."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from bubblespec.cli import bench_schedules
 from bubblespec.cli.main import app
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import GenerationResult, Prompt, RequestStats, SamplingParams
-from bubblespec.launch import run
-from bubblespec.run_dir import RunDirectory
-from bubblespec.schedules import CutSchedule, Timeline
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import GenerationResult, Prompt, RequestStats, SamplingParams
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.rl.rollout_schedules import CutSchedule, Timeline
+from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
 from tests.test_controller import SMALL, _config
 
@@ -190,7 +190,7 @@ def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
 
 
 def test_the_step_line_says_what_a_schedule_did():
-    from bubblespec.controller import step_line
+    from bubblespec.rl.loop import step_line
     from tests.step_records import step_record
 
     line = step_line(step_record(4, policy_lag=1, stale_tokens=120, carried_groups=3, train={"skipped": 1}))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.assembly import start_service
-from bubblespec.config import ServiceConfig, TrainerConfig, validate
+from bubblespec.core.config import ServiceConfig, TrainerConfig, validate
+from bubblespec.rl.learner import GRPOLearner, TrainSample
+from bubblespec.run.assembly import start_service
 from bubblespec.tasks import ArithmeticTask
-from bubblespec.trainer import GRPOLearner, TrainSample
 
 SAMPLES = 2
 
@@ -25,7 +25,7 @@ def _service_config(enabled: bool) -> ServiceConfig:
 
 def _three_steps(enabled: bool):
     """Three steps of a trainer outside bubblespec: prompts from the task, rewards from it, a learner of its own."""
-    from bubblespec.interfaces import SamplingParams
+    from bubblespec.core.interfaces import SamplingParams
 
     task = ArithmeticTask(seed=0, prompts_per_step=6)
     path = str(ArithmeticTask.model_path())
@@ -77,8 +77,8 @@ def test_colocated_ranks_release_their_memory_while_the_trainer_trains_and_nothi
     then, and the run's rollouts equal those of ranks on hardware of their own."""
     from unittest import mock
 
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     base = {"output_dir": str(tmp_path), "num_steps": 3, "model": {"dtype": "float64"}, "metrics": {"enabled": False},
             "task": {"prompts_per_step": 4, "samples_per_prompt": 2}, "clock": {"kind": "virtual"},
@@ -110,21 +110,21 @@ def test_colocated_ranks_release_their_memory_while_the_trainer_trains_and_nothi
     ],
 )  # fmt: skip
 def test_placement_settings_that_cannot_work_are_config_errors(changes, message):
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(changes)
 
 
 def test_gpus_per_worker_defaults_to_one_on_cuda_and_bad_draft_store_options_are_named():
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.errors import ConfigError
 
     assert validate({"trainer": {"device": "cuda"}}).trainer.worker_gpus == 1
     assert validate({}).trainer.worker_gpus == 0
     assert validate({"trainer": {"gpus_per_worker": 0.5}}).trainer.worker_gpus == 0.5
     config = ServiceConfig(speculation={"draft_store_options": {"label_selector": {"role": "store"}}},
                            clock={"kind": "virtual"})  # fmt: skip
-    from bubblespec.interfaces import SamplingParams
+    from bubblespec.core.interfaces import SamplingParams
 
     path = str(ArithmeticTask.model_path())
     with pytest.raises(

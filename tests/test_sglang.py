@@ -19,10 +19,11 @@ import torch
 
 from bubblespec.backends.sglang_engine import UNSUPPORTED_SAMPLING, SGLangEngine, SGLangError, processor_payload
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import GenerationRequest, SamplingParams
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import GenerationRequest, SamplingParams
 from bubblespec.tasks.arithmetic import ArithmeticTask
-from bubblespec.testing import EngineConformance, RealVocabularyConformance, _by_key, _with_draft
+from bubblespec.testing import EngineConformance, RealVocabularyConformance
+from bubblespec.testing.conformance import _by_key, _with_draft
 from tests.sglang_fake_server import FakeSGLangServer
 
 MODEL = ArithmeticTask.model_path()
@@ -218,8 +219,8 @@ def test_replies_the_algorithm_did_not_make_are_caught(server, requests):
     and the client says so instead of reporting steps that never ran. Replies whose steps or tokens cannot be the
     algorithm's are refused too."""
     from bubblespec.backends.sglang_server import replay
-    from bubblespec.decoding import ProposalSettings, Sequence
-    from bubblespec.errors import EngineError
+    from bubblespec.core.errors import EngineError
+    from bubblespec.verify.sequence import ProposalSettings, Sequence
 
     settings = ProposalSettings(max_draft_tokens_per_step=4, draft_alignment="position")
     request = _with_draft(requests[0], [1, 2, 3, 4, 5])

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bubblespec.interfaces import Prompt, PromptSource, RewardFn
+from bubblespec.core.interfaces import Prompt, PromptSource, RewardFn
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.tasks.arithmetic import (
     ALPHABET,

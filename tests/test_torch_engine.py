@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from bubblespec import sampling_reference as reference
 from bubblespec.backends.torch_engine import TorchEngine, TorchEngineConfig
-from bubblespec.decoder import DecoderConfig, DecoderModel, KVCache
-from bubblespec.errors import DraftError, ModelLoadError, RequestError
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.errors import DraftError, ModelLoadError, RequestError
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.models.decoder import DecoderConfig, DecoderModel, KVCache
+from bubblespec.verify import sampling_reference as reference
 
 from .conftest import EOS, VOCAB, write_checkpoint
 
@@ -428,7 +428,7 @@ def test_one_hot_engine_with_drafts_matches_the_exact_sequence_distribution(tmp_
 
 
 def test_realign_finds_where_the_draft_continues():
-    from bubblespec.drafts import realign
+    from bubblespec.verify.drafts import realign
 
     draft = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     # the response inserted one token (4) before the draft's 8: the draft continues one position earlier

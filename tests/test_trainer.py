@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from bubblespec.config import TrainerConfig
-from bubblespec.trainer import GRPOLearner, TrainSample, group_advantages
+from bubblespec.core.config import TrainerConfig
+from bubblespec.rl.learner import GRPOLearner, TrainSample, group_advantages
 
 from .conftest import write_checkpoint
 from .workers import run_workers
@@ -128,7 +128,7 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
     """Two data-parallel learners; worker 1's share holds a token outside the vocabulary. Worker 1 raises its
     own error, worker 0 learns of it in the all-reduce that precedes the gradient exchange and raises
     PeerFailed instead of waiting for gradients that never come; neither takes a step."""
-    from bubblespec.trainer import PeerFailed
+    from bubblespec.rl.learner import PeerFailed
 
     # Worker 0 computes sample 0, worker 1 sample 1 (every world-th sample of the batch).
     batch = [TrainSample((1, 5), (6, 2), group=0, reward=1.0), TrainSample((1, 5), (10**6, 2), group=0, reward=0.0)]
@@ -151,7 +151,7 @@ def test_a_worker_that_fails_stops_its_peer_before_the_gradient_exchange(model_p
 def _engine_samples(model_path: str, dtype: str, count: int = 8) -> list[TrainSample]:
     """Samples the torch engine generated, with its logprobs, and alternating rewards (a signal to train on)."""
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.interfaces import GenerationRequest, RolloutKey, SamplingParams
+    from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
     engine = TorchEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=count)
     params = SamplingParams(temperature=0.8, max_new_tokens=12, ignore_eos=True)
@@ -238,7 +238,7 @@ def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(m
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_trains_the_adapters_and_engines_get_merged_weights(qwen2_path, dtype):
-    from bubblespec.config import LoraSettings
+    from bubblespec.core.config import LoraSettings
 
     config = TrainerConfig(
         optimizer={"learning_rate": 1e-2},
@@ -261,7 +261,7 @@ def test_lora_trains_the_adapters_and_engines_get_merged_weights(qwen2_path, dty
 def test_lora_adapters_start_the_same_in_every_learner(qwen2_path):
     """A run must be reproducible: peft draws A from the global RNG, which differs between two learners of a
     process (and between processes) unless the adapters' initialisation is seeded."""
-    from bubblespec.config import LoraSettings
+    from bubblespec.core.config import LoraSettings
 
     config = TrainerConfig(model={"kind": "transformers", "lora": LoraSettings(rank=4, target_modules=["q_proj"])})
     first = GRPOLearner(qwen2_path, "float32", config, 1.0).master.adapter_state()
@@ -287,7 +287,7 @@ def test_lora_and_gradient_checkpointing_are_settings_of_the_transformers_model(
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_the_learner_trains_on_the_configured_advantages(model_path, advantage):
-    from bubblespec.trainer import sample_advantages
+    from bubblespec.rl.learner import sample_advantages
 
     samples = _samples(count=8)
     metrics = GRPOLearner(model_path, "float32", TrainerConfig(loss={"advantage": advantage}), 1.0).step(samples)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bubblespec.errors import ConfigError
+from bubblespec.core.errors import ConfigError
 from bubblespec.integrations.trl import BubblespecRollout, check_trl_version
 from bubblespec.tasks import ArithmeticTask
 
@@ -214,7 +214,7 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_train(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
 
     folder = tmp_path / "qwen2-chat"
     write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=64, num_heads=2, num_kv_heads=1,
@@ -270,7 +270,7 @@ def _arithmetic_grpo(output_dir, *, speculation, evaluation=None, peft_config=No
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from bubblespec.interfaces import Prompt
+    from bubblespec.core.interfaces import Prompt
 
     torch.manual_seed(0)
     task = ArithmeticTask(seed=0, prompts_per_step=64)
@@ -400,7 +400,7 @@ def test_the_merged_weights_are_peft_merge_and_unload_and_leave_the_model_alone(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bubblespec.trainer_models import merged_weights
+    from bubblespec.rl.trainer_models import merged_weights
 
     targets = ["q_proj", "down_proj"] + ([] if dtype == "bfloat16" else ["embed_tokens"])
     model = AutoModelForCausalLM.from_pretrained(ArithmeticTask.model_path(), dtype=getattr(torch, dtype))

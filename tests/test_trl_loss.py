@@ -19,8 +19,8 @@ import torch
 from trl import GRPOTrainer  # the test extra has TRL 1.16
 from trl.trainer.utils import nanstd
 
-from bubblespec.advantages import compute_advantages
-from bubblespec.trainer import GRPOLearner, TrainSample, _Before
+from bubblespec.rl.advantages import compute_advantages
+from bubblespec.rl.learner import GRPOLearner, TrainSample, _Before
 
 from .conftest import write_checkpoint
 from .trainer_settings import trainer_config

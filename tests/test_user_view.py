@@ -1,6 +1,6 @@
 """What a user sees of their task and their run: validate's task summary, samples.jsonl, rewards that fail loudly,
 the GSM8K example, paths relative to the config file, "did you mean", and what speculation saved or cost
-(bubblespec.speculation_effect, checked against a run with speculation off)."""
+(bubblespec.rollout.speculation_effect, checked against a run with speculation off)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 from typer.testing import CliRunner
 
 from bubblespec.cli.main import app
-from bubblespec.config import load_config
-from bubblespec.controller import step_line
-from bubblespec.interfaces import ForwardPass, GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.launch import run
-from bubblespec.random_checkpoints import write_chat_model
-from bubblespec.run_dir import RunDirectory
-from bubblespec.speculation_effect import fit_pass_cost, plain_decode_passes
+from bubblespec.core.config import load_config
+from bubblespec.core.interfaces import ForwardPass, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.rl.loop import step_line
+from bubblespec.rollout.speculation_effect import fit_pass_cost, plain_decode_passes
+from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
+from bubblespec.testing.random_checkpoints import write_chat_model
 from tests.step_records import step_record
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -227,7 +227,7 @@ def test_the_estimated_rollout_without_drafts_is_the_rollout_of_a_run_without_th
 
 
 def test_math_verify_s_timeout_warning_is_silenced(caplog):
-    from bubblespec.rewards import math_answer
+    from bubblespec.tasks.rewards import math_answer
 
     with caplog.at_level(logging.WARNING):
         assert math_answer("p", "so \\boxed{4}", answer="4") == 1.0

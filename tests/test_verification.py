@@ -1,5 +1,5 @@
-"""Verification from top-K log-probabilities (bubblespec.verification) and the shared per-sequence bookkeeping
-(bubblespec.decoding): checked against loop references on the full logits, at vocabularies much larger than K."""
+"""Verification from top-K log-probabilities (bubblespec.verify.verification) and the shared per-sequence bookkeeping
+(bubblespec.verify.sequence): checked against loop references on the full logits, at vocabularies much larger than K."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from bubblespec import sampling, verification
-from bubblespec import sampling_reference as reference
-from bubblespec.decoding import ProposalSettings, Sequence
-from bubblespec.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.verify import sampling, verification
+from bubblespec.verify import sampling_reference as reference
+from bubblespec.verify.sequence import ProposalSettings, Sequence
 
 
 def _case(vocab: int, rows: int, spread: float, seed: int, peaked: bool = False):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from verl import DataProto
 
-from bubblespec.errors import ConfigError
+from bubblespec.core.errors import ConfigError
 from bubblespec.integrations.verl import (
     MANAGER,
     BubblespecAgentLoopManager,
@@ -301,8 +301,8 @@ def test_each_model_family_at_a_32k_vocabulary_in_bfloat16_with_top_k_and_top_p(
     import pandas as pd
     from verl.utils import hf_tokenizer
 
-    from bubblespec.interfaces import SamplingParams
-    from bubblespec.random_checkpoints import write_chat_model
+    from bubblespec.core.interfaces import SamplingParams
+    from bubblespec.testing.random_checkpoints import write_chat_model
 
     write_chat_model(tmp_path / "model", vocab_size=32_000, family=family)
     rows = [

@@ -58,8 +58,8 @@ def engines():
 
 
 def _requests(num_prompts=16, samples=2, max_new_tokens=200):
-    from bubblespec.interfaces import SamplingParams
-    from bubblespec.rollout import step_requests
+    from bubblespec.core.interfaces import SamplingParams
+    from bubblespec.rollout.step import step_requests
     from bubblespec.tasks import ArithmeticTask
 
     task = ArithmeticTask(seed=11, prompts_per_step=num_prompts)
@@ -80,10 +80,10 @@ def test_drafts_from_a_policy_one_step_older_cut_decode_steps_and_change_nothing
     """pi_t drafts, one GRPO step makes pi_t+1, vLLM holding pi_t+1 verifies pi_t's drafts."""
     import torch
 
-    from bubblespec.config import TrainerConfig
-    from bubblespec.interfaces import Draft, GenerationRequest
+    from bubblespec.core.config import TrainerConfig
+    from bubblespec.core.interfaces import Draft, GenerationRequest
+    from bubblespec.rl.learner import GRPOLearner, TrainSample
     from bubblespec.tasks import ArithmeticTask
-    from bubblespec.trainer import GRPOLearner, TrainSample
 
     vllm_engine, torch_engine = engines
     task = ArithmeticTask(seed=11, prompts_per_step=16)
@@ -125,9 +125,9 @@ def test_drafts_from_a_policy_one_step_older_cut_decode_steps_and_change_nothing
 
 def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
     """rollout.backend: vllm through the whole loop (virtual clock: ranks in this process)."""
-    from bubblespec.config import load_config
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.core.config import load_config
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     config = load_config(
         "examples/quickstart.yaml",
@@ -191,7 +191,7 @@ class TestVLLMEngineAtQwenVocabulary(RealVocabularyConformance):
 
 def test_the_version_is_checked():
     from bubblespec.backends.vllm_engine import check_vllm_version
-    from bubblespec.errors import ModelLoadError
+    from bubblespec.core.errors import ModelLoadError
 
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3")
@@ -203,7 +203,7 @@ def test_vllm_preempting_requests_for_kv_cache_changes_nothing(engines):
     """A KV cache of a few blocks: vLLM preempts running requests and recomputes them later (partial prefills
     sample nothing). Outputs, with and without drafts, equal those of an engine with room for everything."""
     from bubblespec.backends.vllm_engine import VLLMEngine
-    from bubblespec.interfaces import Draft, GenerationRequest
+    from bubblespec.core.interfaces import Draft, GenerationRequest
     from bubblespec.tasks import ArithmeticTask
 
     roomy, _ = engines
@@ -259,7 +259,7 @@ def test_draft_sources_run_inside_vllm(engines):
 def chat_model(tmp_path_factory):
     """A random Qwen2-shaped chat model with a 32,000-token ChatML tokenizer (head_dim 64: vLLM's CPU attention
     refuses 16 and 32)."""
-    from bubblespec.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_chat_tokenizer, write_random_checkpoint
 
     folder = tmp_path_factory.mktemp("chat32k")
     write_random_checkpoint(folder, "qwen2", vocab_size=32_000, hidden_size=128, num_heads=2, num_kv_heads=1,
@@ -277,9 +277,9 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
     import torch
     from safetensors.torch import load_file
 
-    from bubblespec.config import load_config
-    from bubblespec.launch import run
-    from bubblespec.run_dir import RunDirectory
+    from bubblespec.core.config import load_config
+    from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.launch import run
 
     def math_run(name: str, *changes: str) -> RunDirectory:
         overrides = [
@@ -352,7 +352,7 @@ def test_the_v1_model_runner_is_pinned_and_a_v2_one_refused(engines, monkeypatch
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
 
     from bubblespec.backends.vllm_engine import VLLM_ENVIRONMENT, VLLMEngine, check_model_runner
-    from bubblespec.errors import ModelLoadError
+    from bubblespec.core.errors import ModelLoadError
     from bubblespec.tasks import ArithmeticTask
 
     vllm_engine, _ = engines
@@ -369,7 +369,7 @@ def test_the_v1_model_runner_is_pinned_and_a_v2_one_refused(engines, monkeypatch
 def test_a_weight_update_that_splits_a_fused_layer_is_refused_and_loads_nothing(engines):
     """vLLM 0.32 rebuilds a fused layer (qkv_proj) from the shards a reload sends and leaves the others
     uninitialised: q_proj and v_proj without k_proj are refused, naming k_proj, and the engine keeps its weights."""
-    from bubblespec.errors import EngineError
+    from bubblespec.core.errors import EngineError
 
     vllm_engine, torch_engine = engines
     requests = _requests(num_prompts=4, samples=1, max_new_tokens=40)
@@ -387,9 +387,9 @@ def test_colocated_vllm_ranks_are_refused_on_the_cpu(tmp_path):
     """A colocated rank must free its memory while the trainer trains; vLLM does that through its sleep mode, on
     CUDA only (scripts/bench_engine_gpu.sh runs it there). On the CPU ray.colocated with the vllm backend is one
     error before anything starts."""
-    from bubblespec.assembly import checked_engine_settings, load_backend
-    from bubblespec.config import load_config
-    from bubblespec.errors import ConfigError
+    from bubblespec.core.config import load_config
+    from bubblespec.core.errors import ConfigError
+    from bubblespec.run.assembly import checked_engine_settings, load_backend
     from bubblespec.tasks import ArithmeticTask
 
     config = load_config("examples/quickstart.yaml", ["rollout.backend=vllm", "ray.colocated=true",

@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from bubblespec.clocks import PROFILES
-from bubblespec.weights import PackedWeights
+from bubblespec.rollout.clocks import PROFILES
+from bubblespec.rollout.weights import PackedWeights
 
 
 def _state(dtype: torch.dtype) -> dict[str, torch.Tensor]:

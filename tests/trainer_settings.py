@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bubblespec.config import TrainerConfig
+from bubblespec.core.config import TrainerConfig
 
 
 def trainer_config(settings: Mapping[str, Any]) -> TrainerConfig:

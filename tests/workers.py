@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bubblespec.ray_train import group_all_reduce
+from bubblespec.rl.ray_train import group_all_reduce
 
 
 def run_workers(world: int, build: Callable, work: Callable, timeout_s: float = 120.0) -> list:

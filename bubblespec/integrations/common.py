@@ -7,9 +7,10 @@ import hashlib
 import time
 from collections.abc import Sequence
 
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import GenerationResult, Prompt
-from bubblespec.records import GenerationRecord
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import GenerationResult, Prompt
+from bubblespec.observe.records import GenerationRecord
+from bubblespec.rollout.step import rollout_digest
 
 
 def check_version(integration: str, framework: str, version: str, supported: tuple[str, str], why: str) -> None:
@@ -79,8 +80,6 @@ def eos_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
 
 def generation_record(generation: int, global_step: int, outcome, peek_matched: bool | None) -> GenerationRecord:
     """What the ranks did for one generation batch (``outcome``: :meth:`RolloutService.generate`'s)."""
-    from bubblespec.controller import rollout_digest
-
     ranks = outcome.ranks
     return GenerationRecord(
         generation=generation,
@@ -99,8 +98,6 @@ def generation_record(generation: int, global_step: int, outcome, peek_matched: 
 
 def evaluation_record(index: int, global_step: int, samples: int, results: Sequence[GenerationResult]) -> dict:
     """One evaluation batch: its index, the trainer's step, samples per prompt, tokens and a digest."""
-    from bubblespec.controller import rollout_digest
-
     return {
         "evaluation": index,
         "global_step": global_step,

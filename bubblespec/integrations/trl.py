@@ -18,8 +18,8 @@ batch of an evaluation (``trainer.model.training`` False: TRL's own "eval" mode)
                        ranks draft the prompts of the next generation batch while the slow ones finish
     output             ``prompt_ids``, ``completion_ids``, ``logprobs`` per completion, in TRL's order
 
-Per generation batch, :attr:`BubblespecRollout.steps` holds a :class:`~bubblespec.records.GenerationRecord` of what
-every rank did (decode steps, drafts, bubbles), as a bubblespec run's step records do, and TRL logs the headline
+Per generation batch, :attr:`BubblespecRollout.steps` holds a :class:`~bubblespec.observe.records.GenerationRecord` of
+what every rank did (decode steps, drafts, bubbles), as a bubblespec run's step records do, and TRL logs the headline
 numbers under ``bubblespec/``.
 
 An evaluation batch is generated with the weights of the moment and no drafts (``service.evaluate``), under keys of
@@ -59,8 +59,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from bubblespec.config import ServiceConfig
-from bubblespec.errors import ConfigError
+from bubblespec.core.config import ServiceConfig
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import Prompt, SamplingParams
 from bubblespec.integrations.common import (
     TrainingPhases,
     check_version,
@@ -72,8 +73,7 @@ from bubblespec.integrations.common import (
     peek_matched,
     prompt_uid,
 )
-from bubblespec.interfaces import Prompt, SamplingParams
-from bubblespec.records import GenerationRecord
+from bubblespec.observe.records import GenerationRecord
 
 SUPPORTED_TRL = ("1.16.0", "1.17.0")
 """TRL versions this adapter is tested with: >= the first, < the second."""
@@ -169,7 +169,7 @@ def _folder_generation_config(model_path: str):
 
 def check_mergeable(model) -> None:
     """The ranks run the base architecture: a peft model must merge into it as W + scale * B @ A."""
-    from bubblespec.trainer_models import lora_merge_problems
+    from bubblespec.rl.trainer_models import lora_merge_problems
 
     problems = lora_merge_problems(model)
     if problems:
@@ -211,7 +211,7 @@ class BubblespecRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` on a bubblespec rollout service.
 
     ``config``: the service's sections (``rollout``, ``speculation``, ``model.dtype``, ``clock``, ``ray``) as a
-    :class:`~bubblespec.config.ServiceConfig` or a dict; ``model_path``: the folder TRL's model was loaded from
+    :class:`~bubblespec.core.config.ServiceConfig` or a dict; ``model_path``: the folder TRL's model was loaded from
     (the ranks load it, then get the trainer's weights; with LoRA, the base model's folder). Sampling settings
     (temperature, top-k, top-p, max completion length) are TRL's. Call :meth:`close` (or use it as a context
     manager) to stop the ranks.
@@ -240,7 +240,7 @@ class BubblespecRollout:
         self.evaluations: list[dict] = []
         """One record per evaluation batch: ``evaluation``, ``global_step``, ``num_generations``, tokens, digest."""
         self.metrics = None
-        """The Prometheus metrics (``bubblespec.metrics.RunMetrics``) with ``metrics.enabled``."""
+        """The Prometheus metrics (``bubblespec.observe.metrics.RunMetrics``) with ``metrics.enabled``."""
         self._stack = contextlib.ExitStack()
         self._service = None
         self._trainer = None
@@ -341,7 +341,7 @@ class BubblespecRollout:
     # -- setup ------------------------------------------------------------------------------------------------------
 
     def _start(self, trainer) -> None:
-        from bubblespec.assembly import start_service
+        from bubblespec.run.assembly import start_service
 
         args = trainer.args
         check_grpo_args(args)
@@ -362,7 +362,7 @@ class BubblespecRollout:
         sampling = sampling_params(args, generation_config, eos_ids(tokenizer, generation_config))
         config = self.config.model_copy(update={"seed": int(args.seed)})
         if config.metrics.enabled:  # the per-rank metrics of a bubblespec run, on metrics.host:port
-            from bubblespec.metrics import RunMetrics, info_labels
+            from bubblespec.observe.metrics import RunMetrics, info_labels
 
             self.metrics = RunMetrics(config.rollout.num_ranks, info_labels(config))
             self.metrics.serve(config.metrics)
@@ -439,8 +439,8 @@ class BubblespecRollout:
         """The trainer's weights to every rank by Hugging Face name, a LoRA adapter merged into its base weight."""
         import torch
 
-        from bubblespec.decoder import DTYPES
-        from bubblespec.trainer_models import merged_weights
+        from bubblespec.models.decoder import DTYPES
+        from bubblespec.rl.trainer_models import merged_weights
 
         dtype = DTYPES[self.config.model.dtype]
         model = trainer.accelerator.unwrap_model(trainer.model)

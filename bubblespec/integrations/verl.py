@@ -57,8 +57,9 @@ from verl.experimental.agent_loop import AgentLoopManager
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
-from bubblespec.config import ServiceConfig
-from bubblespec.errors import ConfigError
+from bubblespec.core.config import ServiceConfig
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import Prompt, SamplingParams
 from bubblespec.integrations.common import (
     TrainingPhases,
     check_version,
@@ -70,9 +71,8 @@ from bubblespec.integrations.common import (
     peek_matched,
     prompt_uid,
 )
-from bubblespec.interfaces import Prompt, SamplingParams
-from bubblespec.records import GenerationRecord
-from bubblespec.weights import PackedWeights
+from bubblespec.observe.records import GenerationRecord
+from bubblespec.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ class WeightInbox:
         """Forgets what an earlier run handed over (a manager starts with the model folder's weights)."""
         self.version: int | None = None
         self.weights: PackedWeights | None = None
-        """As byte buffers (:class:`~bubblespec.weights.PackedWeights`): Ray stores them out of band, one copy."""
+        """As byte buffers (:class:`~bubblespec.rollout.weights.PackedWeights`): Ray stores them out of band, one
+        copy."""
 
     def put(self, version: int, weights: PackedWeights) -> None:
         self.version, self.weights = version, weights
@@ -254,8 +255,8 @@ class BubblespecAgentLoopManager(AgentLoopManager):
 
     Built by verl's trainer as ``create(config=..., llm_client=..., teacher_client=...,
     reward_loop_worker_handles=...)`` (or directly, outside a trainer); :meth:`close` stops the ranks.
-    :attr:`steps` has one :class:`~bubblespec.records.GenerationRecord` per training step, :attr:`evaluations` one
-    record per validation batch.
+    :attr:`steps` has one :class:`~bubblespec.observe.records.GenerationRecord` per training step, :attr:`evaluations`
+    one record per validation batch.
     """
 
     def __init__(self, config, llm_client=None, teacher_client=None, reward_loop_worker_handles=None) -> None:
@@ -308,7 +309,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         from verl.utils import hf_tokenizer
         from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-        from bubblespec.assembly import start_service
+        from bubblespec.run.assembly import start_service
 
         config = self.config
         rollout = config.actor_rollout_ref.rollout
@@ -414,7 +415,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
     # -- weights, phases, validation --------------------------------------------------------------------------------
 
     def _sync_weights(self) -> None:
-        from bubblespec.decoder import DTYPES
+        from bubblespec.models.decoder import DTYPES
 
         newer = self._inbox.newer_than(self._version)
         if newer is None:
@@ -438,7 +439,7 @@ class BubblespecAgentLoopManager(AgentLoopManager):
         self._training.ended(self._service)
 
     def _evaluate(self, prompts: list[Prompt], samples: int) -> list:
-        from bubblespec.rollout import step_requests
+        from bubblespec.rollout.step import step_requests
 
         index = len(self.evaluations)
         requests = step_requests(prompts, self._service.seed, evaluation_step(index), samples, self.validation_sampling)
@@ -546,7 +547,7 @@ def _settings(custom: dict) -> ServiceConfig:
     :class:`ConfigError` naming each key and what is allowed."""
     from pydantic import ValidationError
 
-    from bubblespec.config import format_validation_error
+    from bubblespec.core.config import format_validation_error
 
     try:
         return ServiceConfig.model_validate(custom)

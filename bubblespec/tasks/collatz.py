@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from bubblespec.interfaces import Prompt
+from bubblespec.core.interfaces import Prompt
 from bubblespec.tasks.arithmetic import CharacterTask, _is_integer
 
 MAX_DIGITS = 12

@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from bubblespec.config import Section, format_validation_error
-from bubblespec.errors import ConfigError
-from bubblespec.interfaces import Prompt, Task
-from bubblespec.rewards import RewardItem, RewardScorer, extract, parse_specs
+from bubblespec.core.config import Section, format_validation_error
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import Prompt, Task
+from bubblespec.tasks.rewards import RewardItem, RewardScorer, extract, parse_specs
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class PromptOptions(Section):
     config's EOS."""
     reward: Any = "exact"
     """A reward name, a ``{name, weight, ...options}`` mapping or a list of them: built-ins ``exact``, ``math``,
-    ``format``, a ``bubblespec.rewards`` plugin, or ``module:function`` (see :mod:`bubblespec.rewards`)."""
+    ``format``, a ``bubblespec.rewards`` plugin, or ``module:function`` (see :mod:`bubblespec.tasks.rewards`)."""
     reward_workers: int = Field(2, ge=0)
     """Worker processes that run rewards, each call under ``reward_timeout_s``; 0: in the controller, no limit."""
     reward_timeout_s: float = Field(10.0, gt=0)
@@ -190,7 +190,8 @@ class RowsTask(Task):
         return self.scorer.score([self._reward_item(p, ids) for p, ids in zip(prompts, responses, strict=True)])
 
     def take_reward_failures(self):
-        """Reward calls that timed out or raised since the last call (:class:`bubblespec.interfaces.RewardFailures`)."""
+        """Reward calls that timed out or raised since the last call
+        (:class:`bubblespec.core.interfaces.RewardFailures`)."""
         return self.scorer.take_failures()
 
     def close(self) -> None:

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from bubblespec.errors import ConfigError
-from bubblespec.rewards import extract
+from bubblespec.core.errors import ConfigError
 from bubblespec.tasks.dataset import PromptOptions, RowsTask, task_options
+from bubblespec.tasks.rewards import extract
 
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out split's seed is the task's seed plus this (reasoning-gym draws problems from the seed)."""

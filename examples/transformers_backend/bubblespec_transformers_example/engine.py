@@ -5,10 +5,10 @@ entry point ``transformers-example`` in the group ``bubblespec.backends``. No KV
 each active sequence from its first token (rows right-padded, with an attention mask), so it is slow on long
 responses; what makes it a bubblespec engine is the same as in ``examples/minimal_backend.py``:
 
-- keyed sampling (``bubblespec.decoding.keyed_samples``, every sampling setting of the request): the token at
-  response position ``i`` of key ``k`` is ``bubblespec.sampling.keyed_sample`` of the
+- keyed sampling (``bubblespec.verify.sequence.keyed_samples``, every sampling setting of the request): the token at
+  response position ``i`` of key ``k`` is ``bubblespec.verify.sampling.keyed_sample`` of the
   logits there with the key's noise seed and ``i``, never an RNG draw, so neither the batch nor drafts change it;
-- verification through :class:`bubblespec.decoding.Sequence`: the last token and the draft tokens it proposes are
+- verification through :class:`bubblespec.verify.sequence.Sequence`: the last token and the draft tokens it proposes are
   scored in one pass, and ``Sequence.record`` takes the keyed samples at those positions (accepting draft tokens
   while they equal the samples) and keeps the stop tokens, length limit and stats;
 - ``stop.is_set()`` before every forward pass, ``on_forward`` after each;
@@ -28,10 +28,10 @@ import torch
 from pydantic import field_validator
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bubblespec import decoding
-from bubblespec.config import EngineSettings, engine_config
-from bubblespec.errors import ModelLoadError
-from bubblespec.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.core.config import EngineSettings, engine_config
+from bubblespec.core.errors import ModelLoadError
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
+from bubblespec.verify import sequence as decoding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

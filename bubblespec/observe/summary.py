@@ -1,0 +1,81 @@
+"""summary.json: a run's headline numbers from its step records, and one sentence on whether speculation helped.
+:mod:`bubblespec.run.launch` writes it at a run's end; :mod:`bubblespec.observe.report` recomputes it for a run
+that ended before writing it."""
+
+from __future__ import annotations
+
+from bubblespec.core.config import RunConfig
+from bubblespec.core.interfaces import acceptance_length
+from bubblespec.observe.records import StepRecord
+from bubblespec.rollout.step import bubble_use
+
+
+def speculation_verdict(summary: dict) -> str:
+    """Did speculation help in this run? One sentence from the summary, with what to try when it did not."""
+    if not summary.get("speculation"):
+        return "speculation was off in this run (speculation.enabled: false)"
+    saved, rollout = summary.get("rollout_seconds_saved"), summary["rollout_seconds"]
+    steps = f"{summary['decode_steps_saved']:.1%} fewer decode steps"
+    if saved is None:
+        return f"{steps}; the time saved was not estimated"
+    without = rollout + saved
+    share = saved / without if without > 0 else 0.0
+    clock = summary.get("clock", "wall")
+    if saved >= 0:
+        return (
+            f"speculation saved {saved:.2f} {clock}-clock seconds of rollout ({share:.1%}; estimated: the same "
+            f"responses replayed without drafts under this run's own pass timings), with {steps}"
+        )
+    return (
+        f"speculation cost {-saved:.2f} {clock}-clock seconds of rollout ({-share:.1%} slower; estimated: the same "
+        f"responses replayed without drafts under this run's own pass timings), with {steps}: verifying the "
+        "drafts cost more than it saved. Try `bubblespec bench CONFIG` (the run with speculation off and on, side "
+        "by side), speculation.draft_during_training: true (longer drafts), or another speculation.bubble_policy"
+    )
+
+
+def bubble_utilization(steps: list[StepRecord], num_steps: int) -> float:
+    """The run's :func:`~bubblespec.rollout.step.bubble_use`: every rank of every step but the run's last."""
+    return bubble_use(r for s in steps if s.step < num_steps - 1 for r in s.ranks)
+
+
+def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -> dict:
+    """summary.json: the run's headline numbers from its step records."""
+    if not steps:
+        return {"num_steps": 0}
+    rollout = sum(s.phase_seconds.rollout for s in steps)
+    tokens = sum(s.generated_tokens for s in steps)
+    decode = sum(s.decode_steps for s in steps)
+    verify = sum(s.verify_steps for s in steps)
+    accepted = sum(s.draft_tokens_accepted for s in steps)
+    before = steps[0].eval_reward_before_training
+    saved = None if any(s.rollout_seconds_saved is None for s in steps) else sum(s.rollout_seconds_saved for s in steps)
+    names = dict.fromkeys(name for s in steps for name in s.reward_means)
+    summary = {
+        "name": config.name,
+        "clock": config.clock.kind,
+        "speculation": config.speculation.enabled,
+        "num_steps": len(steps),
+        "reward_first": steps[0].reward_mean,
+        "reward_last": steps[-1].reward_mean,
+        "rewards": [s.reward_mean for s in steps],
+        "reward_means": {n: sum(s.reward_means.get(n, 0.0) for s in steps) / len(steps) for n in names},
+        "reward_calls": sum(s.reward_calls for s in steps),
+        "reward_failures": sum(s.reward_timeouts + s.reward_errors for s in steps),
+        "steps_not_trained": sum(not s.trained for s in steps),
+        "generated_tokens": tokens,
+        "decode_steps": decode,
+        "decode_steps_saved": 1 - decode / tokens if tokens else 0.0,
+        "acceptance_length_mean": acceptance_length(accepted, verify),
+        "draft_coverage_mean": sum(s.draft_coverage for s in steps) / len(steps),
+        "bubble_utilization": bubble_utilization(steps, config.num_steps),
+        "rollout_seconds": rollout,
+        "rollout_seconds_saved": saved,
+        "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
+        "eval_rewards": {
+            **({"start": before} if before is not None else {}),
+            **{s.step: s.eval_reward for s in steps if s.eval_reward is not None},
+        },
+        "wall_seconds": wall_seconds,
+    }
+    return summary | {"speculation_effect": speculation_verdict(summary)}

@@ -1,0 +1,283 @@
+"""The bubble scheduler (docs/design.md §5): which rank does what, and when, in a phase of a step. Both clocks run it.
+
+A phase is either a step's **rollout** or **drafting while the trainer trains**:
+
+    rollout    every rank generates its shard; a rank that finishes early takes chunks of the drafting plan
+               (:class:`~bubblespec.rollout.step.DraftPlan`) until the barrier (the moment the last shard is done),
+               when every rank is told to stop and each chunk in flight returns its partial drafts
+    training   every rank takes chunks of the rest of the plan until :meth:`PhaseScheduler.stop`
+
+:class:`PhaseScheduler` makes every decision and keeps every record (:class:`~bubblespec.rollout.step.RankRecord`,
+timelines, drafts, the live activity feed). It does no I/O and reads no clock: a *driver* starts the calls it asks
+for (:class:`Generate`, :class:`DraftChunk`, :class:`StopDrafting`) and reports each call's return with the time on
+its own clock, in seconds from the phase start. The virtual clock's driver
+(:class:`bubblespec.rollout.virtual_ranks.VirtualRankPool`) reports simulated seconds, the Ray Serve driver
+(:class:`bubblespec.rollout.serve_ranks.ServeRankPool`) real ones. Given the same durations, both get the same
+decisions.
+
+Rules, for a reader who wants them in one place:
+
+- The first idle rank takes the next chunk (:meth:`DraftPlan.take`: an equal share of what is left per rank).
+- No chunk is handed out at or after the barrier (rollout) or the stop (training); calls that return together are
+  taken shards first, so a rank that falls idle exactly at the barrier stays idle.
+- A drafting call's time counts towards bubble use only up to the barrier (or stop); the time it runs past the
+  barrier is the rank's preemption latency.
+- A drafting call lost with its rank (the replica died) costs its chunk's drafts only; the rank takes no more chunks
+  in this phase. A lost shard is retried on the rank's replacement up to :attr:`RetryPolicy.max_retries` times
+  (keyed sampling makes the retried shard's tokens those of the lost one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey
+from bubblespec.rollout.step import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
+
+ActivityListener = Callable[[int, str, str], None]
+"""Told (rank, activity, detail) as ranks start generating ("generate"), draft ("draft"), fall idle ("idle") or get
+a new replica (:data:`REPLACED`): the live display and the metrics."""
+REPLACED = "replaced"
+"""The activity a rank pool reports when a rank's replica died and its replacement holds the policy again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Start generating ``requests`` (the rank's shard) on ``rank``; report with :meth:`PhaseScheduler.shard_done`."""
+
+    rank: int
+    requests: tuple[GenerationRequest, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftChunk:
+    """Start drafting ``requests`` on ``rank`` until the phase's stop; report with :meth:`PhaseScheduler.chunk_done`
+    (or :meth:`PhaseScheduler.chunk_lost`)."""
+
+    rank: int
+    requests: tuple[GenerationRequest, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StopDrafting:
+    """Tell every rank to stop drafting: each chunk in flight returns after its current forward pass."""
+
+    at: float
+
+
+Command = Generate | DraftChunk | StopDrafting
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """What a driver does when a rank's replica dies under a call: restore the rank (its replacement gets the current
+    policy) and call again, at most ``max_retries`` times."""
+
+    max_retries: int = 3
+
+    def retry(self, attempt: int) -> bool:
+        """Whether a call that failed on its ``attempt``-th try (0 first) is tried again."""
+        return attempt < self.max_retries
+
+
+def ignore_activity(rank: int, activity: str, detail: str) -> None:
+    pass
+
+
+class PhaseScheduler:
+    """The decisions and records of one phase.
+
+    ``shards`` (one per rank) makes a rollout phase; ``None`` makes a drafting-while-training phase. ``policy_version``
+    is the version the ranks hold, which the drafts they make are stamped with.
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        plan: DraftPlan,
+        policy_version: int,
+        shards: Sequence[Sequence[GenerationRequest]] | None = None,
+        on_activity: ActivityListener = ignore_activity,
+    ) -> None:
+        if shards is not None and len(shards) != num_ranks:
+            raise ValueError(f"{len(shards)} shards for {num_ranks} ranks")
+        self.num_ranks = num_ranks
+        self.plan = plan
+        self.policy_version = policy_version
+        self.shards = None if shards is None else [list(shard) for shard in shards]
+        self.on_activity = on_activity
+        self.records = [RankRecord(rank) for rank in range(num_ranks)]
+        self.timelines: list[list[tuple[str, float, float]]] = [[] for _ in range(num_ranks)]
+        self.results: dict[RolloutKey, GenerationResult] = {}
+        self.stopped_at: float | None = None
+        """The barrier (rollout) or the stop (training): when the ranks were told to stop drafting."""
+        self._generating = set() if shards is None else set(range(num_ranks))
+        self._drafting: dict[int, tuple[float, int]] = {}
+        """Ranks drafting a chunk: its start and its place in :attr:`_chunks`."""
+        self._chunks: list[list[Draft]] = []
+        """The drafts of each chunk, in the order the chunks were handed out."""
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.shards is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some rank still runs a call of this phase."""
+        return bool(self._generating or self._drafting)
+
+    def start(self) -> list[Command]:
+        """The phase's first calls: every shard (rollout), or a chunk for every rank (training)."""
+        if self.shards is not None:
+            for rank, shard in enumerate(self.shards):
+                with_draft = sum(r.draft is not None for r in shard)
+                self.on_activity(rank, "generate", f"{len(shard)} requests, {with_draft} with a draft")
+            return [Generate(rank, tuple(shard)) for rank, shard in enumerate(self.shards)]
+        return [command for rank in range(self.num_ranks) for command in self._hand_out(rank, 0.0, "while training")]
+
+    def shard_done(
+        self,
+        rank: int,
+        now: float,
+        results: Sequence[GenerationResult],
+        forward_passes: int,
+        seconds_saved: float | None = None,
+    ) -> list[Command]:
+        """``rank`` returned its shard at ``now`` after ``forward_passes`` forward passes; its drafts saved
+        ``seconds_saved`` (an estimate, negative when they cost time; None: not estimated)."""
+        assert self.shards is not None and rank in self._generating, f"rank {rank} has no shard running"
+        self._generating.discard(rank)
+        self.results |= {r.key: r for r in results}
+        record = self.records[rank]
+        record.add_results(results, [r.draft is not None for r in self.shards[rank]])
+        record.generation_seconds = now
+        record.forward_passes = forward_passes
+        record.seconds_saved_by_drafts = seconds_saved
+        self.timelines[rank].append(("generate", 0.0, now))
+        tokens = sum(len(r.token_ids) for r in results)
+        self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {forward_passes} passes")
+        if not self._generating:
+            return self._stop(now)  # the barrier
+        return self._hand_out(rank, now, "in the bubble")
+
+    def chunk_done(self, rank: int, now: float, results: Sequence[GenerationResult]) -> list[Command]:
+        """``rank`` returned its drafting chunk at ``now`` (unfinished responses where the stop cut them off)."""
+        began, chunk = self._drafting.pop(rank)
+        made = drafts_from(results, self.policy_version)
+        self._chunks[chunk] = made
+        record = self.records[rank]
+        record.draft_requests += len(made)
+        record.draft_tokens_produced += drafted_tokens(results)
+        record.drafting_seconds += min(now, self._stop_time) - began
+        if self.stopped_at is not None and now > self.stopped_at:
+            record.preemption_latency_seconds = now - self.stopped_at
+        self.timelines[rank].append(("draft", began, now))
+        self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(results)} tokens")
+        return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
+
+    def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:
+        """``rank``'s replica died while drafting: its chunk's drafts are lost, and the rank drafts no more in this
+        phase (its next shard call restores it)."""
+        began, _ = self._drafting.pop(rank)
+        self.timelines[rank].append(("draft", began, now))
+        self.on_activity(rank, "idle", f"lost its replica while drafting: {type(error).__name__}")
+        return []
+
+    def stop(self, now: float) -> list[Command]:
+        """The trainer finished at ``now`` (training phase): no more chunks; the ranks drafting are told to stop."""
+        assert not self.is_rollout, "a rollout phase stops at its barrier"
+        return self._stop(now) if self.stopped_at is None else []
+
+    def outcome(self, end: float) -> RolloutOutcome:
+        """What the phase did; ``end``: when the driver saw the last call return (seconds from the phase start).
+        A rollout lasts until ``end``, its ranks idle from their last call on; drafting while training lasts as
+        long as the trainer did (until the stop)."""
+        assert not self.in_flight, "the phase still has calls running"
+        barrier = self.stopped_at if self.stopped_at is not None else end
+        if not self.is_rollout:
+            end = barrier
+        else:
+            for record, timeline in zip(self.records, self.timelines, strict=True):
+                record.bubble_seconds = barrier - record.generation_seconds
+                busy_until = timeline[-1][2] if timeline else 0.0
+                if busy_until < end:
+                    timeline.append(("idle", busy_until, end))
+        drafts = [draft for chunk in self._chunks for draft in chunk]
+        return RolloutOutcome(list(self.results.values()), drafts, self.records, end, barrier, self.timelines)
+
+    @property
+    def _stop_time(self) -> float:
+        return float("inf") if self.stopped_at is None else self.stopped_at
+
+    def _stop(self, now: float) -> list[Command]:
+        self.stopped_at = now
+        return [StopDrafting(now)]
+
+    def _hand_out(self, rank: int, now: float, when: str) -> list[Command]:
+        """The next chunk of the plan to ``rank``, idle at ``now``; none after the stop or when the plan is done."""
+        if self.stopped_at is not None or not self.plan:
+            if not self.is_rollout:
+                self.on_activity(rank, "idle", "")
+            return []
+        chunk = self.plan.take()
+        self.on_activity(rank, "draft", _chunk_detail(chunk, when))
+        self._drafting[rank] = (now, len(self._chunks))
+        self._chunks.append([])
+        return [DraftChunk(rank, tuple(chunk))]
+
+
+def _chunk_detail(chunk: Sequence[GenerationRequest], when: str) -> str:
+    steps = sorted({r.key.step for r in chunk})
+    going_on = sum(r.draft is not None for r in chunk)
+    return f"{len(chunk)} keys of step {', '.join(map(str, steps))} {when}" + (
+        f" ({going_on} going on from a draft)" if going_on else ""
+    )
+
+
+class RankPool(Protocol):
+    """The rollout ranks of a run, as the rollout service drives them: a driver of :class:`PhaseScheduler` on one
+    clock (:class:`bubblespec.rollout.virtual_ranks.VirtualRankPool`,
+    :class:`bubblespec.rollout.serve_ranks.ServeRankPool`)."""
+
+    num_ranks: int
+    context_length: int | None
+    """The ranks' engines' :attr:`~bubblespec.core.interfaces.Engine.context_length` (None: not known here)."""
+    on_activity: ActivityListener
+    """Told (rank, activity, detail) as the scheduler decides: the live display. :func:`ignore_activity` by default."""
+
+    def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
+        """A step's rollout phase: every rank generates its shard, idle ranks draft ``plan`` until the barrier."""
+        ...
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
+        ...
+
+    def start_drafting(self, plan: DraftPlan) -> None:
+        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
+        ...
+
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
+        per-rank records and timelines (seconds from the start of training) and no results."""
+        ...
+
+    def release(self) -> None:
+        """Every rank's engine frees its generation memory (``GenerationEngine.release``): the trainer shares the
+        hardware."""
+        ...
+
+    def resume(self) -> None:
+        """Undo :meth:`release`."""
+        ...
+
+    def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generates held-out requests with the current weights (no drafts, not timed)."""
+        ...
+
+    def placement(self) -> list[dict]:
+        """Where each rank runs (node, GPUs, releases), for the run's summary; [] where that says nothing (one
+        process on the virtual clock)."""
+        ...

@@ -1,0 +1,415 @@
+"""Rollout ranks as Ray Serve deployments: one single-replica application per data-parallel rank, addressed by
+rank, with the HTTP proxy off. The controller drives them through DeploymentHandles (wall clock).
+
+A rank that finishes its shard is handed chunks of the next step's drafting plan; when the last rank finishes
+(the barrier) every rank is told to stop, and each in-flight draft call returns after its current forward pass
+with partial drafts. Stopping uses a step number rather than a flag to clear, so a stop can never be lost to a
+draft call that starts late.
+
+Faults: Serve replaces a replica that dies, and the replacement starts from the initial model. Every call
+therefore names the policy version it expects; a replica holding another one refuses it (:class:`StalePolicy`),
+and the pool gives the rank the current weights and calls again, as it does when a call fails with the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from bubblespec.core import fault_gates
+from bubblespec.core.interfaces import GenerationRequest, GenerationResult
+from bubblespec.rollout.bubble_scheduler import (
+    REPLACED,
+    ActivityListener,
+    DraftChunk,
+    Generate,
+    PhaseScheduler,
+    RetryPolicy,
+    StopDrafting,
+    ignore_activity,
+)
+from bubblespec.rollout.speculation_effect import TimedPasses, fit_pass_cost, seconds_saved
+from bubblespec.rollout.step import DraftPlan, RolloutOutcome
+from bubblespec.rollout.weights import PackedWeights
+
+logger = logging.getLogger(__name__)
+
+
+class StalePolicy(RuntimeError):
+    """A replica asked to generate with a policy version it does not hold (Serve replaced it meanwhile)."""
+
+
+class RankReplica:
+    """The body of one rank's deployment: an engine from the configured backend plugin."""
+
+    def __init__(self, rank: int, backend: str, engine_settings: dict) -> None:
+        import torch
+
+        from bubblespec.core import plugins
+
+        torch.set_num_threads(engine_settings.get("num_threads") or 1)
+        self.rank, self.backend = rank, backend
+        self.engine = plugins.load("backends", backend).from_pretrained(**(engine_settings | {"rank": rank}))
+        self.dtype = engine_settings.get("dtype")
+        self.max_batch_size = engine_settings.get("max_batch_size", 64)
+        self.stopped_step = -1
+        self.version = 0
+        self.releases = 0
+
+    def __del__(self) -> None:
+        """Serve calls this when it shuts the replica down gracefully (its application deleted, as on a shared
+        cluster at the end of a run): the engine frees what it holds."""
+        engine = getattr(self, "engine", None)  # None: the constructor failed before the engine existed
+        if engine is not None:
+            engine.close()
+
+    def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int, float]:
+        """The shard's results, its forward passes and the seconds its drafts saved (negative: cost), estimated
+        from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`)."""
+        self._check_version(version)
+        passes = TimedPasses()
+        hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
+        results = self._engine_call(self.engine.generate, requests, on_forward=passes, stop=hold)
+        cost = fit_pass_cost(passes.passes)
+        ran = sum(cost(forward) for forward, _ in passes.passes)
+        saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost)
+        return results, len(passes.passes), saved
+
+    def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
+        self._check_version(version)
+        return self._engine_call(self.engine.generate, requests, stop=_StepStop(self, step))
+
+    def _check_version(self, version: int) -> None:
+        if version != self.version:
+            raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
+
+    def _engine_call(self, method, requests, **kwargs) -> list[GenerationResult]:
+        """An engine failure names this rank and backend; a result list that does not match the requests is one."""
+        from bubblespec.core.errors import BubblespecError, EngineError
+
+        try:
+            results = method(requests, **kwargs)
+        except BubblespecError:
+            raise
+        except Exception as error:
+            raise EngineError(
+                f"rank {self.rank} (backend {self.backend!r}) failed on {len(requests)} requests: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if len(results) != len(requests) or [r.key for r in results] != [r.key for r in requests]:
+            raise EngineError(
+                f"rank {self.rank} (backend {self.backend!r}) returned {len(results)} results for {len(requests)} "
+                "requests, or in another order: the GenerationEngine contract asks for one per request, in order"
+            )
+        return results
+
+    def stop(self, step: int) -> None:
+        self.stopped_step = max(self.stopped_step, step)
+
+    def update_weights(self, weights: PackedWeights, version: int) -> int:
+        """``weights``: tensors by Hugging Face name, in any dtype (views of the node's object store); the engine
+        gets them in its own."""
+        from bubblespec.models.decoder import DTYPES
+
+        dtype = DTYPES.get(self.dtype)  # an engine-specific dtype name ("auto") takes the tensors as they are
+        state = weights.tensors()
+        self.engine.update_weights({name: t if dtype is None else t.to(dtype) for name, t in state.items()}, version)
+        self.version = version
+        return version
+
+    def release(self) -> None:
+        """The trainer shares this rank's hardware: free the engine's generation memory until :meth:`resume`."""
+        self.engine.release()
+        self.releases += 1
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def placement(self) -> dict:
+        """Where this replica runs: its Ray node, the GPUs Ray gave it, and how often it released its memory."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node": context.get_node_id(), "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
+                "releases": self.releases}  # fmt: skip
+
+
+class _StepStop:
+    def __init__(self, replica: RankReplica, step: int) -> None:
+        self.replica, self.step = replica, step
+
+    def is_set(self) -> bool:
+        return self.replica.stopped_step >= self.step
+
+
+def deploy_ranks(num_ranks: int, backend: str, engine_settings: dict, resources: dict) -> list:
+    """Deploys one application ``bubblespec-rank-<r>`` per rank, each replica with Ray ``resources``
+    (``ray_actor_options``: num_cpus, num_gpus, label_selector); returns their handles in rank order. Serve
+    spreads the replicas over the nodes that have room."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    # stop() must run while draft() does: synchronous methods in Serve's thread pool, whatever the Ray version's
+    # default (env_vars of an actor's runtime_env add to the job's own)
+    options = resources | {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "1"}}}
+    deployment = serve.deployment(name="rank", max_ongoing_requests=4, ray_actor_options=options)(RankReplica)
+    targets = [
+        RunTarget(deployment.bind(rank, backend, engine_settings), name=f"bubblespec-rank-{rank}", route_prefix=None)
+        for rank in range(num_ranks)
+    ]
+    try:
+        return list(serve.run_many(targets))
+    except RuntimeError as error:  # Serve says only "failed to update the deployments"; the replica said why
+        from bubblespec.core.errors import EngineError
+
+        raise EngineError(_why_a_rank_failed_to_start(num_ranks, backend) or str(error)) from None
+
+
+def _why_a_rank_failed_to_start(num_ranks: int, backend: str) -> str | None:
+    """The first failed rank and the last line of its replica's error (the exception and its message)."""
+    from ray import serve
+
+    applications = serve.status().applications
+    for rank in range(num_ranks):
+        application = applications.get(f"bubblespec-rank-{rank}")
+        for deployment in application.deployments.values() if application else ():
+            lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+            if str(deployment.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines:
+                return f"rank {rank} could not start its engine (backend {backend!r}): {lines[-1]}"
+    return None
+
+
+class ServeRankPool:
+    """All ranks for real, in wall-clock time: a driver of :class:`~bubblespec.rollout.bubble_scheduler.PhaseScheduler`
+    whose calls are DeploymentHandle calls, reported as they return."""
+
+    def __init__(self, handles: Sequence, retry: RetryPolicy | None = None) -> None:
+        self.handles = list(handles)
+        self.num_ranks = len(self.handles)
+        self.context_length = None
+        """Not asked of the replicas: only the synchronous schedule, which needs none, runs on the wall clock."""
+        self.retry = retry or RetryPolicy()
+        self.version = 0
+        self._step = 0
+        self._weights = None
+        self.clock: Callable[[], float] = time.perf_counter
+        """Seconds on the wall clock; the scheduler's times are differences of two readings."""
+        self.on_activity: ActivityListener = ignore_activity
+        """Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
+
+    restore_timeout_s = 120.0
+
+    def update_weights(self, state_dict, version: int) -> float:
+        import ray
+
+        start = time.perf_counter()
+        # One object for every rank: each node's ranks map the same bytes of its object store.
+        reference = ray.put(PackedWeights.pack(state_dict))
+        self.version, self._weights = version, reference  # a replica restored meanwhile gets these
+        self._on_every_rank(lambda handle: handle.update_weights.remote(reference, version))
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        """Every rank frees its generation memory for the trainer (colocated hardware)."""
+        self._on_every_rank(lambda handle: handle.release.remote())
+
+    def resume(self) -> None:
+        self._on_every_rank(lambda handle: handle.resume.remote())
+
+    def placement(self) -> list[dict]:
+        """Each rank's node, GPUs and releases (:meth:`RankReplica.placement`)."""
+        return self._on_every_rank(lambda handle: handle.placement.remote())
+
+    def _on_every_rank(self, call) -> list:
+        async def on_all():
+            return await asyncio.gather(*[self._resilient(rank, call) for rank in range(self.num_ranks)])
+
+        return asyncio.run(on_all())
+
+    async def _resilient(self, rank: int, call):
+        """``call(handle)`` on a rank; if the rank's replica died, wait for Serve's replacement, give it the current
+        policy and call again, as :attr:`retry` says."""
+        attempt = 0
+        while True:
+            try:
+                return await call(self.handles[rank])
+            except _replica_lost_errors() as error:
+                if not self.retry.retry(attempt):
+                    from bubblespec.core.errors import EngineError
+
+                    raise EngineError(f"rank {rank}: its replica died {attempt + 1} times ({error})") from error
+                logger.warning(
+                    "rank %d lost its replica (%s); restoring policy version %d and retrying", rank, error, self.version
+                )
+                await self._restore(rank)
+                self.on_activity(rank, REPLACED, f"replica replaced, policy version {self.version}")
+                attempt += 1
+
+    async def _restore(self, rank: int) -> None:
+        deadline = time.perf_counter() + self.restore_timeout_s
+        while True:
+            try:
+                if self._weights is not None:
+                    await self.handles[rank].update_weights.remote(self._weights, self.version)
+                else:  # version 0: a new replica loads the initial weights itself
+                    await self.handles[rank].stop.remote(-1)  # waits until the rank has a replica again
+                return
+            except _replica_lost_errors():
+                if time.perf_counter() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    async def _stop_all(self, step: int) -> None:
+        """Tells every rank to stop drafting for ``step``. A replica that died has nothing left to stop: the
+        rank's next call restores it."""
+
+        async def stop(rank: int) -> None:
+            try:
+                await self.handles[rank].stop.remote(step)
+            except _replica_lost_errors() as error:
+                logger.warning("rank %d lost its replica (%s); nothing to stop there", rank, error)
+
+        await asyncio.gather(*[stop(rank) for rank in range(self.num_ranks)])
+
+    def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results, *_ = asyncio.run(
+            self._resilient(0, lambda handle: handle.generate.remote(list(requests), self.version))
+        )
+        return results
+
+    def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
+        self._step += 1
+        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, shards, self.on_activity)
+        return asyncio.run(self._run(scheduler, self._step, self.clock()))
+
+    def start_drafting(self, plan: DraftPlan) -> None:
+        """Ranks draft the rest of ``plan`` in the background (a thread with its own event loop) until
+        :meth:`stop_drafting`."""
+        self._step += 1
+        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity)
+        self._loop = asyncio.new_event_loop()
+        self._trainer_done = asyncio.Event()
+        self._drafting: RolloutOutcome | Exception | None = None
+        started = self.clock()
+
+        def draft() -> None:
+            try:
+                self._drafting = self._loop.run_until_complete(
+                    self._run(scheduler, self._step, started, until=self._trainer_done)
+                )
+            except Exception as error:  # raised in the caller's thread by stop_drafting
+                self._drafting = error
+            finally:
+                self._loop.close()
+
+        self._drafter = threading.Thread(target=draft, name="bubblespec-drafting")
+        self._drafter.start()
+
+    def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
+        """Stops the drafting; raises the error of a rank whose engine failed meanwhile (every rank was stopped
+        then already)."""
+        try:
+            self._loop.call_soon_threadsafe(self._trainer_done.set)
+        except RuntimeError:  # the loop is closed: drafting ended on an error
+            pass
+        self._drafter.join()
+        if isinstance(self._drafting, Exception):
+            raise self._drafting
+        return self._drafting
+
+    async def _run(
+        self, scheduler: PhaseScheduler, step: int, started: float, until: asyncio.Event | None = None
+    ) -> RolloutOutcome:
+        """Runs a phase: starts the calls ``scheduler`` asks for and reports each as it returns; ``until``: the
+        trainer's end (drafting while training), reported to the scheduler as its stop."""
+        running: dict[asyncio.Future, Generate | DraftChunk] = {}
+        trainer_done = None if until is None else asyncio.ensure_future(until.wait())
+
+        async def run(commands) -> None:
+            for command in commands:
+                if isinstance(command, StopDrafting):
+                    await self._stop_all(step)
+                elif isinstance(command, Generate):
+                    shard = list(command.requests)
+                    call = self._resilient(command.rank, lambda h, shard=shard: h.generate.remote(shard, self.version))
+                    running[asyncio.ensure_future(call)] = command
+                else:
+                    call = self.handles[command.rank].draft.remote(list(command.requests), step, self.version)
+                    running[asyncio.ensure_future(_awaited(call))] = command
+
+        try:
+            await run(scheduler.start())
+            while running or (trainer_done is not None and not trainer_done.done()):
+                waiting = set(running) if trainer_done is None or trainer_done.done() else {*running, trainer_done}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                now = self.clock() - started
+                if trainer_done in done:
+                    await run(scheduler.stop(now))
+                # calls that came back together: shards first, so that the barrier comes before a chunk's end
+                for future in sorted(done - {trainer_done}, key=lambda f: isinstance(running[f], DraftChunk)):
+                    command = running.pop(future)
+                    if isinstance(command, Generate):
+                        results, passes, saved = future.result()
+                        await run(scheduler.shard_done(command.rank, now, results, passes, saved))
+                        continue
+                    try:
+                        results = future.result()
+                    except _replica_lost_errors() as error:
+                        logger.warning(
+                            "rank %d lost its replica while drafting (%s); its chunk's drafts are dropped",
+                            command.rank, error,
+                        )  # fmt: skip
+                        await run(scheduler.chunk_lost(command.rank, now, error))
+                    else:
+                        await run(scheduler.chunk_done(command.rank, now, results))
+        except Exception as error:
+            shard_calls = {future for future, command in running.items() if isinstance(command, Generate)}
+            await self._abandon(step, set(running), shard_calls)
+            raise _engine_error(error) from None
+        finally:
+            if trainer_done is not None:
+                trainer_done.cancel()
+        return scheduler.outcome(self.clock() - started)
+
+    async def _abandon(self, step: int, in_flight: set, shard_calls: set) -> None:
+        """After a rank's engine failed: every rank stops drafting for ``step`` (its drafting call returns after the
+        current forward pass), shard calls still running are cancelled, and every call in flight is waited for,
+        so that no rank works on when the error reaches the caller. Errors met meanwhile are logged; the first
+        one is the error to raise."""
+        for future in in_flight & shard_calls:
+            future.cancel()
+        outcomes = await asyncio.gather(self._stop_all(step), *in_flight, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                logger.warning(
+                    "while stopping the ranks after an engine error: %s: %s", type(outcome).__name__, outcome
+                )
+
+
+def _engine_error(error: Exception) -> Exception:
+    """The replica's own exception, where Ray wrapped it in a RayTaskError (whose message is a whole traceback)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, Exception) else error
+
+
+async def _awaited(response):
+    return await response
+
+
+def _replica_lost_errors() -> tuple[type[BaseException], ...]:
+    """What a call to a rank raises when its replica died, is being replaced, or is a replacement that does not
+    hold the current policy yet."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (
+        RayActorError,
+        ActorDiedError,
+        ActorUnavailableError,
+        ReplicaUnavailableError,
+        DeploymentUnavailableError,
+        StalePolicy,
+    )

@@ -1,0 +1,299 @@
+"""The rollout service (docs/design.md §11): generation with bubble-time drafting for any synchronous trainer.
+
+    service.generate(step, prompts, samples_per_prompt)   the step's responses, sharded over the ranks; while the
+                                                           slow ranks finish, idle ranks draft the prompts of the
+                                                           next steps (``peek``) with the policy they hold
+    service.training_starts() / training_ended(seconds)    around the trainer's step: ranks on hardware of their
+                                                           own draft on (draft_during_training); colocated ranks
+                                                           release their memory to the trainer and resume after
+    service.update_weights(state_dict, version)            the new policy to every rank
+    service.evaluate(requests)                             held-out generation, no drafts
+    service.close()
+
+The service owns the ranks, the draft store, the drafting plan and what drafting learns across steps (response
+lengths, the history draft source); the caller owns prompts, rewards and training. bubblespec's own RL loop
+(:mod:`bubblespec.rl.loop`) and the TRL integration (:mod:`bubblespec.integrations.trl`) both go through it.
+
+Every response is a pure function of its rollout key (run seed, step, prompt uid, sample index) and the policy
+version: where and whether a draft was used changes only the time it took (invariant 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from bubblespec.core.config import RolloutConfig, SpeculationConfig
+from bubblespec.core.draft_sources import BubbleDrafts, HistoryDrafts, StaticDraftSource, source_class
+from bubblespec.core.errors import ConfigError
+from bubblespec.core.interfaces import (
+    BubblePolicy,
+    BubblePolicyBase,
+    Draft,
+    DraftStore,
+    DraftStoreBase,
+    GenerationRequest,
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+    ShardingPolicyBase,
+)
+from bubblespec.rollout.bubble_scheduler import RankPool
+from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
+from bubblespec.rollout.step import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+
+logger = logging.getLogger(__name__)
+
+
+Peek = Callable[[int], Sequence[Prompt] | None]
+"""The prompts of a later step (``peek(step)``), or None when they cannot be known in advance; [] past the end."""
+
+
+class RolloutService:
+    """Rollout ranks plus everything bubble drafting needs, behind generate / update_weights.
+
+    ``ranks`` is a rank pool (:class:`bubblespec.rollout.virtual_ranks.VirtualRankPool` on the virtual clock,
+    :class:`bubblespec.rollout.serve_ranks.ServeRankPool` on Ray Serve); ``peek`` says which prompts later steps will
+    ask for, with ``samples_per_prompt`` samples each (a step's own count is given to :meth:`generate`).
+    """
+
+    def __init__(
+        self,
+        ranks: RankPool,
+        store: DraftStore,
+        bubble_policy: BubblePolicy,
+        sharding_policy: ShardingPolicyBase,
+        sampling: SamplingParams,
+        speculation: SpeculationConfig,
+        seed: int,
+        max_batch_size: int,
+        peek: Peek | None = None,
+        samples_per_prompt: int = 1,
+        static_sources: Sequence[tuple[str, StaticDraftSource]] = (),
+        colocated: bool = False,
+    ) -> None:
+        self.ranks = ranks
+        self.store = store
+        self.bubble_policy = bubble_policy
+        self.sharding_policy = sharding_policy
+        self.sampling = sampling
+        self.speculation = speculation
+        self.seed = seed
+        self.max_batch_size = max_batch_size
+        self.peek = peek or (lambda step: None)
+        self.samples_per_prompt = samples_per_prompt
+        self.static_sources = list(static_sources)
+        """The static draft sources in priority order, by name; the first with a key's draft gives it."""
+        self.history = next((s for _, s in self.static_sources if isinstance(s, HistoryDrafts)), None)
+        """The ``history`` source, whose memory checkpoints keep."""
+        self.colocated = colocated
+        """Ranks share the trainer's hardware: they release their memory while it trains."""
+        self.response_lengths = ResponseLengths()
+        """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
+        self._plan = DraftPlan([])
+        self._warned_unpeekable = False
+        self._drafting = self._released = False
+
+    @classmethod
+    def build(
+        cls,
+        ranks: RankPool,
+        vocab_size: int,
+        speculation: SpeculationConfig,
+        rollout: RolloutConfig,
+        sampling: SamplingParams,
+        seed: int,
+        samples_per_prompt: int,
+        peek: Peek | None,
+        colocated: bool = False,
+    ) -> RolloutService:
+        """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names;
+        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``)."""
+        from bubblespec.core import plugins
+        from bubblespec.rollout.draft_store import TolerantDraftStore
+
+        store_class = plugins.load_subclass("draft_stores", speculation.draft_store, DraftStoreBase)
+        try:
+            store = store_class(vocab_size=vocab_size, max_tokens=speculation.draft_store_max_tokens,
+                                **speculation.draft_store_options)  # fmt: skip
+        except TypeError as error:
+            raise ConfigError(
+                f"speculation.draft_store_options {speculation.draft_store_options} do not suit the "
+                f"{speculation.draft_store!r} draft store: {error}"
+            ) from None
+        store = TolerantDraftStore(store)
+        return cls(
+            ranks,
+            store,
+            plugins.load_subclass("policies", speculation.bubble_policy, BubblePolicyBase)(),
+            plugins.load_subclass("policies", speculation.sharding_policy, ShardingPolicyBase)(),
+            sampling,
+            speculation,
+            seed,
+            rollout.max_batch_size,
+            peek,
+            samples_per_prompt,
+            static_sources(speculation, store),
+            colocated,
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.ranks.num_ranks
+
+    def requests(self, step: int, prompts: Sequence[Prompt], samples_per_prompt: int) -> list[GenerationRequest]:
+        """The step's requests in order (prompt by prompt, sample by sample), keyed by this service's seed."""
+        return step_requests(prompts, self.seed, step, samples_per_prompt, self.sampling)
+
+    def generate(self, step: int, prompts: Sequence[Prompt], samples_per_prompt: int) -> RolloutOutcome:
+        """The responses of step ``step`` (``outcome.results`` in request order) and what each rank did. Drafts
+        of earlier bubbles are verified; idle ranks draft the next steps' keys."""
+        return self.generate_requests(step, self.requests(step, prompts, samples_per_prompt))
+
+    def generate_requests(self, step: int, requests: Sequence[GenerationRequest]) -> RolloutOutcome:
+        """:meth:`generate` of explicit requests: a schedule's (:mod:`bubblespec.rl.rollout_schedules`) mix of step
+        ``step``'s own requests and earlier steps' carried ones. A request that brings its own draft keeps it; the
+        others get the static sources' drafts. Idle ranks draft the keys of the steps after ``step``."""
+        speculate = self.speculation.uses_bubble
+        drafts = self._static_drafts([r.key for r in requests if r.draft is None])
+        requests = [r if r.draft is not None else attach_drafts([r], drafts)[0] for r in requests]
+        predicted = {r.key: len(r.draft.token_ids) for r in requests if r.draft is not None}
+        shards = self.sharding_policy.shard(requests, self.num_ranks, predicted)
+        plan = self._next_plan(step) if speculate else DraftPlan([])
+        outcome = self.ranks.rollout(shards, plan)
+        if speculate:
+            self._store(outcome.drafts)
+            self.store.drop_steps_before(step + 1)  # this step's drafts are used up
+            plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
+        self._plan = plan
+        by_key = {result.key: result for result in outcome.results}
+        outcome.results = [by_key[r.key] for r in requests]
+        for _, source in self.static_sources:
+            source.observe(outcome.results)
+        self.response_lengths.observe(outcome.results)
+        return outcome
+
+    def training_starts(self) -> None:
+        """The trainer is about to train. Colocated ranks release their generation memory to it; ranks on
+        hardware of their own go on drafting the rest of the last step's plan (``draft_during_training``)."""
+        self._drafting = False
+        if self.colocated:
+            self.ranks.release()
+            self._released = True
+        elif self.speculation.uses_bubble and self.speculation.draft_during_training and self._plan:
+            self.ranks.start_drafting(self._plan)
+            self._drafting = True
+
+    def training_ended(self, train_seconds: float) -> RolloutOutcome | None:
+        """The trainer is done (or failed: ``train_seconds`` 0). Colocated ranks resume; drafting stops (the
+        virtual clock budgets it by ``train_seconds``) and its drafts are stored and returned with per-rank
+        records and timelines; None when the ranks did not draft."""
+        if self._released:
+            self.ranks.resume()
+            self._released = False
+        if not self._drafting:
+            return None
+        self._drafting = False
+        outcome = self.ranks.stop_drafting(train_seconds)
+        self._store(outcome.drafts)
+        return outcome
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """The new policy to every rank; returns the seconds it took."""
+        return self.ranks.update_weights(state_dict, version=version)
+
+    def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generates held-out requests with the current weights (no drafts, not timed)."""
+        return self.ranks.evaluate(requests)
+
+    def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list) -> None:
+        """Back to a checkpoint's drafting state: its pending drafts, history and response lengths."""
+        self.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
+        self.store.put(list(drafts))
+        if self.history is not None:
+            self.history.restore(history)
+        self.response_lengths.restore(response_lengths)
+
+    def pending_drafts(self, step: int) -> list[Draft]:
+        """The stored drafts of the keys the steps after ``step`` will ask for (what a checkpoint keeps)."""
+        if not self.speculation.uses_bubble:
+            return []
+        keys = [
+            r.key
+            for future_step in range(step + 1, step + 1 + self.speculation.lookahead_steps)
+            for r in self._future_requests(future_step)
+        ]
+        return list(self.store.get(keys).values())
+
+    def snapshot(self) -> dict:
+        """What drafting learned across steps, for a checkpoint: response lengths and the history source."""
+        return {
+            "response_lengths": self.response_lengths.snapshot(),
+            "history": None if self.history is None else self.history.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Stops drafting; the ranks themselves belong to whoever started them (a Ray session, this process)."""
+        self._plan = DraftPlan([])
+
+    def _static_drafts(self, keys: list) -> dict:
+        """Each key's draft from the first static source (``speculation.draft_sources`` order) that has one."""
+        drafts: dict = {}
+        if not self.speculation.enabled:
+            return drafts
+        for _, source in self.static_sources:
+            drafts = source.drafts(keys) | drafts  # earlier sources win
+        return drafts
+
+    def _next_plan(self, step: int) -> DraftPlan:
+        """The keys to draft during step ``step``: those of the next ``speculation.lookahead_steps`` steps,
+        the nearest step first. Within a step, keys without a draft or with an unfinished one come first (in
+        bubble-policy order) and go on from their draft; then finished drafts of an older policy, to be
+        re-verified and refreshed by the current one."""
+        ordered = []
+        for future_step in range(step + 1, step + 1 + self.speculation.lookahead_steps):
+            requests = self._future_requests(future_step)
+            stored = self.store.get([r.key for r in requests])
+            predicted = predicted_lengths([r.key for r in requests], stored, self.response_lengths)
+            by_key = {r.key: r for r in attach_drafts(requests, stored)}
+            in_order = [by_key[k] for k in self.bubble_policy.order(list(by_key), predicted)]
+            ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
+            ordered += [r for r in in_order if r.draft is not None and r.draft.finished]
+        return DraftPlan(ordered, self.num_ranks, self.max_batch_size)
+
+    def _future_requests(self, future_step: int) -> list[GenerationRequest]:
+        """The requests of a later step, or none if the caller cannot say its prompts."""
+        prompts = self.peek(future_step)
+        if prompts is None:
+            if not self._warned_unpeekable:
+                logger.warning(
+                    "the prompt source cannot say the prompts of step %d in advance (peek returned None): the "
+                    "bubble stays idle and steps run without drafts",
+                    future_step,
+                )
+                self._warned_unpeekable = True
+            return []
+        return self.requests(future_step, prompts, self.samples_per_prompt)
+
+    def _store(self, drafts: list[Draft]) -> None:
+        """Stores new drafts, except an unfinished one shorter than the draft it would replace: stopped while
+        re-verifying an older draft, it would throw away that draft's tail."""
+        stored = self.store.get([d.key for d in drafts])
+        self.store.put(
+            [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
+        )
+
+
+def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tuple[str, StaticDraftSource]]:
+    """The static draft sources ``speculation.draft_sources`` names, in its order, built with their
+    ``draft_source_options``; the ``bubble`` source reads ``store``."""
+    built = []
+    for name in speculation.draft_sources:
+        source = source_class(name)
+        if not issubclass(source, StaticDraftSource):
+            continue  # dynamic ones run inside the engine
+        if issubclass(source, BubbleDrafts):
+            built.append((name, source(store)))
+            continue
+        built.append((name, source(**speculation.draft_source_options.get(name, {}))))  # options checked by the config
+    return built

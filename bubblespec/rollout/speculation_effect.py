@@ -1,0 +1,126 @@
+"""What speculation saved or cost in a run, estimated from the run itself (docs/design.md §8).
+
+Verification is exact, so a shard decoded without drafts produces the very same tokens: only the forward passes
+differ. Each rank therefore replays its shard as plain decoding would run it (:func:`plain_decode_passes`: the
+built-in engine's continuous batching, up to ``max_batch_size`` sequences, one token per sequence per pass) and
+charges every replayed pass with a cost model of its own passes:
+
+- on the virtual clock, the clock's cost profile (the replay is what a run without drafts would have been charged,
+  up to the engine's own scheduling);
+- on the wall clock, a least-squares fit of the rank's measured pass times in this shard to the passes' sizes
+  (sequences, tokens fed, context read, logits sampled), with non-negative coefficients (:func:`fit_pass_cost`).
+
+A rank's ``seconds_saved_by_drafts`` is the cost of the passes it ran minus the cost of the replay's (both under the
+same cost, so that a warm-up or a stall common to both cancels): negative when verifying drafts cost more than it
+saved, and 0 for a shard without drafts on the built-in engine (whose schedule the replay is).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from bubblespec.core.interfaces import ForwardPass, GenerationRequest, GenerationResult
+
+PassCost = Callable[[ForwardPass], float]
+FEATURES = ("num_sequences", "num_tokens", "context_tokens", "sampled_logits")
+
+
+def plain_decode_passes(
+    prompt_lengths: Sequence[int], response_lengths: Sequence[int], max_batch_size: int, vocab_size: int
+) -> Iterator[ForwardPass]:
+    """The forward passes of decoding these requests without drafts: requests join in order as slots free up, a
+    new one feeds its prompt and every other one its last token, each pass samples one token per sequence."""
+    waiting = list(zip(prompt_lengths, response_lengths, strict=True))[::-1]
+    finishing: list[tuple[int, int]] = []  # (the pass after which it is done, its cache length then)
+    decoding, cache, passes = 0, 0, 0  # sequences past their first pass, their cache lengths summed; passes run
+    while waiting or finishing:
+        new = []
+        while waiting and len(finishing) < max_batch_size:
+            prompt, response = waiting.pop()
+            new.append(prompt)
+            heapq.heappush(finishing, (passes + max(response, 1), prompt + max(response, 1) - 1))
+        yield ForwardPass(
+            num_sequences=decoding + len(new),
+            num_tokens=decoding + sum(new),
+            context_tokens=cache + decoding + sum(new),
+            attention_pairs=cache + decoding + sum(p * (p + 1) // 2 for p in new),
+            sampled_logits=(decoding + len(new)) * vocab_size,
+        )
+        passes += 1
+        cache += decoding + sum(new)
+        decoding += len(new)
+        while finishing and finishing[0][0] == passes:
+            decoding, cache = decoding - 1, cache - heapq.heappop(finishing)[1]
+
+
+class TimedPasses:
+    """An ``on_forward`` listener that keeps each forward pass of a call with the wall seconds since the previous
+    one (the first: since the listener was made, just before the call)."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[ForwardPass, float]] = []
+        self._last = time.perf_counter()
+
+    def __call__(self, forward: ForwardPass) -> None:
+        now = time.perf_counter()
+        self.passes.append((forward, now - self._last))
+        self._last = now
+
+
+def fit_pass_cost(passes: Sequence[tuple[ForwardPass, float]]) -> PassCost:
+    """Seconds of a pass as a non-negative combination of a constant and :data:`FEATURES`, fitted by least squares
+    to measured passes: features that would get a negative weight are left out and the rest fitted again, then
+    passes far slower than the fit says (a first call's warm-up, another process taking the core) are left out and
+    it is fitted once more."""
+    import numpy as np
+
+    if not passes:
+        return lambda forward: 0.0
+    rows = np.array([[1.0, *(getattr(f, name) for name in FEATURES)] for f, _ in passes])
+    seconds = np.array([s for _, s in passes])
+    coefficients = _non_negative_fit(rows, seconds)
+    residuals = seconds - rows @ coefficients
+    spread = np.median(np.abs(residuals - np.median(residuals)))
+    typical = residuals <= np.median(residuals) + 5 * max(spread, 1e-9)
+    if typical.sum() >= rows.shape[1]:
+        coefficients = _non_negative_fit(rows[typical], seconds[typical])
+
+    def cost(forward: ForwardPass) -> float:
+        return float(coefficients[0] + sum(coefficients[i + 1] * getattr(forward, n) for i, n in enumerate(FEATURES)))
+
+    return cost
+
+
+def _non_negative_fit(rows, seconds):
+    import numpy as np
+
+    scale = np.maximum(rows.max(axis=0), 1.0)
+    kept = list(range(rows.shape[1]))
+    while True:
+        weights, *_ = np.linalg.lstsq(rows[:, kept] / scale[kept], seconds, rcond=None)
+        negative = [k for k, w in zip(kept, weights, strict=True) if w < 0]
+        if not negative:
+            break
+        kept.remove(min(negative, key=lambda k: weights[kept.index(k)]))
+    coefficients = np.zeros(rows.shape[1])
+    coefficients[kept] = weights / scale[kept]
+    return coefficients
+
+
+def seconds_saved(
+    requests: Sequence[GenerationRequest],
+    results: Sequence[GenerationResult],
+    seconds: float,
+    max_batch_size: int,
+    vocab_size: int,
+    cost: PassCost,
+) -> float:
+    """``seconds`` of generating ``results`` with drafts (under ``cost``), minus the plain-decoding replay's seconds
+    under ``cost``: what the drafts saved (negative: what they cost). Preempted results count with the tokens they
+    had."""
+    plain = plain_decode_passes(
+        [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results], max_batch_size, vocab_size
+    )
+    return seconds - sum(cost(forward) for forward in plain)

@@ -1,0 +1,197 @@
+"""One step's rollout across ranks, with bubble-time drafting of the next step (docs/design.md §5).
+
+The pieces every rank pool shares live here: the requests of a step, the drafting plan, and the per-rank
+record of what happened. :mod:`bubblespec.rollout.bubble_scheduler` decides which rank does what with them; the virtual
+clock (:mod:`bubblespec.rollout.virtual_ranks`) and Ray Serve (:mod:`bubblespec.rollout.serve_ranks`) run its decisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import pydantic
+
+from bubblespec.core.interfaces import (
+    Draft,
+    GenerationRequest,
+    GenerationResult,
+    Prompt,
+    RolloutKey,
+    SamplingParams,
+)
+
+
+def step_requests(
+    prompts: Sequence[Prompt], run_seed: int, step: int, samples_per_prompt: int, sampling: SamplingParams
+) -> list[GenerationRequest]:
+    """Every request of one step, in a fixed order: prompt by prompt, sample by sample."""
+    return [
+        GenerationRequest(tuple(prompt.token_ids), RolloutKey(run_seed, step, prompt.uid, sample), sampling)
+        for prompt in prompts
+        for sample in range(samples_per_prompt)
+    ]
+
+
+def attach_drafts(requests: Sequence[GenerationRequest], drafts: dict[RolloutKey, Draft]) -> list[GenerationRequest]:
+    return [GenerationRequest(r.prompt_token_ids, r.key, r.sampling, drafts.get(r.key)) for r in requests]
+
+
+def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
+    """Drafts from (possibly partial) responses of the drafting policy; empty ones are dropped. A response the
+    barrier stopped makes an unfinished draft, which a later bubble may continue."""
+    return [
+        Draft(r.key, tuple(r.token_ids), policy_version, finished=r.finish_reason != "preempted")
+        for r in results
+        if r.token_ids
+    ]
+
+
+def drafted_tokens(results: Sequence[GenerationResult]) -> int:
+    """Tokens that drafting forward passes sampled: a continued draft's accepted old tokens are not counted."""
+    return sum(len(r.token_ids) - r.stats.draft_tokens_accepted for r in results)
+
+
+@pydantic.dataclasses.dataclass
+class RankRecord:
+    """What one rank did in one step (a row of the run's per-step JSONL)."""
+
+    rank: int
+    num_requests: int = 0
+    shard_tokens: int = 0
+    forward_passes: int = 0
+    decode_steps: int = 0
+    verify_steps: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    requests_with_draft: int = 0
+    requests_with_proposals: int = 0
+    """Requests that verified at least one proposed token, from their draft or from a dynamic draft source."""
+    generation_seconds: float = 0.0
+    bubble_seconds: float = 0.0
+    drafting_seconds: float = 0.0
+    draft_requests: int = 0
+    draft_tokens_produced: int = 0
+    preemption_latency_seconds: float = 0.0
+    acceptance_lengths: dict[int, int] = field(default_factory=dict)
+    """Verify steps of this rank's shard by acceptance length."""
+    seconds_saved_by_drafts: float | None = None
+    """Its shard's generation seconds without drafts minus with them, an estimate
+    (:mod:`bubblespec.rollout.speculation_effect`); negative when verifying drafts cost more than it saved."""
+    drafting_seconds_while_training: float | None = None
+    draft_tokens_produced_while_training: int | None = None
+    """Its drafting while the trainer ran (speculation.draft_during_training only)."""
+    slowest_response_decode_steps: int | None = None
+    slowest_response_tokens: int | None = None
+    slowest_response_draft_tokens: int | None = None
+    """The shard's response with the most decode steps: its decode steps (a rank's batch waits for it, so they
+    bound the rank's forward passes from below), its tokens and how many of them were accepted draft tokens (of any
+    source). Its tokens not accepted from a draft were decoded one per forward pass. None: no response (or a step
+    record written before these fields existed)."""
+
+    def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
+        self.num_requests += len(results)
+        self.requests_with_draft += sum(had_draft)
+        for result in results:
+            self.requests_with_proposals += result.stats.verify_steps > 0
+            self.shard_tokens += len(result.token_ids)
+            self.decode_steps += result.stats.decode_steps
+            self.verify_steps += result.stats.verify_steps
+            self.draft_tokens_proposed += result.stats.draft_tokens_proposed
+            self.draft_tokens_accepted += result.stats.draft_tokens_accepted
+            if result.stats.decode_steps > (self.slowest_response_decode_steps or -1):
+                self.slowest_response_decode_steps = result.stats.decode_steps
+                self.slowest_response_tokens = len(result.token_ids)
+                self.slowest_response_draft_tokens = result.stats.draft_tokens_accepted
+            for length, count in result.stats.acceptance_lengths.items():
+                self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + count
+
+    @pydantic.field_serializer("acceptance_lengths")
+    def _by_length(self, lengths: dict[int, int]) -> dict[int, int]:
+        return dict(sorted(lengths.items()))
+
+    @pydantic.computed_field
+    @property
+    def draft_coverage(self) -> float:
+        return self.requests_with_draft / self.num_requests if self.num_requests else 0.0
+
+    @pydantic.computed_field
+    @property
+    def bubble_utilization(self) -> float:
+        return bubble_use([self])
+
+
+def bubble_use(ranks: Iterable[RankRecord]) -> float:
+    """The one bubble utilisation figure: the ranks' seconds spent drafting in their bubbles over their bubble
+    seconds (0 without a bubble). A step's is over its ranks; a run's (summary, report) over every rank of every step
+    but the last, whose bubble has no later step to draft for."""
+    ranks = list(ranks)
+    bubble = sum(r.bubble_seconds for r in ranks)
+    return sum(r.drafting_seconds for r in ranks) / bubble if bubble > 0 else 0.0
+
+
+@dataclass
+class RolloutOutcome:
+    """What a rollout phase did; drafting while training reports in the same form, with no results."""
+
+    results: list[GenerationResult]
+    """One per request, in any order."""
+    drafts: list[Draft]
+    """Drafts made in the bubble for the next step."""
+    ranks: list[RankRecord]
+    seconds: float
+    """Rollout phase length: until the last rank finished its shard and every rank stopped drafting."""
+    barrier_seconds: float = 0.0
+    """When the last rank finished its shard."""
+    timelines: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    """Per rank: (activity, start, end) with activity in generate, draft, idle; seconds from phase start."""
+
+
+class DraftPlan:
+    """The keys of later steps to draft, in bubble-policy order, handed out in chunks to idle ranks.
+
+    A chunk is an equal share of what is left per rank (at most ``max_batch_size`` keys): the first rank to
+    fall idle does not take every key, and a rank that finishes its chunk early still finds work.
+
+    A request may carry an unfinished draft of its own key: the drafting rank then verifies that draft (one
+    forward pass per ``max_draft_tokens_per_step`` tokens with the policy that made it) and goes on from its
+    end, so a long response is drafted over several bubbles instead of restarting in each.
+    """
+
+    def __init__(self, requests: Sequence[GenerationRequest], num_ranks: int = 1, max_batch_size: int = 64) -> None:
+        self._requests = list(requests)
+        self._next = 0
+        self.num_ranks = num_ranks
+        self.max_batch_size = max_batch_size
+
+    def requeue(self, drafts: Sequence[Draft]) -> None:
+        """Puts the keys of unfinished ``drafts`` back at the front of what is left, each with its draft, so
+        that the next phase that drafts from this plan (drafting during training) continues them."""
+        handed_out = {r.key: r for r in self._requests[: self._next]}
+        again = [
+            GenerationRequest(handed_out[d.key].prompt_token_ids, d.key, handed_out[d.key].sampling, d)
+            for d in drafts
+            if not d.finished and d.key in handed_out
+        ]
+        self._requests[self._next : self._next] = again
+
+    def take(self) -> list[GenerationRequest]:
+        remaining = len(self._requests) - self._next
+        size = max(1, min(self.max_batch_size, -(-remaining // self.num_ranks)))
+        chunk = self._requests[self._next : self._next + size]
+        self._next += len(chunk)
+        return chunk
+
+    def __bool__(self) -> bool:
+        return self._next < len(self._requests)
+
+
+def rollout_digest(results: list[GenerationResult]) -> str:
+    """A fingerprint of a step's rollouts (keys and tokens, in request order): equal digests, equal rollouts."""
+    digest = hashlib.sha256()
+    for result in results:
+        key = result.key
+        digest.update(f"{key.run_seed}/{key.step}/{key.prompt_uid}/{key.sample_index}:".encode())
+        digest.update(",".join(map(str, result.token_ids)).encode() + b";")
+    return digest.hexdigest()

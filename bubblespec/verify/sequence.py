@@ -1,0 +1,369 @@
+"""Per-sequence decoding state shared by every backend: what to verify next, and what a verify step emitted.
+
+A backend runs forward passes (or requests) its own way; for each sequence it asks :meth:`Sequence.propose` for
+the draft tokens to score next, and hands back the keyed samples at the scored positions to
+:meth:`Sequence.record`: ``samples[j]`` at the position of ``draft[j]`` and ``samples[len(draft)]`` right after the
+draft (the *bonus* token, or the plain decode step's token when nothing was proposed). A sample may be ``None``:
+the engine's top-K log-probabilities did not decide it (:func:`bubblespec.verify.verification.decide_keyed_samples`).
+Then the accepted tokens before it are kept and the next pass decodes that position as one plain keyed token
+before verification goes on; a chunk is never resubmitted unchanged.
+
+The bookkeeping lives here once: the draft chunk (position alignment, suffix re-alignment after a mismatch,
+dynamic draft sources), the adaptive proposal length, stop tokens and the length limit, and the per-request
+stats (:class:`~bubblespec.core.interfaces.RequestStats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from bubblespec.core.draft_sources import REQUEST_DRAFT, DynamicDraftSource, ProposalContext, source_class
+from bubblespec.core.errors import RequestError
+from bubblespec.core.interfaces import FinishReason, GenerationRequest, GenerationResult, RequestStats
+from bubblespec.verify import sampling
+from bubblespec.verify.drafts import check_request, realign, stop_token_ids
+from bubblespec.verify.verification import accepted_length, decide_keyed_samples
+
+Alignment = Literal["position", "suffix"]
+
+
+@dataclass(frozen=True)
+class ProposalSettings:
+    """How a backend proposes draft tokens (its engine config's speculation settings)."""
+
+    max_draft_tokens_per_step: int = 16
+    adaptive_draft_length: bool = False
+    draft_alignment: Alignment = "suffix"
+    draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
+    proposers: Mapping[str, object] = field(default_factory=dict)
+    """Dynamic draft sources by name (see :func:`load_proposers`)."""
+
+    @classmethod
+    def of(cls, config) -> ProposalSettings:
+        """The settings of an engine config with the common speculation fields (``max_draft_tokens_per_step``,
+        ``adaptive_draft_length``, ``draft_alignment``, ``draft_chain``, ``draft_source_options``), the chain's
+        dynamic sources loaded."""
+        return cls(
+            max_draft_tokens_per_step=config.max_draft_tokens_per_step,
+            adaptive_draft_length=config.adaptive_draft_length,
+            draft_alignment=config.draft_alignment,
+            draft_chain=config.draft_chain,
+            proposers=load_proposers(config.draft_chain, config.draft_source_options),
+        )
+
+
+@dataclass
+class Sequence:
+    """Decoding state of one request."""
+
+    index: int
+    request: GenerationRequest
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    noise_seed: tuple[int, int]  # the key's hash, computed once rather than at every forward pass
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish: FinishReason | None = None
+
+    draft_offset: int = 0  # the draft token proposed for response position i is draft[i + draft_offset]
+    proposal_limit: int | None = None  # adaptive proposal length; None: max_draft_tokens_per_step
+    diverged: bool = False  # the request's draft mismatched and no suffix re-alignment was found (chains only)
+    proposed_by: str = REQUEST_DRAFT  # which source proposed the last chunk
+    decode_next: bool = False  # the top-K could not decide the next position: decode it plainly first
+    # after an undecided position: (draft tokens from it on, samples at the positions after each, their logprobs)
+    _held: tuple[list[int], list[int | None], list[float]] | None = field(default=None, repr=False)
+    # the other samples of the same prompt and step in this generate call (group drafting)
+    siblings: list[Sequence] = field(default_factory=list, repr=False, compare=False)
+
+    @classmethod
+    def admit(
+        cls,
+        index: int,
+        request: GenerationRequest,
+        vocab_size: int,
+        context_length: int,
+        eos_ids: Seq[int],
+        reserve: int = 0,
+    ) -> Sequence:
+        """Checks one request before any work starts (a bad one fails the whole call with a clear error).
+        ``reserve`` is context the engine keeps back beyond prompt + response (SGLang needs one position)."""
+        check_request(index, request, vocab_size, context_length, reserve=reserve)
+        prompt = request.prompt_token_ids
+        return cls(
+            index=index,
+            request=request,
+            max_new_tokens=min(request.sampling.max_new_tokens, context_length - len(prompt) - reserve),
+            stop_ids=stop_token_ids(request.sampling, eos_ids),
+            noise_seed=request.key.noise_seed(),
+        )
+
+    @property
+    def room(self) -> int:
+        """Response tokens still allowed."""
+        return self.max_new_tokens - len(self.tokens)
+
+    def result(self, reason: FinishReason | None = None) -> GenerationResult:
+        reason = reason or self.finish or "preempted"
+        return GenerationResult(self.request.key, self.tokens, self.logprobs, reason, self.stats)
+
+    # -- proposing -----------------------------------------------------------------------------------------------
+
+    def propose(self, settings: ProposalSettings) -> list[int]:
+        """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain, leaving
+        room for the sampled token that always follows them. Empty for a plain decode step."""
+        limit = settings.max_draft_tokens_per_step
+        if self.proposal_limit is not None:
+            limit = min(limit, self.proposal_limit)
+        limit = min(limit, self.room - 1)
+        if limit <= 0 or self.decode_next:
+            return []
+        chain = settings.draft_chain
+        if chain == (REQUEST_DRAFT,):
+            self.proposed_by = REQUEST_DRAFT
+            return self._draft_chunk(limit)
+        for name in chain:
+            if name == REQUEST_DRAFT:
+                chunk = self._aligned_draft_chunk(limit)
+            else:
+                chunk = list(settings.proposers[name].propose(self._context(), limit))[:limit]
+            if chunk:
+                self.proposed_by = name
+                return chunk
+        self.proposed_by = REQUEST_DRAFT  # nothing else proposes: the diverged draft, by position
+        return self._draft_chunk(limit) if REQUEST_DRAFT in chain else []
+
+    def _draft_chunk(self, limit: int) -> list[int]:
+        draft = self.request.draft
+        start = len(self.tokens) + self.draft_offset
+        if draft is None or start < 0:
+            return []
+        return list(draft.token_ids[start : start + limit])
+
+    def _aligned_draft_chunk(self, limit: int) -> list[int]:
+        """The request draft's proposal when the chain has other sources to fall back on: none while the draft
+        has diverged, unless the response's latest tokens re-align to it now."""
+        if self.diverged and self.request.draft is not None:
+            found = realign(self.tokens, self.request.draft.token_ids, self.draft_offset)
+            if found is None:
+                return []
+            self.draft_offset, self.diverged = found, False
+        return self._draft_chunk(limit)
+
+    def _context(self) -> ProposalContext:
+        return ProposalContext(
+            key=self.request.key,
+            prompt_token_ids=self.request.prompt_token_ids,
+            tokens=self.tokens,
+            siblings=[s.tokens for s in self.siblings],
+        )
+
+    # -- recording -----------------------------------------------------------------------------------------------
+
+    def record(
+        self, draft: Seq[int], samples: Seq[int | None], logprobs: Seq[float], settings: ProposalSettings
+    ) -> int:
+        """Applies one forward pass that scored ``draft`` (possibly empty); returns the draft tokens accepted.
+
+        samples / logprobs: at least ``len(draft) + 1`` entries (more are ignored); ``samples[j]`` is the keyed
+        sample at the position of ``draft[j]``, ``samples[len(draft)]`` the one after the draft; ``None`` where
+        undecided (then its logprob is ignored). The scores after an undecided position are kept: they hold if the
+        token decoded there is the draft's, and then the plain step that decodes it goes on verifying with them.
+        """
+        proposed = len(draft)
+        held, self._held = self._held, None
+        if not draft and held is not None and samples[0] is not None and samples[0] == held[0][0]:
+            draft, samples, logprobs = held[0], [samples[0], *held[1]], [logprobs[0], *held[2]]
+        accepted = accepted_length(samples[: len(draft)], draft)
+        undecided = samples[accepted] is None
+        if undecided:
+            self._held = (
+                list(draft[accepted:]),
+                list(samples[accepted + 1 : len(draft) + 1]),
+                list(logprobs[accepted + 1 : len(draft) + 1]),
+            )
+        emitted = list(draft[:accepted]) + ([] if undecided else [samples[accepted]])
+        first_response_pass = not self.tokens
+        resolved = self.decode_next and not draft  # a plain step decoded a position the top-K left open
+        self.decode_next = undecided
+        kept = self._emit(emitted, list(logprobs[: len(emitted)]))
+        if first_response_pass:
+            self.stats.prefill_tokens = len(self.request.prompt_token_ids)
+        self.stats.decode_steps += 1
+        if draft:
+            self._count_verify_step(proposed, accepted, kept, undecided)
+            if settings.adaptive_draft_length and proposed:
+                # Propose what the last verify step accepted, plus one; double after a full acceptance. Where a
+                # forward pass costs in proportion to its tokens (CPUs, compute-bound GPUs) this stops paying
+                # for long proposals that a diverged draft keeps failing.
+                grown = 2 * proposed if accepted == proposed else accepted + 1
+                self.proposal_limit = min(settings.max_draft_tokens_per_step, grown)
+        if self.proposed_by == REQUEST_DRAFT and ((draft and accepted < len(draft) and not undecided) or resolved):
+            self._after_request_draft_step(settings.draft_alignment)
+        return accepted
+
+    def _count_verify_step(self, proposed: int, accepted: int, kept: int, undecided: bool) -> None:
+        """Stats of a step that verified draft tokens (``proposed`` == 0: it went on with held scores)."""
+        stats = self.stats
+        counted = min(accepted, kept)  # tokens accepted after a stop token are not emitted: they do not count
+        stats.verify_steps += 1
+        stats.draft_tokens_proposed += proposed
+        stats.draft_tokens_accepted += counted
+        stats.undecided_steps += undecided
+        length = counted if undecided else counted + 1
+        stats.acceptance_lengths[length] = stats.acceptance_lengths.get(length, 0) + 1
+
+    def record_plain(self, tokens: Seq[int], logprobs: Seq[float], settings: ProposalSettings) -> None:
+        """Tokens of plain decode steps, one forward pass each (an engine that decodes several per request)."""
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            if self.finish is not None:
+                break
+            self.record((), (token,), (logprob,), settings)
+
+    def _after_request_draft_step(self, alignment: Alignment) -> None:
+        """After a rejected draft token (or a plainly decoded one): positional alignment keeps proposing the draft's
+        tokens at the following positions; suffix alignment first looks for where the response's latest tokens
+        continue in the draft (falling back to position)."""
+        draft = self.request.draft
+        if draft is None:
+            return
+        position = len(self.tokens) - 1
+        index = position + self.draft_offset
+        if 0 <= index < len(draft.token_ids) and draft.token_ids[index] == self.tokens[-1]:
+            return  # the decoded token is what the draft proposed there: still aligned
+        if alignment == "suffix":
+            found = realign(self.tokens, draft.token_ids, self.draft_offset)
+            if found is not None:
+                self.draft_offset = found
+            self.diverged = found is None
+
+    def _emit(self, tokens: list[int], logprobs: list[float]) -> int:
+        """Appends tokens up to and including a stop token and within the length limit; returns how many."""
+        kept = min(len(tokens), self.room)
+        for i, token in enumerate(tokens[:kept]):
+            if token in self.stop_ids:
+                kept, self.finish = i + 1, "stop"
+                break
+        self.tokens += tokens[:kept]
+        self.logprobs += logprobs[:kept]
+        if self.finish is None and self.room <= 0:
+            self.finish = "length"
+        return kept
+
+
+def keyed_samples(
+    logits_BTV: torch.Tensor,
+    sequences: Seq[Sequence],
+    drafts: Seq[Seq[int]],
+    offsets: Seq[int] | None = None,
+    stream: int = 0,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """The keyed samples and their logprobs of one forward pass, as lists [B][T]: row b of ``logits_BTV`` holds the
+    logits of ``sequences[b]`` at response positions ``len(tokens) + offsets[b] + t`` (offsets default 0), the pass
+    having fed ``drafts[b]`` after the sequence's tokens. Each request's sampling settings apply (temperature, top-k,
+    top-p, min-p; the repetition penalty over its prompt, its tokens and the draft tokens before each position).
+    ``stream``: the noise stream (0: the key's own; one-hot verification samples another)."""
+    params = [s.request.sampling for s in sequences]
+    device = logits_BTV.device
+    batch, num_positions = logits_BTV.shape[:2]
+    offsets = [0] * batch if offsets is None else list(offsets)
+    seeds_B2 = torch.tensor([s.noise_seed for s in sequences], dtype=torch.int64)
+    if stream:
+        seeds_B2 = sampling.stream_seeds(seeds_B2, stream)
+    starts_B1 = torch.tensor([len(s.tokens) + o for s, o in zip(sequences, offsets, strict=True)])[:, None]
+    penalty = None
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = sampling.RepetitionPenalty(
+            torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64),
+            _padded([[*s.request.prompt_token_ids, *s.tokens, *d[:o]] for s, d, o in zip(sequences, drafts, offsets,
+                                                                                         strict=True)]),
+            _padded([list(d[o:]) for d, o in zip(drafts, offsets, strict=True)]),
+        )  # fmt: skip
+    tokens_BT, logprobs_BT = sampling.keyed_sample(
+        logits_BTV,
+        seeds_B2,
+        (starts_B1 + torch.arange(num_positions)).to(device),
+        torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+        torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+        penalty,
+    )
+    return tokens_BT.tolist(), logprobs_BT.tolist()
+
+
+def _padded(rows: Seq[Seq[int]]) -> torch.Tensor:
+    """Token id lists as one [B, S] int64 tensor, -1 where a row is shorter (at least one column)."""
+    width = max(1, max((len(row) for row in rows), default=0))
+    return torch.tensor([[*row, *[-1] * (width - len(row))] for row in rows], dtype=torch.int64)
+
+
+def link_siblings(sequences: Seq[Sequence]) -> None:
+    """Gives each sequence the others of its prompt and step (the group drafting of dynamic sources)."""
+    groups: dict[tuple[int, int, str], list[Sequence]] = {}
+    for sequence in sequences:
+        key = sequence.request.key
+        groups.setdefault((key.run_seed, key.step, key.prompt_uid), []).append(sequence)
+    for group in groups.values():
+        group.sort(key=lambda s: s.request.key.sample_index)
+        for sequence in group:
+            sequence.siblings = [s for s in group if s is not sequence]
+
+
+def load_proposers(chain: Seq[str], options: Mapping[str, dict]) -> dict[str, object]:
+    """The dynamic draft sources a draft chain names, constructed with their options."""
+    return {name: _load_proposer(name, options.get(name, {})) for name in chain if name != REQUEST_DRAFT}
+
+
+def _load_proposer(name: str, options: dict):
+    source = source_class(name)
+    if not issubclass(source, DynamicDraftSource):
+        raise RequestError(
+            f"draft source {name!r} is not a dynamic source and cannot propose inside the engine; only the "
+            f"request's own draft ({REQUEST_DRAFT!r}) and dynamic sources belong in draft_chain"
+        )
+    try:
+        return source(**options)
+    except (TypeError, ValueError) as error:  # an option the source does not take, or a bad value
+        raise RequestError(f"draft source {name!r} with options {options}: {error}") from None
+
+
+def record_top_k_verifications(
+    verified: Seq[tuple[Sequence, Seq[int], int, float]],
+    known_ids_JC: torch.Tensor,
+    known_logprobs_JC: torch.Tensor,
+    num_top: int,
+    vocab_size: int,
+    settings: ProposalSettings,
+) -> None:
+    """Records the verify steps of one engine call that returned top-K log-probabilities instead of logits.
+
+    verified: (sequence, draft, bonus token, its logprob) per verification, the bonus being the engine's keyed
+        sample after the draft (decided: the engine sampled it from full logits).
+    known_ids_JC / known_logprobs_JC: one row per draft position, in the order of ``verified`` and of each draft;
+        the layout of :func:`bubblespec.verify.verification.decide_keyed_samples` (a row of -1 ids stays undecided).
+    """
+    rows = [(s, j) for s, draft, _, _ in verified for j in range(len(draft))]
+    params = [s.request.sampling for s, _ in rows]
+    tokens_J, logprobs_J, _ = decide_keyed_samples(
+        known_ids_JC,
+        known_logprobs_JC,
+        num_top,
+        torch.tensor([s.noise_seed for s, _ in rows], dtype=torch.int64),
+        torch.tensor([len(s.tokens) + j for s, j in rows], dtype=torch.int64),
+        torch.tensor([p.temperature for p in params], dtype=torch.float64),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        vocab_size,
+    )
+    tokens, logprobs, start = tokens_J.tolist(), logprobs_J.tolist(), 0
+    for sequence, draft, bonus, bonus_logprob in verified:
+        end = start + len(draft)
+        samples = [t if t >= 0 else None for t in tokens[start:end]]
+        sequence.record(draft, [*samples, bonus], [*logprobs[start:end], bonus_logprob], settings)
+        start = end
