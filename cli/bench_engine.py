@@ -48,6 +48,7 @@ from bubblespec.cli.bench_engine_requests import (
     task_workload,
     with_drafts,
 )
+from bubblespec.cli.bench_tables import print_tables, table
 from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import GenerationRequest, GenerationResult, acceptance_length
 
@@ -371,15 +372,11 @@ def _shipped_model_path() -> Path:
 def print_report(report: dict, console=None) -> None:
     """The speed tables (without, then with drafts), the drafts, exactness and keyed sampling; each table fits
     80 columns."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
     settings = report["settings"]
     title = f"Engine speed: {settings['dtype']}, {Path(settings['model_path']).name}"
-    speed = Table("backend", "batch", "HF generate tok/s", "engine tok/s", "engine / HF", title=title)
-    with_drafts = Table("backend", "batch", "tok/s", "speedup", "engine steps\nwithout -> with", "identical",
-                        title="Engine speed with drafts from one policy step older")  # fmt: skip
+    speed = table(title, ("backend", "batch", "HF generate tok/s", "engine tok/s", "engine / HF"), justify="left")
+    with_drafts = table("Engine speed with drafts from one policy step older", ("backend", "batch", "tok/s",
+                        "speedup", "engine steps\nwithout -> with", "identical"), justify="left")  # fmt: skip
     for backend, rows in report["backends"].items():
         for key in rows["engine_tokens_per_s"]:
             hf_rate, versus = report["hf_generate_tokens_per_s"].get(key), rows["engine_vs_hf_generate"].get(key)
@@ -398,18 +395,16 @@ def print_report(report: dict, console=None) -> None:
                 f"{rows['forward_passes_no_draft'][key]} -> {rows['forward_passes_with_draft'][key]}",
                 str(rows["identical_outputs"][key]),
             )
-    console.print(speed)
-    console.print(with_drafts)
     names = ("decode_steps_no_draft", "decode_steps_with_draft", "decode_step_reduction", "acceptance_length_mean",
              "draft_acceptance_rate", "undecided_steps", "fully_accepted_responses",
              "steps_over_ceil_l_over_k")  # fmt: skip
-    drafts = Table("measure", *report["backends"], title="Drafts from one policy step older (largest batch size)")
+    drafts = table("Drafts from one policy step older (largest batch size)", ("measure", *report["backends"]),
+                   justify="left")  # fmt: skip
     for name in names:
         values = [rows.get(name) for rows in report["backends"].values()]
         drafts.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
-    console.print(drafts)
-    exactness = Table("backend", "dtype", "responses", "differing\nwith drafts", "differing between\nplain batches",
-                      title="Exactness")  # fmt: skip
+    exactness = table("Exactness", ("backend", "dtype", "responses", "differing\nwith drafts",
+                      "differing between\nplain batches"), justify="left")  # fmt: skip
     for backend, rows in report["exactness"].items():
         for dtype, row in rows.items():
             exactness.add_row(
@@ -419,13 +414,13 @@ def print_report(report: dict, console=None) -> None:
                 f"{row['differing']} ({row['mismatch_rate']:.1%})",
                 f"{row['differing_between_plain_batches']} ({row['plain_batch_mismatch_rate']:.1%})",
             )
-    console.print(exactness)
     share = report["keyed_sampling"]
-    console.print(
+    spent = ", ".join(f"{name} {value:.0f}s" for name, value in report["benchmark_seconds"].items())
+    notes = [
         f"keyed sampling: {share['keyed_sample_s'] * 1e3:.2f} ms vs {share['forward_pass_s'] * 1e3:.2f} ms for a "
         f"decode pass ({share['share_of_forward_pass']:.1%}) at batch {share['batch_size']}, vocabulary "
-        f"{share['vocab_size']}, context {share['context_tokens']}"
-    )
-    console.print(f"policy update: {report['policy_update']}")
-    spent = ", ".join(f"{name} {value:.0f}s" for name, value in report["benchmark_seconds"].items())
-    console.print(f"benchmark time: {spent}")
+        f"{share['vocab_size']}, context {share['context_tokens']}",
+        f"policy update: {report['policy_update']}",
+        f"benchmark time: {spent}",
+    ]
+    print_tables((speed, with_drafts, drafts, exactness), notes, console)

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bubblespec.cli.bench_tables import print_tables, table
 from bubblespec.core.config import RunConfig
 from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import acceptance_length
@@ -205,23 +206,17 @@ def _rollouts(identical: bool | None) -> str:
 def print_report(report: dict, console=None) -> None:
     """Per step, then steps 2 to N and the steady state: decode steps and speed in one table, drafts in another
     (each fits 80 columns); then what each variant is measured against."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    speed = Table(title=f"{report['config']} ({report['clock']} clock): decode steps and speed per step (from 1)")
-    drafts = Table(title="drafts per step")
+    speed = table(
+        f"{report['config']} ({report['clock']} clock): decode steps and speed per step (from 1)",
+        ("source", "step", "decode steps", "tokens", "reduction", "speed"),
+    )
+    drafts = table("drafts per step", ("source", "step", "acceptance", "draft\ncov", "proposal\ncov", "rollouts"))
     first = {"from_step_2": 2, "steady_state": report["epoch_steps"] + 1}
     ranges = ", ".join(f"{label.replace('_', ' ')}: {n}-{report['num_steps']}" for label, n in first.items())
-    speed_summary, drafts_summary = Table(title=f"decode steps and speed ({ranges})"), Table(title=f"drafts ({ranges})")
-    for table, columns in (
-        (speed, ("source", "step", "decode steps", "tokens", "reduction", "speed")),
-        (drafts, ("source", "step", "acceptance", "draft\ncov", "proposal\ncov", "rollouts")),
-        (speed_summary, ("source", "steps", "tokens", "reduction", "throughput")),
-        (drafts_summary, ("source", "steps", "acceptance", "draft cov", "proposal cov")),
-    ):
-        for column in columns:
-            table.add_column(column, justify="right")
+    speed_summary = table(
+        f"decode steps and speed ({ranges})", ("source", "steps", "tokens", "reduction", "throughput")
+    )
+    drafts_summary = table(f"drafts ({ranges})", ("source", "steps", "acceptance", "draft cov", "proposal cov"))
     for variant in report["variants"]:
         for s in report["per_step"][variant]:
             step = str(s["step"] + 1)
@@ -260,20 +255,20 @@ def print_report(report: dict, console=None) -> None:
             )
         speed_summary.add_section()
         drafts_summary.add_section()
-    for table in (speed, drafts, speed_summary, drafts_summary):
-        console.print(table)
+    notes = []
     users: dict[str, list[str]] = {}
     for variant, baseline in report["baselines"].items():
         if variant != baseline:
             users.setdefault(baseline, []).append(variant)
     if users:
-        console.print("; ".join(f"against {baseline}: {', '.join(variants)}" for baseline, variants in users.items()))
+        notes.append("; ".join(f"against {baseline}: {', '.join(variants)}" for baseline, variants in users.items()))
     if any(v != "coupled" for v in report["verification"].values()):
-        console.print(
+        notes.append(
             "one-hot variants sample each policy version with its own noise stream: their rollouts are other "
             "samples than coupled decoding's and are compared with none:one-hot"
         )
-    console.print(f"identical_rollouts={report['identical_rollouts']} (every variant against its baseline)")
+    notes.append(f"identical_rollouts={report['identical_rollouts']} (every variant against its baseline)")
+    print_tables((speed, drafts, speed_summary, drafts_summary), notes, console)
 
 
 def plot_report(report: dict, folder: Path, prefix: str = "peers") -> list[Path]:

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bubblespec.cli.bench_tables import figure, print_tables, table
 from bubblespec.core.config import RunConfig
 from bubblespec.core.interfaces import acceptance_length
 from bubblespec.observe.records import StepRecord
@@ -138,18 +139,11 @@ def _estimated_ratio(on: list[StepRecord]) -> float | None:
 def print_report(report: dict, console=None) -> None:
     """Three tables per step (decode steps, rollout seconds, whole steps; each fits 80 columns), then the
     aggregates."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
     title = f"{report['config']}: decode steps, speculation off vs on ({report['clock']} clock)"
-    decode, rollout = Table(title=title), Table(title="rollout seconds, speculation off vs on")
-    for table, columns in (
-        (decode, ("step", "off", "on", "reduction", "acceptance", "coverage", "bubble use")),
-        (rollout, ("step", "off", "off (est.)", "on", "throughput", "identical")),
-    ):
-        for column in columns:
-            table.add_column(column, justify="right")
+    decode = table(title, ("step", "off", "on", "reduction", "acceptance", "coverage", "bubble use"))
+    rollout = table(
+        "rollout seconds, speculation off vs on", ("step", "off", "off (est.)", "on", "throughput", "identical")
+    )
     for s in report["per_step"]:
         decode.add_row(
             str(s["step"]),
@@ -163,17 +157,16 @@ def print_report(report: dict, console=None) -> None:
         rollout.add_row(
             str(s["step"]),
             f"{s['rollout_seconds_off']:.3f}",
-            _fmt(s["rollout_seconds_off_estimated_by_on"]),
+            figure(s["rollout_seconds_off_estimated_by_on"]),
             f"{s['rollout_seconds_on']:.3f}",
             f"{s['throughput_ratio']:.2f}x",
             "yes" if s["identical_rollouts"] else "NO",
         )
-    whole = Table(
-        title="whole step seconds (train: with weight sync); the slowest rank: its forward passes, and of its "
-        "response with the most decode steps the tokens and how many were accepted draft tokens (any source)"
+    whole = table(
+        "whole step seconds (train: with weight sync); the slowest rank: its forward passes, and of its "
+        "response with the most decode steps the tokens and how many were accepted draft tokens (any source)",
+        ("step", "off", "on", "ratio", "train", "rank", "passes", "tokens", "drafted"),
     )
-    for column in ("step", "off", "on", "ratio", "train", "rank", "passes", "tokens", "drafted"):
-        whole.add_column(column, justify="right")
     for s in report["per_step"]:
         whole.add_row(
             str(s["step"]),
@@ -191,14 +184,8 @@ def print_report(report: dict, console=None) -> None:
                 )
             ),
         )
-    console.print(decode)
-    console.print(rollout)
-    console.print(whole)
-    console.print("off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes")
-    for label in ("overall", "from_step_2"):
-        console.print(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in report[label].items()))
-    console.print(f"identical_rollouts={report['identical_rollouts']}  identical_weights={report['identical_weights']}")
-
-
-def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else "—" if value is None else str(value)
+    notes = ["off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes"]
+    notes += [f"{label}: " + ", ".join(f"{k}={figure(v)}" for k, v in report[label].items()) for label in
+              ("overall", "from_step_2")]  # fmt: skip
+    notes.append(f"identical_rollouts={report['identical_rollouts']}  identical_weights={report['identical_weights']}")
+    print_tables((decode, rollout, whole), notes, console)

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bubblespec.cli.bench_tables import print_tables, table
 from bubblespec.core.config import RunConfig
 from bubblespec.core.errors import ConfigError
 from bubblespec.observe.records import StepRecord
@@ -234,33 +235,28 @@ def _fmt(value, pattern: str) -> str:
 
 def print_report(report: dict, console=None) -> None:
     """One table: each method's speed, bubble, staleness and learning, from the second step, against sync."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
     seeds = report["seeds"]
     title = (
         f"{report['config']}: {report['num_ranks']} ranks, {report['profile']} profile, {report['num_steps']} steps, "
         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} (throughput from step 2, against sync)"
     )
+    tables = []
     for table_title, columns in ((title, SPEED_COLUMNS), ("what it costs", COST_COLUMNS)):
-        table = Table(title=table_title)
-        table.add_column("method", no_wrap=True)
-        for header, _, _ in columns:
-            table.add_column(header, justify="right")
+        made = table(table_title, ("method", *(header for header, _, _ in columns)), first="left")
         for method in report["methods"]:
-            table.add_row(method, *(_fmt(report["mean"][method][field], pattern) for _, field, pattern in columns))
-        console.print(table)
+            made.add_row(method, *(_fmt(report["mean"][method][field], pattern) for _, field, pattern in columns))
+        tables.append(made)
     cut = ", ".join(f"{k}={v}" for k, v in report["cut"].items())
-    console.print(
+    notes = [
         "rollout / whole step: trained response tokens per second of rollout phase / of the run's timeline; bubble: "
         "rank time idle at the barrier; steps/token: decode steps per generated token; stale: trained tokens from an "
         "older policy; eval reward: held-out, after the last step; samples: trained; sim. seconds: the whole run "
         f"(means over seeds); cut: {cut}"
-    )
+    ]
     for twin in report["twins"]:
         verdict = "identical" if twin["identical"] else "DIFFERENT" if twin["must_match"] else "different (timing)"
-        console.print(f"rollouts of {twin['method']} vs {twin['plain']}: {verdict}")
+        notes.append(f"rollouts of {twin['method']} vs {twin['plain']}: {verdict}")
+    print_tables(tables, notes, console)
 
 
 def plot_report(report: dict, folder: Path, prefix: str = "peers-async") -> list[Path]:

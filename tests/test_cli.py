@@ -47,7 +47,10 @@ def test_loading_plugins():
 def test_unknown_bench_target_is_a_clear_error():
     result = runner.invoke(app, ["bench", "nonsense"])
     assert result.exit_code == 2
-    assert "benchmark target 'nonsense' is neither 'engine' nor an existing config file" in result.output
+    assert (
+        "benchmark target 'nonsense' is neither a bench sub-command (engine, peers, peers-async) nor an existing "
+        "config file" in result.output
+    )
 
 
 @pytest.mark.parametrize(
@@ -68,6 +71,56 @@ def test_a_bench_option_of_another_mode_is_an_error_naming_its_mode(args, messag
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
     assert "which takes --json" in result.output or "which takes" in result.output
+
+
+def test_each_bench_sub_command_lists_only_its_own_options():
+    import re
+
+    shown = {}
+    for name in ("run", "engine", "peers", "peers-async"):
+        result = runner.invoke(app, ["bench", name, "--help"], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+        shown[name] = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", result.output)) - {"--help"}
+    assert shown["engine"] == {
+        "--json", "--threads", "--repeats", "--quick", "--no-quick", "--backend", "--model", "--dtype", "--device",
+        "--batch-sizes", "--max-new-tokens", "--weight-noise", "--adaptive-draft-length", "--fixed-draft-length",
+        "--exactness-requests",
+    }  # fmt: skip
+    assert shown["run"] == {"--json", "--set", "--output-dir"}
+    assert shown["peers"] == {"--json", "--set", "--output-dir", "--sources", "--plot-dir", "--plot-prefix"}
+    assert shown["peers-async"] == {
+        "--json", "--set", "--output-dir", "--methods", "--seeds", "--jobs", "--cut-quantile", "--cut-tokens",
+        "--plot-dir",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["examples/quickstart.yaml", "--set", "num_steps=2", "--json", "OUT"],
+        ["run", "examples/quickstart.yaml", "--set", "num_steps=2", "--json", "OUT"],
+        ["--json", "OUT", "--set", "num_steps=2", "examples/quickstart.yaml"],  # options before the mode, as before
+        ["--set=num_steps=2", "examples/quickstart.yaml", "--json=OUT"],
+    ],
+)
+def test_every_spelling_of_bench_config_runs_the_same_benchmark(tmp_path, monkeypatch, args):
+    """`bench CONFIG` (the one bench command's spelling, which scripts use) is `bench run CONFIG`, with the options
+    anywhere; the report reaches --json as it is."""
+    import bubblespec.cli.bench_run
+
+    seen = {}
+
+    def side_by_side(config, output_dir):
+        seen["num_steps"], seen["output_dir"] = config.num_steps, output_dir
+        return {"per_step": [], "overall": {}, "from_step_2": {}, "identical_rollouts": True}
+
+    monkeypatch.setattr(bubblespec.cli.bench_run, "run_side_by_side", side_by_side)
+    monkeypatch.setattr(bubblespec.cli.bench_run, "print_report", lambda report: None)
+    out = tmp_path / "out.json"
+    result = runner.invoke(app, ["bench", *[a.replace("OUT", str(out)) for a in args]])
+    assert result.exit_code == 0, result.output
+    assert seen == {"num_steps": 2, "output_dir": None}
+    assert json.loads(out.read_text())["identical_rollouts"] is True
 
 
 def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
