@@ -15,14 +15,14 @@ from bubblespec.cli.main import app
 from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import GenerationResult, Prompt, RequestStats, SamplingParams
 from bubblespec.observe.run_dir import RunDirectory
-from bubblespec.rl.rollout_schedules import CutSchedule, Timeline
+from bubblespec.rl.rollout_schedules import CutRolloutSchedule, StepClock, build_rollout_schedule
 from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
 from tests.test_controller import SMALL, _config
 
 
 def test_without_staleness_the_timeline_is_the_sum_of_the_phases():
-    timeline = Timeline(max_staleness=0, start=1.0)
+    timeline = StepClock(max_staleness=0, start=1.0)
     ends = []
     for step, (rollout, train, sync) in enumerate([(2.0, 1.0, 0.5), (0.5, 1.0, 0.5), (3.0, 0.25, 0.5)]):
         assert timeline.rollout_version(step) == step
@@ -31,7 +31,7 @@ def test_without_staleness_the_timeline_is_the_sum_of_the_phases():
 
 
 def test_one_step_off_generates_with_the_previous_policy_while_the_trainer_trains():
-    timeline = Timeline(max_staleness=1)
+    timeline = StepClock(max_staleness=1)
     assert timeline.rollout_version(0) == 0
     assert timeline.finish(0, 1.0, 2.0, 0.5) == 3.5  # nothing to overlap with yet
     assert timeline.rollout_version(1) == 0  # starts at 1.0, while step 0 trains: policy 0
@@ -42,7 +42,7 @@ def test_one_step_off_generates_with_the_previous_policy_while_the_trainer_train
 
 
 def test_with_more_staleness_allowed_fast_generation_runs_further_ahead():
-    timeline = Timeline(max_staleness=2)
+    timeline = StepClock(max_staleness=2)
     versions = []
     for step in range(4):
         versions.append(timeline.rollout_version(step))
@@ -51,7 +51,7 @@ def test_with_more_staleness_allowed_fast_generation_runs_further_ahead():
 
 
 class _Task:
-    """Prompts a-b of each step: what CutSchedule asks of a task."""
+    """Prompts a-b of each step: what CutRolloutSchedule asks of a task."""
 
     def batch(self, step: int) -> list[Prompt]:
         return [Prompt(f"p{step}-{i}", (1, 2, 3 + i), f"prompt {i}", "0") for i in range(2)]
@@ -59,19 +59,19 @@ class _Task:
 
 def _schedule(
     kind: str, cut_tokens: int = 3, speculation: bool = True, num_steps: int = 5, context_length: int | None = None
-) -> CutSchedule:
+) -> CutRolloutSchedule:
     config = _config(
         "/tmp", "unit", num_steps=num_steps, task={"prompts_per_step": 2, "samples_per_prompt": 2},
         schedule={"kind": kind, "cut_tokens": cut_tokens}, speculation={"enabled": speculation},
     )  # fmt: skip
-    return CutSchedule(config, _Task(), 7, SamplingParams(max_new_tokens=8), context_length=context_length)
+    return build_rollout_schedule(config, _Task(), 7, SamplingParams(max_new_tokens=8), context_length=context_length)
 
 
-def _respond(plan, lengths: dict[str, int], context_length: int = 10**6) -> list[GenerationResult]:
-    """Responses to the plan's requests as an engine of ``context_length`` gives them: ``lengths[prompt uid]`` tokens
-    (at most the request's limit and the room its prompt leaves, then finished "length"), token i = i."""
+def _respond(step_rollout, lengths: dict[str, int], context_length: int = 10**6) -> list[GenerationResult]:
+    """Responses to the step rollout's requests as an engine of ``context_length`` gives them: ``lengths[prompt uid]``
+    tokens (at most the request's limit and the room its prompt leaves, then finished "length"), token i = i."""
     results = []
-    for request in plan.requests:
+    for request in step_rollout.requests:
         wanted = lengths[request.key.prompt_uid.removesuffix("/continued")]
         limit = min(request.sampling.max_new_tokens, context_length - len(request.prompt_token_ids))
         n = min(wanted, limit)
@@ -82,15 +82,15 @@ def _respond(plan, lengths: dict[str, int], context_length: int = 10**6) -> list
 
 def test_partial_rollouts_continue_a_cut_response_from_its_prefix_under_the_next_policy():
     schedule = _schedule("partial")
-    plan = schedule.plan(0)
-    assert {r.sampling.max_new_tokens for r in plan.requests} == {3}  # the step's budget
-    trained = schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 6}))
+    work = schedule.rollout(0)
+    assert {r.sampling.max_new_tokens for r in work.requests} == {3}  # the step's budget
+    trained = schedule.collect(0, work, _respond(work, {"p0-0": 2, "p0-1": 6}))
     assert [g.prompt.uid for g in trained] == ["p0-0"] and schedule.carried() == 1
-    plan = schedule.plan(1)
-    continued = [r for r in plan.requests if r.key.prompt_uid.endswith("/continued")]
+    work = schedule.rollout(1)
+    continued = [r for r in work.requests if r.key.prompt_uid.endswith("/continued")]
     assert [r.prompt_token_ids for r in continued] == [(1, 2, 4, 0, 1, 2)] * 2  # prompt + the older prefix
     assert {r.sampling.max_new_tokens for r in continued} == {8 - 3}
-    trained = schedule.collect(1, plan, _respond(plan, {"p1-0": 1, "p1-1": 1, "p0-1": 3}))
+    trained = schedule.collect(1, work, _respond(work, {"p1-0": 1, "p1-1": 1, "p0-1": 3}))
     carried = next(g for g in trained if g.prompt.uid == "p0-1")
     assert [r.token_ids for r in carried.results] == [[0, 1, 2, 0, 1, 2]] * 2  # prefix + continuation
     assert [r.key.step for r in carried.results] == [0, 0]  # trained under its own key
@@ -99,40 +99,40 @@ def test_partial_rollouts_continue_a_cut_response_from_its_prefix_under_the_next
 
 def test_exact_partial_generates_a_cut_group_again_with_its_responses_as_drafts():
     schedule = _schedule("exact-partial")
-    plan = schedule.plan(0)
-    schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 6}))
-    plan = schedule.plan(1)
-    again = [r for r in plan.requests if r.key.step == 0]
+    work = schedule.rollout(0)
+    schedule.collect(0, work, _respond(work, {"p0-0": 2, "p0-1": 6}))
+    work = schedule.rollout(1)
+    again = [r for r in work.requests if r.key.step == 0]
     assert [r.draft.token_ids for r in again] == [(0, 1, 2)] * 2
     assert [r.draft.finished for r in again] == [False, False]  # cut: the new policy verifies and goes on
     assert {r.sampling.max_new_tokens for r in again} == {8}  # whole, not budgeted again
-    trained = schedule.collect(1, plan, _respond(plan, {"p1-0": 1, "p1-1": 1, "p0-1": 6}))
+    trained = schedule.collect(1, work, _respond(work, {"p1-0": 1, "p1-1": 1, "p0-1": 6}))
     assert sum(g.stale_tokens for g in trained) == 0
     assert schedule.carried() == 0
 
 
 def test_exact_partial_without_speculation_generates_a_cut_group_again_from_scratch():
     schedule = _schedule("exact-partial", speculation=False)
-    plan = schedule.plan(0)
-    schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 6}))
-    assert [r.draft for r in schedule.plan(1).requests if r.key.step == 0] == [None, None]
+    work = schedule.rollout(0)
+    schedule.collect(0, work, _respond(work, {"p0-0": 2, "p0-1": 6}))
+    assert [r.draft for r in schedule.rollout(1).requests if r.key.step == 0] == [None, None]
 
 
 def test_tail_batching_pools_cut_groups_until_a_long_step_generates_only_them():
     schedule = _schedule("tail-batching", num_steps=6)
     for step, batch in ((0, 0), (1, 1)):
-        plan = schedule.plan(step)
-        assert plan.draft_step == batch
-        trained = schedule.collect(step, plan, _respond(plan, {f"p{batch}-0": 2, f"p{batch}-1": 6}))
+        work = schedule.rollout(step)
+        assert work.draft_step == batch
+        trained = schedule.collect(step, work, _respond(work, {f"p{batch}-0": 2, f"p{batch}-1": 6}))
         assert [g.prompt.uid for g in trained] == [f"p{batch}-0"]
-    plan = schedule.plan(2)  # two groups wait: a step's worth
-    assert [g.prompt.uid for g in plan.groups] == ["p0-1", "p1-1"]
-    assert plan.draft_step == 1  # idle ranks draft the next fresh batch, 2
-    assert {r.sampling.max_new_tokens for r in plan.requests} == {8}
-    assert all(r.draft is not None for r in plan.requests)
-    trained = schedule.collect(2, plan, _respond(plan, {"p0-1": 6, "p1-1": 6}))
+    work = schedule.rollout(2)  # two groups wait: a step's worth
+    assert [g.prompt.uid for g in work.groups] == ["p0-1", "p1-1"]
+    assert work.draft_step == 1  # idle ranks draft the next fresh batch, 2
+    assert {r.sampling.max_new_tokens for r in work.requests} == {8}
+    assert all(r.draft is not None for r in work.requests)
+    trained = schedule.collect(2, work, _respond(work, {"p0-1": 6, "p1-1": 6}))
     assert len(trained) == 2 and schedule.carried() == 0
-    assert [g.prompt.uid for g in schedule.plan(3).groups] == ["p2-0", "p2-1"]  # fresh batches go on
+    assert [g.prompt.uid for g in schedule.rollout(3).groups] == ["p2-0", "p2-1"]  # fresh batches go on
 
 
 @pytest.mark.parametrize("kind", ["partial", "exact-partial", "tail-batching"])
@@ -142,16 +142,16 @@ def test_a_response_the_context_ended_is_finished_not_cut(kind):
     counted as a cut)."""
     for context_length, budget in ((8, 3), (8, 5), (8, 200)):  # prompts of 3 tokens: the context leaves room for 5
         schedule = _schedule(kind, cut_tokens=budget, num_steps=2, context_length=context_length)
-        plan = schedule.plan(0)
-        capped = {r.sampling.max_new_tokens for r in plan.requests}
+        work = schedule.rollout(0)
+        capped = {r.sampling.max_new_tokens for r in work.requests}
         assert capped == ({3} if budget < 5 else {8}), (budget, capped)  # at or above the room: no cap at all
-        results = _respond(plan, {"p0-0": 2, "p0-1": 6}, context_length)  # p0-1 fills the context: 5 tokens
+        results = _respond(work, {"p0-0": 2, "p0-1": 6}, context_length)  # p0-1 fills the context: 5 tokens
         assert {len(r.token_ids) for r in results if r.key.prompt_uid == "p0-1"} == {min(budget, 5)}
-        trained = schedule.collect(0, plan, results)
+        trained = schedule.collect(0, work, results)
         if budget < 5:  # the budget stopped p0-1: carried, and trained whole a step later
             assert [g.prompt.uid for g in trained] == ["p0-0"] and schedule.carried() == 1
-            plan = schedule.plan(1)  # the last step: no budget (tail-batching: only the pooled group)
-            trained = schedule.collect(1, plan, _respond(plan, {"p0-1": 6, "p1-0": 2, "p1-1": 2}, context_length))
+            work = schedule.rollout(1)  # the last step: no budget (tail-batching: only the pooled group)
+            trained = schedule.collect(1, work, _respond(work, {"p0-1": 6, "p1-0": 2, "p1-1": 2}, context_length))
             assert "p0-1" in [g.prompt.uid for g in trained], kind
             whole = next(g for g in trained if g.prompt.uid == "p0-1")
             assert [len(r.token_ids) for r in whole.results] == [5, 5]  # ended by the context, not cut again
@@ -164,9 +164,9 @@ def test_without_the_engines_context_a_response_short_of_its_limit_is_still_fini
     """An engine that does not say its context (``Engine.context_length`` None): a response that ended "length"
     short of the cap it was asked for was ended by the context, never by the budget."""
     schedule = _schedule("exact-partial", cut_tokens=6)
-    plan = schedule.plan(0)
-    assert {r.sampling.max_new_tokens for r in plan.requests} == {6}  # the room is not known: capped
-    trained = schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 7}, context_length=8))
+    work = schedule.rollout(0)
+    assert {r.sampling.max_new_tokens for r in work.requests} == {6}  # the room is not known: capped
+    trained = schedule.collect(0, work, _respond(work, {"p0-0": 2, "p0-1": 7}, context_length=8))
     assert [g.prompt.uid for g in trained] == ["p0-0", "p0-1"] and schedule.carried() == 0
 
 
@@ -175,16 +175,16 @@ def test_the_budget_is_a_quantile_of_the_last_step_and_the_last_step_has_none():
         "/tmp", "unit", num_steps=5, task={"prompts_per_step": 2, "samples_per_prompt": 2},
         schedule={"kind": "exact-partial", "cut_quantile": 0.5},
     )  # fmt: skip
-    schedule = CutSchedule(config, _Task(), 7, SamplingParams(max_new_tokens=8))
+    schedule = build_rollout_schedule(config, _Task(), 7, SamplingParams(max_new_tokens=8))
     assert schedule.budget(0) is None  # no history yet
-    plan = schedule.plan(0)
-    schedule.collect(0, plan, _respond(plan, {"p0-0": 2, "p0-1": 6}))
+    work = schedule.rollout(0)
+    schedule.collect(0, work, _respond(work, {"p0-0": 2, "p0-1": 6}))
     assert schedule.budget(1) == 2  # the median of 2, 2, 6, 6
-    plan = schedule.plan(1)
-    schedule.collect(1, plan, _respond(plan, {"p1-0": 6, "p1-1": 7}))  # every response cut at 2
+    work = schedule.rollout(1)
+    schedule.collect(1, work, _respond(work, {"p1-0": 6, "p1-1": 7}))  # every response cut at 2
     assert schedule.budget(2) == 2  # cut responses count at their cut length: the budget does not shrink
-    plan = schedule.plan(2)
-    schedule.collect(2, plan, _respond(plan, {"p2-0": 1, "p2-1": 1, "p1-0": 6, "p1-1": 7}))
+    work = schedule.rollout(2)
+    schedule.collect(2, work, _respond(work, {"p2-0": 1, "p2-1": 1, "p1-0": 6, "p1-1": 7}))
     assert schedule.budget(3) == 1  # the fresh responses' median; carried groups' lengths are not counted again
     assert schedule.budget(4) is None  # the last step
 

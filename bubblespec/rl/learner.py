@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bubblespec.core.config import ClipLoss, ConstantSchedule, TrainerConfig
+from bubblespec.core.config import ClipLoss, ConstantLR, TrainerConfig
 from bubblespec.core.errors import NonFiniteError
 from bubblespec.models.decoder import DTYPES
 from bubblespec.rl.advantages import compute_advantages
@@ -84,7 +84,7 @@ def lr_factor(config: TrainerConfig, rl_steps: int) -> float:
     schedule = config.optimizer.schedule
     if rl_steps < schedule.warmup_steps:
         return (rl_steps + 1) / schedule.warmup_steps
-    if isinstance(schedule, ConstantSchedule):
+    if isinstance(schedule, ConstantLR):
         return 1.0
     progress = min(1.0, (rl_steps - schedule.warmup_steps) / max(schedule.decay_steps - schedule.warmup_steps, 1))
     return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from bubblespec.core.config import RunConfig
@@ -26,10 +26,10 @@ from bubblespec.observe.records import REWIND, PhaseSeconds, PromptSamples, Samp
 from bubblespec.observe.run_dir import RunDirectory
 from bubblespec.rl.advantages import compute_advantages
 from bubblespec.rl.learner import TrainSample
-from bubblespec.rl.rollout_schedules import Schedule, build_schedule
+from bubblespec.rl.rollout_schedules import RolloutSchedule, build_rollout_schedule
 from bubblespec.rl.train_batch import shaped_rewards
 from bubblespec.rollout.service import RolloutService
-from bubblespec.rollout.step import RolloutOutcome, bubble_use, rollout_digest
+from bubblespec.rollout.step import RolloutOutcome, TrainingDrafting, bubble_use, rollout_digest
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +104,9 @@ class Controller:
         if self.schedule.timeline.max_staleness:
             self._keep_version(0, parts.trainer.weights())
 
-    def _schedule(self, start_seconds: float, start_step: int) -> Schedule:
+    def _schedule(self, start_seconds: float, start_step: int) -> RolloutSchedule:
         service = self.parts.service
-        return build_schedule(
+        return build_rollout_schedule(
             self.config, self.parts.task, service.seed, service.sampling, start_seconds, start_step,
             service.ranks.context_length,
         )  # fmt: skip
@@ -171,11 +171,11 @@ class Controller:
     def step(self, step: int) -> StepRecord:
         cfg, parts, schedule = self.config, self.parts, self.schedule
         initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
-        plan = schedule.plan(step)
-        self._rollout_policy(plan.policy_version)
+        step_rollout = schedule.rollout(step)
+        self._rollout_policy(step_rollout.policy_version)
         self.on_phase(step, "rollout")
-        outcome = parts.service.generate_requests(plan.draft_step, plan.requests)
-        trained = schedule.collect(step, plan, outcome.results)
+        outcome = parts.service.generate_requests(step_rollout.draft_step, step_rollout.requests)
+        trained = schedule.collect(step, step_rollout, outcome.results)
         prompts = [group.prompt for group in trained]
         requests = [request for group in trained for request in group.requests]
         results = [result for group in trained for result in group.results]  # prompt by prompt, sample by sample
@@ -198,11 +198,6 @@ class Controller:
         sync_seconds = parts.service.update_weights(weights, version=step + 1) if samples else 0.0
         self._engine_version = step + 1
         self._keep_version(step + 1, weights)
-        if training is not None:
-            outcome.drafts += training.drafts
-            for rank_record, drafted in zip(outcome.ranks, training.ranks, strict=True):
-                rank_record.drafting_seconds_while_training = drafted.drafting_seconds
-                rank_record.draft_tokens_produced_while_training = drafted.draft_tokens_produced
         phases = PhaseSeconds(rollout=outcome.seconds, train=train_seconds, weight_sync=sync_seconds)
         reward_failures = self._reward_failures(step)  # the rollout's, before an evaluation calls rewards again
         store = parts.service.store.stats()
@@ -211,19 +206,19 @@ class Controller:
         record = _step_record(
             step,
             outcome,
+            training,
             rewards,
             train_metrics,
             phases,
             **reward_failures,
             reward_means={name: sum(scores) / max(len(scores), 1) for name, scores in reward_parts.items()},
-            training_timelines=None if training is None else training.timelines,
             rollout_digest=rollout_digest(results),
             draft_store=store,
             drafts_evicted=evicted,
             eval_reward=self._evaluate() if evaluated else None,
             eval_reward_before_training=initial_eval,
             finished_at_seconds=schedule.timeline.finish(step, phases.rollout, phases.train, phases.weight_sync),
-            policy_lag=step - plan.policy_version,
+            policy_lag=step - step_rollout.policy_version,
             trained_tokens=sum(len(result.token_ids) for result in results),
             stale_tokens=sum(group.stale_tokens for group in trained),
             carried_groups=schedule.carried(),
@@ -400,10 +395,27 @@ def _duration(seconds: float) -> str:
 
 
 def _step_record(
-    step: int, outcome: RolloutOutcome, rewards: list[float], train_metrics: dict, phases: PhaseSeconds, **more
+    step: int,
+    outcome: RolloutOutcome,
+    training: TrainingDrafting | None,
+    rewards: list[float],
+    train_metrics: dict,
+    phases: PhaseSeconds,
+    **more,
 ) -> StepRecord:
-    """The step's record: the ranks' records summed, with ``more`` of :class:`StepRecord`'s fields."""
+    """The step's record: the ranks' records summed, with what they drafted while the trainer trained
+    (``training``) and ``more`` of :class:`StepRecord`'s fields."""
     ranks = outcome.ranks
+    drafts_made = len(outcome.drafts)
+    if training is not None:
+        drafts_made += training.drafts_made
+        ranks = [
+            replace(rank, drafting_seconds_while_training=seconds, draft_tokens_produced_while_training=tokens)
+            for rank, seconds, tokens in zip(
+                ranks, training.drafting_seconds, training.draft_tokens_produced, strict=True
+            )
+        ]
+        more["training_timelines"] = training.timelines
     generated = sum(r.shard_tokens for r in ranks)
     requests = sum(r.num_requests for r in ranks)
     bubble = sum(r.bubble_seconds for r in ranks)
@@ -429,7 +441,7 @@ def _step_record(
         bubble_seconds=bubble,
         bubble_utilization=bubble_use(ranks),
         rollout_seconds_saved=saved,
-        drafts_made=len(outcome.drafts),
+        drafts_made=drafts_made,
         rollout_tokens_per_second=generated / outcome.seconds if outcome.seconds > 0 else 0.0,
         phase_seconds=phases,
         barrier_seconds=outcome.barrier_seconds,

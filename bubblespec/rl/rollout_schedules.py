@@ -6,7 +6,7 @@ others are the answers to the long tail that users pick instead, run for real on
 be set side by side on the same workload and keys (``bubblespec bench peers-async``):
 
 - ``async``: generation overlaps training on separate hardware; step t's samples come from the newest policy the
-  ranks have when its generation starts, at most ``max_staleness`` updates behind policy t (:class:`Timeline`).
+  ranks have when its generation starts, at most ``max_staleness`` updates behind policy t (:class:`StepClock`).
 - ``partial``: a response longer than the step's token budget is cut; its group trains next step, the response
   continued by the new policy from the older policy's prefix (two policies in one sample).
 - ``exact-partial``: the same early end, but next step the new policy generates the cut group again under the same
@@ -24,8 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from bubblespec.core.config import RunConfig
-from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, Prompt, Task
+from bubblespec.core.config import RolloutScheduleConfig, RunConfig
+from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, Prompt, SamplingParams, Task
 from bubblespec.rollout.step import step_requests
 
 
@@ -47,8 +47,19 @@ class Group:
         self.kept = self.kept or [None] * len(self.requests)
 
 
+@dataclass(frozen=True)
+class FreshGroups:
+    """Where a step's fresh groups come from: the task's batch of prompts, ``samples_per_prompt`` keys each under
+    the run's seed, sampled with ``sampling``."""
+
+    task: Task
+    run_seed: int
+    sampling: SamplingParams
+    samples_per_prompt: int
+
+
 @dataclass
-class RolloutPlan:
+class StepRollout:
     """What a step's rollout generates: its groups' requests, with policy ``policy_version``; idle ranks draft the
     keys of the steps after ``draft_step``."""
 
@@ -72,7 +83,7 @@ class TrainedGroup:
     """The policy that generated ``results`` (for a carried group: its drafts' version)."""
 
 
-class Timeline:
+class StepClock:
     """When each step ends on the run's clock, and which policy generates it.
 
     Generation and training are two resources. Step t's generation starts once the last one ended and policy
@@ -106,27 +117,27 @@ class Timeline:
         return self._training_free
 
 
-class Schedule:
+class RolloutSchedule:
     """``sync`` (``max_staleness`` 0) and ``async``: every step generates its own prompts and trains on all of
-    them, with the policy :class:`Timeline` says."""
+    them, with the policy :class:`StepClock` says."""
 
     def __init__(
-        self, config: RunConfig, task: Task, run_seed: int, sampling, start_seconds: float = 0.0, start_step: int = 0
+        self, section: RolloutScheduleConfig, fresh: FreshGroups, start_seconds: float = 0.0, start_step: int = 0
     ) -> None:
-        self.config = config
-        self.task = task
-        self.run_seed = run_seed
-        self.sampling = sampling
-        self.timeline = Timeline(config.schedule.policy_lag, start_seconds, start_step)
+        self.section = section
+        """The run's ``schedule`` section: the kind and its settings."""
+        self.fresh = fresh
+        self.sampling = fresh.sampling
+        self.timeline = StepClock(section.policy_lag, start_seconds, start_step)
 
-    def plan(self, step: int) -> RolloutPlan:
+    def rollout(self, step: int) -> StepRollout:
         version = self.timeline.rollout_version(step)
-        return RolloutPlan(self._fresh_groups(step, self.sampling), version, step)
+        return StepRollout(self._fresh_groups(step, self.sampling), version, step)
 
-    def collect(self, step: int, plan: RolloutPlan, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
+    def collect(self, step: int, step_rollout: StepRollout, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
         """The groups step ``step`` trains on, from its rollout's ``results``."""
         by_key = {r.key: r for r in results}
-        stale = plan.policy_version < step
+        stale = step_rollout.policy_version < step
         return [
             TrainedGroup(
                 g.prompt,
@@ -134,7 +145,7 @@ class Schedule:
                 rs := [by_key[r.key] for r in g.requests],
                 sum(len(r.token_ids) for r in rs) if stale else 0,
             )
-            for g in plan.groups
+            for g in step_rollout.groups
         ]
 
     def carried(self) -> int:
@@ -145,34 +156,39 @@ class Schedule:
         """The task's prompts of batch ``batch`` (step ``batch`` of a sync run: its keys, peek and drafts name it),
         generated with ``sampling``."""
         groups = []
-        per_prompt = self.config.task.samples_per_prompt
-        for prompt in self.task.batch(batch):
-            full = step_requests([prompt], self.run_seed, batch, per_prompt, self.sampling)
+        fresh = self.fresh
+        for prompt in fresh.task.batch(batch):
+            full = step_requests([prompt], fresh.run_seed, batch, fresh.samples_per_prompt, self.sampling)
             generate = full if sampling == self.sampling else [replace(r, sampling=sampling) for r in full]
             groups.append(Group(prompt, full, list(generate), fresh=True))
         return groups
 
 
-class CutSchedule(Schedule):
+class CutRolloutSchedule(RolloutSchedule):
     """``partial``, ``exact-partial`` and ``tail-batching``: fresh responses get a token budget; a group with a
     response over it is carried (see the module's docstring for what each kind does with it). The last step has no
     budget, so that it leaves nothing behind but a tail-batching pool."""
 
     def __init__(
         self,
-        config: RunConfig,
-        task: Task,
-        run_seed: int,
-        sampling,
+        section: RolloutScheduleConfig,
+        fresh: FreshGroups,
+        *,
+        prompts_per_step: int,
+        num_steps: int,
+        drafts: bool,
         start_seconds: float = 0.0,
         context_length: int | None = None,
     ) -> None:
-        super().__init__(config, task, run_seed, sampling, start_seconds)  # never resumed: starts at step 0
+        super().__init__(section, fresh, start_seconds)  # never resumed: starts at step 0
+        self.prompts_per_step = prompts_per_step
+        self.num_steps = num_steps
+        """The run's last step has no budget: it leaves nothing behind but a tail-batching pool."""
         self.context_length = context_length
         """The engines' context (prompt + response tokens; None: unknown): a budget at or above the room a prompt
         leaves cuts nothing, since the context ends that response first."""
-        self.kind = config.schedule.kind
-        self.drafts = config.speculation.enabled
+        self.kind = section.kind
+        self.drafts = drafts
         """Whether a carried group's cut responses are drafts for its generation again (exact kinds)."""
         self._carried: list[TrainedGroup] = []  # cut groups with their responses so far
         self._last_lengths: list[int] = []
@@ -185,8 +201,8 @@ class CutSchedule(Schedule):
         """The step's token budget per fresh response (None: none): ``cut_tokens``, or the ``cut_quantile`` of the
         lengths of the last step's fresh responses, a cut one counted at its cut length (so the quantile is exact
         while fewer than 1 - q of them are cut, and the budget cannot shrink step after step)."""
-        schedule = self.config.schedule
-        if step == self.config.num_steps - 1:
+        schedule = self.section
+        if step == self.num_steps - 1:
             return None
         if schedule.cut_tokens is not None:
             return schedule.cut_tokens
@@ -195,34 +211,34 @@ class CutSchedule(Schedule):
         lengths = sorted(self._last_lengths)
         return max(1, lengths[max(0, math.ceil(schedule.cut_quantile * len(lengths)) - 1)])
 
-    def plan(self, step: int) -> RolloutPlan:
+    def rollout(self, step: int) -> StepRollout:
         version = self.timeline.rollout_version(step)
         if self.kind == "tail-batching":
-            if len(self._carried) >= self.config.task.prompts_per_step or (
-                self._carried and step == self.config.num_steps - 1
+            if len(self._carried) >= self.prompts_per_step or (
+                self._carried and step == self.num_steps - 1
             ):  # a long step: only pooled groups, whole
-                size = self.config.task.prompts_per_step
+                size = self.prompts_per_step
                 pooled, self._carried = self._carried[:size], self._carried[size:]
                 groups = [self._again(g) for g in pooled]
-                return RolloutPlan(groups, version, self._batches - 1)
+                return StepRollout(groups, version, self._batches - 1)
             batch = self._batches
             self._batches += 1
-            return RolloutPlan(self._fresh_groups(batch, self.budget(step)), version, batch)
+            return StepRollout(self._fresh_groups(batch, self.budget(step)), version, batch)
         carried = [self._again(g) for g in self._carried]
         self._carried = []
-        return RolloutPlan(self._fresh_groups(step, self.budget(step)) + carried, version, step)
+        return StepRollout(self._fresh_groups(step, self.budget(step)) + carried, version, step)
 
-    def collect(self, step: int, plan: RolloutPlan, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
+    def collect(self, step: int, step_rollout: StepRollout, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
         by_key = {r.key: r for r in results}
         trained, lengths = [], []
-        for group in plan.groups:
+        for group in step_rollout.groups:
             whole, cut, stale = [], False, 0
             for request, generated, kept in zip(group.requests, group.generate, group.kept, strict=True):
                 result = _joined(request, generated, kept, None if generated is None else by_key[generated.key])
                 cut |= result.finish_reason == "preempted"  # the step's budget stopped it: it goes on
                 stale += 0 if kept is None else len(kept.token_ids)
                 whole.append(result)
-            done = TrainedGroup(group.prompt, group.requests, whole, stale, plan.policy_version)
+            done = TrainedGroup(group.prompt, group.requests, whole, stale, step_rollout.policy_version)
             if cut:
                 self._carried.append(done)
             else:
@@ -294,7 +310,7 @@ def _joined(
     return GenerationResult(request.key, tokens, logprobs, reason, generated.stats)
 
 
-def build_schedule(
+def build_rollout_schedule(
     config: RunConfig,
     task: Task,
     run_seed: int,
@@ -302,10 +318,14 @@ def build_schedule(
     start_seconds: float = 0.0,
     start_step: int = 0,
     context_length: int | None = None,
-) -> Schedule:
+) -> RolloutSchedule:
     """The schedule ``config.schedule`` names, for a run that starts (or resumes) at ``start_step``, ``start_seconds``
     into its timeline, on engines of ``context_length``. Only ``sync`` runs resume (the controller refuses the
     others)."""
-    if config.schedule.cuts:
-        return CutSchedule(config, task, run_seed, sampling, start_seconds, context_length)
-    return Schedule(config, task, run_seed, sampling, start_seconds, start_step)
+    section, fresh = config.schedule, FreshGroups(task, run_seed, sampling, config.task.samples_per_prompt)
+    if section.cuts:
+        return CutRolloutSchedule(
+            section, fresh, prompts_per_step=config.task.prompts_per_step, num_steps=config.num_steps,
+            drafts=config.speculation.enabled, start_seconds=start_seconds, context_length=context_length,
+        )  # fmt: skip
+    return RolloutSchedule(section, fresh, start_seconds, start_step)

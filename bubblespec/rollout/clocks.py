@@ -128,7 +128,7 @@ def _cpu_tiny() -> CostProfile:
 PROFILES = {profile.name: profile for profile in (_h100_7b(), _cpu_tiny())}
 
 
-class VirtualTimeline:
+class VirtualClock:
     """One rank's virtual time: advanced by each forward pass it runs (pass it as ``on_forward``)."""
 
     def __init__(self, profile: CostProfile, start: float = 0.0) -> None:
@@ -144,7 +144,7 @@ class VirtualTimeline:
 class DeadlineStop:
     """A stop signal that is set once ``timeline`` has reached ``deadline``: the virtual barrier."""
 
-    def __init__(self, timeline: VirtualTimeline, deadline: float) -> None:
+    def __init__(self, timeline: VirtualClock, deadline: float) -> None:
         self.timeline, self.deadline = timeline, deadline
 
     def is_set(self) -> bool:

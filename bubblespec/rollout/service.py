@@ -40,7 +40,7 @@ from bubblespec.core.interfaces import (
 )
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
-from bubblespec.rollout.step import DraftPlan, RolloutOutcome, attach_drafts, step_requests
+from bubblespec.rollout.step import DraftPlan, RolloutOutcome, TrainingDrafting, attach_drafts, step_requests
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +184,10 @@ class RolloutService:
             self.ranks.start_drafting(self._plan)
             self._drafting = True
 
-    def training_ended(self, train_seconds: float) -> RolloutOutcome | None:
+    def training_ended(self, train_seconds: float) -> TrainingDrafting | None:
         """The trainer is done (or failed: ``train_seconds`` 0). Colocated ranks resume; drafting stops (the
-        virtual clock budgets it by ``train_seconds``) and its drafts are stored and returned with per-rank
-        records and timelines; None when the ranks did not draft."""
+        virtual clock budgets it by ``train_seconds``), its drafts are stored, and what the ranks drafted is
+        returned; None when the ranks did not draft."""
         if self._released:
             self.ranks.resume()
             self._released = False
@@ -196,7 +196,7 @@ class RolloutService:
         self._drafting = False
         outcome = self.ranks.stop_drafting(train_seconds)
         self._store(outcome.drafts)
-        return outcome
+        return TrainingDrafting.of(outcome)
 
     def update_weights(self, state_dict, version: int) -> float:
         """The new policy to every rank; returns the seconds it took."""

@@ -148,6 +148,31 @@ class RolloutOutcome:
     """Per rank: (activity, start, end) with activity in generate, draft, idle; seconds from phase start."""
 
 
+@dataclass(frozen=True)
+class TrainingDrafting:
+    """What the ranks drafted while the trainer trained (``speculation.draft_during_training``), as
+    :meth:`RolloutService.training_ended <bubblespec.rollout.service.RolloutService.training_ended>` returns it: the
+    step record reads it beside the rollout's outcome (the drafts themselves are in the draft store already)."""
+
+    drafts_made: int
+    drafting_seconds: list[float]
+    """Per rank."""
+    draft_tokens_produced: list[int]
+    """Per rank."""
+    timelines: list[list[tuple[str, float, float]]]
+    """Per rank: (activity, start, end), seconds from the start of training."""
+
+    @classmethod
+    def of(cls, outcome: RolloutOutcome) -> TrainingDrafting:
+        """The figures of a drafting phase's outcome (one with no results)."""
+        return cls(
+            drafts_made=len(outcome.drafts),
+            drafting_seconds=[rank.drafting_seconds for rank in outcome.ranks],
+            draft_tokens_produced=[rank.draft_tokens_produced for rank in outcome.ranks],
+            timelines=outcome.timelines,
+        )
+
+
 class DraftPlan:
     """The keys of later steps to draft, in bubble-policy order, handed out in chunks to idle ranks.
 

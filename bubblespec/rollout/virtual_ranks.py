@@ -1,7 +1,7 @@
 """Rollout ranks on the virtual clock (docs/design.md §6): every rank in this process, on simulated time.
 
 Ranks hold identical weights, so one engine serves them all in turn. Each rank has a
-:class:`~bubblespec.rollout.clocks.VirtualTimeline` that the forward passes it runs advance by their cost. The pool is a
+:class:`~bubblespec.rollout.clocks.VirtualClock` that the forward passes it runs advance by their cost. The pool is a
 driver of :class:`~bubblespec.rollout.bubble_scheduler.PhaseScheduler`: it runs the calls the scheduler asks for and
 reports each return at its simulated time, earliest first, so that the scheduler decides exactly as it does on Ray
 Serve.
@@ -26,7 +26,7 @@ from bubblespec.rollout.bubble_scheduler import (
     StopDrafting,
     ignore_activity,
 )
-from bubblespec.rollout.clocks import CostProfile, DeadlineStop, VirtualTimeline
+from bubblespec.rollout.clocks import CostProfile, DeadlineStop, VirtualClock
 from bubblespec.rollout.speculation_effect import seconds_saved
 from bubblespec.rollout.step import DraftPlan, RolloutOutcome
 
@@ -79,7 +79,7 @@ class VirtualRankPool:
         return self._run(scheduler, trainer_ends=train_seconds)
 
     def _run(self, scheduler: PhaseScheduler, trainer_ends: float | None) -> RolloutOutcome:
-        timelines = [VirtualTimeline(self.profile) for _ in range(self.num_ranks)]
+        timelines = [VirtualClock(self.profile) for _ in range(self.num_ranks)]
         returns: list[tuple[float, int, int, int, float, list[GenerationResult]]] = []
         """Calls that have run, by the simulated time they return: (time, kind, rank, forward passes, seconds the
         drafts saved, results)."""
