@@ -212,7 +212,8 @@ def print_report(report: dict, console=None) -> None:
     )
     drafts = table("drafts per step", ("source", "step", "acceptance", "draft\ncov", "proposal\ncov", "rollouts"))
     first = {"from_step_2": 2, "steady_state": report["epoch_steps"] + 1}
-    ranges = ", ".join(f"{label.replace('_', ' ')}: {n}-{report['num_steps']}" for label, n in first.items())
+    shown = {"from_step_2": "from the second step", "steady_state": "steady state"}
+    ranges = ", ".join(f"{shown[label]}: {n}-{report['num_steps']}" for label, n in first.items())
     speed_summary = table(
         f"decode steps and speed ({ranges})", ("source", "steps", "tokens", "reduction", "throughput")
     )

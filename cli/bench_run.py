@@ -185,7 +185,12 @@ def print_report(report: dict, console=None) -> None:
             ),
         )
     notes = ["off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes"]
-    notes += [f"{label}: " + ", ".join(f"{k}={figure(v)}" for k, v in report[label].items()) for label in
-              ("overall", "from_step_2")]  # fmt: skip
+    labels = {
+        "overall": "every step",
+        "from_step_2": "from the second step (step 1 on: step 0 has no drafts, as no step ran before it to draft "
+        "them, so its ratio is what drafting cost alone)",
+    }
+    notes += [f"{shown}: " + ", ".join(f"{k}={figure(v)}" for k, v in report[key].items()) for key, shown in
+              labels.items()]  # fmt: skip
     notes.append(f"identical_rollouts={report['identical_rollouts']}  identical_weights={report['identical_weights']}")
     print_tables((decode, rollout, whole), notes, console)

@@ -238,7 +238,8 @@ def print_report(report: dict, console=None) -> None:
     seeds = report["seeds"]
     title = (
         f"{report['config']}: {report['num_ranks']} ranks, {report['profile']} profile, {report['num_steps']} steps, "
-        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} (throughput from step 2, against sync)"
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} (throughput from the second step, "
+        "against sync)"
     )
     tables = []
     for table_title, columns in ((title, SPEED_COLUMNS), ("what it costs", COST_COLUMNS)):
