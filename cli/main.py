@@ -58,10 +58,18 @@ def validate(
     finally:
         close_tasks(*tasks)
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
+    if config.speculation.uses_bubble:
+        typer.echo(_training_drafting_line(config))
     typer.secho(f"\ntask {config.task.name!r}", bold=True)
     typer.echo("\n".join(summary.lines))
     for warning in summary.warnings:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+
+
+def _training_drafting_line(config) -> str:
+    """What the run decided for drafting while the trainer trains, and why."""
+    on, why = config.training_drafting()
+    return f"drafting while the trainer trains: {'on' if on else 'off'} ({why})"
 
 
 @app.command()
@@ -96,6 +104,8 @@ def run(
     console = Console()
     setup_logging(console, "WARNING" if quiet else "DEBUG" if verbose else "INFO")
     run_dir = resume or config.run_dir
+    if not quiet and config.speculation.uses_bubble:
+        typer.echo(_training_drafting_line(config))
     try:
         if quiet:
             run_config(config, resume_dir=resume)

@@ -116,6 +116,50 @@ def test_placement_settings_that_cannot_work_are_config_errors(changes, message)
         validate(changes)
 
 
+@pytest.mark.parametrize(
+    ("changes", "drafts", "why"),
+    [
+        ({}, False, "the ranks run on CPU cores the trainer may use"),  # the README's main job: wall clock, CPU
+        ({"rollout": {"gpus_per_rank": 1}}, True, "the ranks reserve GPUs of their own"),
+        ({"rollout": {"gpus_per_rank": 1}, "ray": {"colocated": True}}, False, "ray.colocated"),
+        ({"ray": {"rollout_nodes": {"role": "rollout"}, "trainer_nodes": {"role": "train"}}}, True, "nodes of their"),
+        ({"ray": {"rollout_nodes": {"role": "any"}, "trainer_nodes": {"role": "any"}}}, False, "CPU cores"),
+        ({"clock": {"kind": "virtual", "profile": "h100-7b"}}, False, "on the virtual clock set it true"),
+        ({"rollout": {"gpus_per_rank": 1}, "speculation": {"enabled": False}}, False, "nothing"),
+        ({"speculation": {"draft_during_training": True}}, True, "speculation.draft_during_training: true"),
+        ({"clock": {"kind": "virtual", "profile": "h100-7b"}, "speculation": {"draft_during_training": False}},
+         False, "speculation.draft_during_training: false"),
+    ],
+)  # fmt: skip
+def test_drafting_while_training_is_decided_from_the_placement_unless_set(changes, drafts, why):
+    """``auto`` (the default) drafts while the trainer trains only where the ranks have hardware of their own; an
+    explicit setting wins; the reason is what the run prints."""
+    decided, reason = validate(changes).training_drafting()
+    assert decided is drafts
+    assert why in reason
+    assert reason.startswith("auto: ") == ("draft_during_training" not in changes.get("speculation", {}))
+
+
+def test_a_run_drafts_while_training_as_decided(tmp_path):
+    """A run's service follows the decision (the step records carry the drafting's timelines): on the virtual
+    clock only when told to."""
+    from bubblespec.run.launch import run
+
+    drafted = {}
+    for setting in ("auto", True):
+        config = validate({
+            "name": str(setting), "output_dir": str(tmp_path), "num_steps": 2,
+            "task": {"prompts_per_step": 4, "samples_per_prompt": 2}, "rollout": {"num_ranks": 2},
+            "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"enabled": False},
+            "speculation": {"draft_during_training": setting},
+        })  # fmt: skip
+        steps = []
+        run(config, on_step=steps.append)
+        drafted[setting] = [s.training_timelines is not None for s in steps]
+    # the last step drafts nothing while it trains: no step comes after it
+    assert drafted == {"auto": [False, False], True: [True, False]}
+
+
 def test_gpus_per_worker_defaults_to_one_on_cuda_and_bad_draft_store_options_are_named():
     from bubblespec.core.errors import ConfigError
 

@@ -135,9 +135,13 @@ class SpeculationConfig(Section):
     lookahead_steps: int = Field(1, ge=1, le=4)
     """Steps ahead to draft for: 1 drafts step t+1 only; 2 also drafts step t+2 (with the same, older policy,
     so with lower acceptance) once every key of step t+1 has been handed out, so idle ranks keep working."""
-    draft_during_training: bool = False
-    """Also draft while the trainer runs. Only right when rollout ranks and trainer use separate hardware:
-    then the training phase is a bubble for the ranks too."""
+    draft_during_training: bool | Literal["auto"] = "auto"
+    """Also draft while the trainer runs: right only where rollout ranks and trainer use separate hardware, where
+    the training phase is a bubble for the ranks too. ``auto`` decides it from the placement
+    (:meth:`ServiceConfig.training_drafting`): on where the ranks have hardware of their own (GPUs they reserve,
+    nodes of their own), off where they share the trainer's devices or cores (``ray.colocated``, ranks on the CPU
+    beside the trainer) and on the virtual clock, whose simulated cluster drafts while training only when told to.
+    The run says what it chose and why."""
     draft_sources: list[str] = ["bubble"]
     """Where drafts come from, in priority order (entry point group ``bubblespec.draft_sources``): ``bubble``
     (drafts of the next step made in the bubble), ``history`` (the last response to the same prompt, from an
@@ -580,12 +584,32 @@ class ServiceConfig(Section):
 
     @model_validator(mode="after")
     def _training_hardware(self) -> ServiceConfig:
-        if self.ray.colocated and self.speculation.draft_during_training:
+        if self.ray.colocated and self.speculation.draft_during_training is True:
             raise ValueError(
                 "speculation.draft_during_training needs ranks on hardware of their own; with ray.colocated the "
                 "engines release their memory to the trainer while it trains: turn one of the two off"
             )
         return self
+
+    def training_drafting(self) -> tuple[bool, str]:
+        """Whether the ranks draft while the trainer trains, and why: ``speculation.draft_during_training`` where it
+        is set, else decided from where the ranks run against the trainer. Drafting on hardware the trainer uses
+        slows the trainer by more than the drafts save (measured in BENCHMARKS.md: whole steps 0.77x on two shared
+        CPU cores)."""
+        setting = self.speculation.draft_during_training
+        if setting != "auto":
+            return setting, f"speculation.draft_during_training: {str(setting).lower()}"
+        if not self.speculation.uses_bubble:
+            return False, "auto: nothing drafts in the bubble (speculation off, or no bubble draft source)"
+        if self.ray.colocated:
+            return False, "auto: ray.colocated, the ranks share the trainer's hardware and release it while it trains"
+        if self.clock.kind == "virtual":  # a simulated cluster: its placement is the config's to say
+            return False, "auto: on the virtual clock set it true to simulate ranks with hardware of their own"
+        if self.rollout.gpus_per_rank > 0:
+            return True, "auto: the ranks reserve GPUs of their own (rollout.gpus_per_rank, ray.colocated false)"
+        if self.ray.rollout_nodes and self.ray.trainer_nodes and self.ray.rollout_nodes != self.ray.trainer_nodes:
+            return True, "auto: the ranks run on nodes of their own (ray.rollout_nodes, ray.trainer_nodes)"
+        return False, "auto: the ranks run on CPU cores the trainer may use; set it true where they have their own"
 
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:

@@ -51,6 +51,7 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
     before = steps[0].eval_reward_before_training
     saved = None if any(s.rollout_seconds_saved is None for s in steps) else sum(s.rollout_seconds_saved for s in steps)
     names = dict.fromkeys(name for s in steps for name in s.reward_means)
+    drafting, why = config.training_drafting()
     summary = {
         "name": config.name,
         "clock": config.clock.kind,
@@ -77,5 +78,6 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
             **{s.step: s.eval_reward for s in steps if s.eval_reward is not None},
         },
         "wall_seconds": wall_seconds,
+        "drafting_while_training": f"{'on' if drafting else 'off'} ({why})",
     }
     return summary | {"speculation_effect": speculation_verdict(summary)}

@@ -71,6 +71,7 @@ class RolloutService:
         samples_per_prompt: int = 1,
         static_sources: Sequence[tuple[str, StaticDraftSource]] = (),
         colocated: bool = False,
+        draft_during_training: bool = False,
     ) -> None:
         self.ranks = ranks
         self.store = store
@@ -88,6 +89,9 @@ class RolloutService:
         """The ``history`` source, whose memory checkpoints keep."""
         self.colocated = colocated
         """Ranks share the trainer's hardware: they release their memory while it trains."""
+        self.draft_during_training = draft_during_training
+        """Ranks on hardware of their own draft while the trainer trains (:meth:`ServiceConfig.training_drafting`
+        decides it)."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
         self._plan = DraftPlan([])
@@ -106,9 +110,11 @@ class RolloutService:
         samples_per_prompt: int,
         peek: Peek | None,
         colocated: bool = False,
+        draft_during_training: bool = False,
     ) -> RolloutService:
         """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names;
-        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``)."""
+        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``); ``draft_during_training``: they
+        draft while it trains (:meth:`ServiceConfig.training_drafting`)."""
         from bubblespec.core import plugins
         from bubblespec.rollout.draft_store import TolerantDraftStore
 
@@ -135,6 +141,7 @@ class RolloutService:
             samples_per_prompt,
             static_sources(speculation, store),
             colocated,
+            draft_during_training,
         )
 
     @property
@@ -180,7 +187,7 @@ class RolloutService:
         if self.colocated:
             self.ranks.release()
             self._released = True
-        elif self.speculation.uses_bubble and self.speculation.draft_during_training and self._plan:
+        elif self.speculation.uses_bubble and self.draft_during_training and self._plan:
             self.ranks.start_drafting(self._plan)
             self._drafting = True
 

@@ -226,8 +226,9 @@ def rank_pool(
 
 
 def _service(config, ranks: RankPool, vocab_size: int, sampling, samples_per_prompt: int, peek) -> RolloutService:
+    drafts_while_training, _ = config.training_drafting()
     return RolloutService.build(ranks, vocab_size, config.speculation, config.rollout, sampling, config.seed,
-                                samples_per_prompt, peek, config.ray.colocated)  # fmt: skip
+                                samples_per_prompt, peek, config.ray.colocated, drafts_while_training)  # fmt: skip
 
 
 @contextlib.contextmanager
