@@ -174,9 +174,36 @@ def test_the_step_line_says_how_far_the_run_is_what_speculation_saved_and_why_no
     )  # fmt: skip
     line = step_line(record, num_steps=80, seconds_left=135)
     for field in ("step=3 ", "done=4/80", "left=2m15s", "reward.math=0.5000", "reward.format=0.2500",
-                  "reward_failed=3/64", "steps_saved=75.0%", "rollout_saved_s=-0.250",
+                  "reward_failed=3/64", "steps_saved=75.0%", "rollout_saved_s=-0.250", "barrier_wait_s=0.000",
                   "trained=no:equal_rewards_in_every_group"):  # fmt: skip
         assert field in line, (field, line)
+
+
+def test_the_verdict_splits_what_speculation_did_and_names_the_cause_that_dominated():
+    """The summary adds up each step's wait at the barrier (its slowest drafting rank's preemption latency); the
+    verdict splits the estimate into decode passes saved net of verification and that wait, and names the larger
+    cost with what addresses it."""
+    from bubblespec.core.config import validate
+    from bubblespec.observe.summary import speculation_verdict, summarize
+    from bubblespec.rollout.step import RankRecord
+
+    def ranks(*latencies):
+        return [RankRecord(rank, preemption_latency_seconds=latency) for rank, latency in enumerate(latencies)]
+
+    config = validate({"speculation": {"enabled": True}})
+    steps = [
+        step_record(0, generated_tokens=100, decode_steps=100, rollout_seconds_saved=-0.03, ranks=ranks(0.0, 0.02)),
+        step_record(1, generated_tokens=100, decode_steps=90, rollout_seconds_saved=-0.01, ranks=ranks(0.01, 0.0)),
+    ]
+    summary = summarize(config, steps, wall_seconds=1.0)
+    assert summary["barrier_wait_seconds"] == pytest.approx(0.03)
+    waited = speculation_verdict(summary | {"rollout_seconds": 0.5})
+    assert "the drafts saved -0.01 s of decode passes net of verifying them, and the steps waited 0.03 s" in waited
+    assert "Waiting for drafting dominated" in waited and "speculation.enabled: false" in waited
+    verified = speculation_verdict(summary | {"rollout_seconds": 0.5, "barrier_wait_seconds": 0.0})
+    assert "Verifying the drafts dominated" in verified and "rollout.max_draft_tokens_per_step" in verified
+    paid = speculation_verdict(summary | {"rollout_seconds": 0.5, "rollout_seconds_saved": 0.2})
+    assert paid.startswith("speculation saved 0.20 wall-clock seconds") and "waited 0.03 s at the barrier" in paid
 
 
 def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():

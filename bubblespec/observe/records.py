@@ -112,6 +112,12 @@ class StepRecord(BaseModel):
         return self.phase_seconds.rollout + self.rollout_seconds_saved
 
     @property
+    def barrier_wait_seconds(self) -> float:
+        """How long the step waited, once its last shard was done, for drafting passes in flight: its slowest
+        drafting rank's preemption latency (part of ``rollout_seconds_saved`` when that is a cost)."""
+        return max((rank.preemption_latency_seconds for rank in self.ranks), default=0.0)
+
+    @property
     def trained(self) -> bool:
         """Whether the learner updated the policy (not a step whose loss had no gradient)."""
         return not self.train.get("skipped")

@@ -11,7 +11,9 @@ from bubblespec.rollout.step import bubble_use
 
 
 def speculation_verdict(summary: dict) -> str:
-    """Did speculation help in this run? One sentence from the summary, with what to try when it did not."""
+    """Did speculation help in this run? One sentence from the summary: what the drafts saved in decode passes net
+    of verification, what waiting for drafting at the barrier cost, and, when it did not pay, the cause that
+    dominated and the setting that addresses it."""
     if not summary.get("speculation"):
         return "speculation was off in this run (speculation.enabled: false)"
     saved, rollout = summary.get("rollout_seconds_saved"), summary["rollout_seconds"]
@@ -21,16 +23,27 @@ def speculation_verdict(summary: dict) -> str:
     without = rollout + saved
     share = saved / without if without > 0 else 0.0
     clock = summary.get("clock", "wall")
+    wait = summary.get("barrier_wait_seconds", 0.0)
+    passes = saved + wait
+    parts = (
+        f"the drafts saved {passes:.2f} s of decode passes net of verifying them, and the steps waited {wait:.2f} s "
+        "at the barrier for drafting passes in flight"
+    )
+    estimated = "estimated: the same responses replayed without drafts under this run's own pass timings"
     if saved >= 0:
+        return f"speculation saved {saved:.2f} {clock}-clock seconds of rollout ({share:.1%}; {estimated}): {parts}"
+    cost = f"speculation cost {-saved:.2f} {clock}-clock seconds of rollout ({-share:.1%} slower; {estimated})"
+    verdict = f"{cost}: {parts}"
+    if wait >= max(-passes, 0.0):
         return (
-            f"speculation saved {saved:.2f} {clock}-clock seconds of rollout ({share:.1%}; estimated: the same "
-            f"responses replayed without drafts under this run's own pass timings), with {steps}"
+            f"{verdict}. Waiting for drafting dominated: the bubbles are short next to a drafting pass (a workload "
+            "with a longer tail of response lengths fills them); speculation.enabled: false runs this one without "
+            "drafts. `bubblespec bench CONFIG` measures both side by side"
         )
     return (
-        f"speculation cost {-saved:.2f} {clock}-clock seconds of rollout ({-share:.1%} slower; estimated: the same "
-        f"responses replayed without drafts under this run's own pass timings), with {steps}: verifying the "
-        "drafts cost more than it saved. Try `bubblespec bench CONFIG` (the run with speculation off and on, side "
-        "by side), speculation.draft_during_training: true (longer drafts), or another speculation.bubble_policy"
+        f"{verdict}. Verifying the drafts dominated: they cost more than they saved; try a smaller "
+        "rollout.max_draft_tokens_per_step, rollout.adaptive_draft_length: true, or another "
+        "speculation.bubble_policy, and `bubblespec bench CONFIG` to measure them side by side"
     )
 
 
@@ -50,6 +63,7 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
     accepted = sum(s.draft_tokens_accepted for s in steps)
     before = steps[0].eval_reward_before_training
     saved = None if any(s.rollout_seconds_saved is None for s in steps) else sum(s.rollout_seconds_saved for s in steps)
+    wait = sum(s.barrier_wait_seconds for s in steps)
     names = dict.fromkeys(name for s in steps for name in s.reward_means)
     drafting, why = config.training_drafting()
     summary = {
@@ -72,6 +86,7 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
         "bubble_utilization": bubble_utilization(steps, config.num_steps),
         "rollout_seconds": rollout,
         "rollout_seconds_saved": saved,
+        "barrier_wait_seconds": wait,
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
         "eval_rewards": {
             **({"start": before} if before is not None else {}),

@@ -362,6 +362,7 @@ def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: fl
     }
     if record.rollout_seconds_saved is not None:
         fields["rollout_saved_s"] = f"{record.rollout_seconds_saved:+.3f}"
+        fields["barrier_wait_s"] = f"{record.barrier_wait_seconds:.3f}"  # part of rollout_saved_s
     fields |= {"train_s": f"{phases.train:.3f}", "sync_s": f"{phases.weight_sync:.3f}"}
     if record.policy_lag:
         fields["policy_lag"] = record.policy_lag
