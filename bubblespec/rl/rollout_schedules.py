@@ -127,12 +127,11 @@ class RolloutSchedule:
         self.section = section
         """The run's ``schedule`` section: the kind and its settings."""
         self.fresh = fresh
-        self.sampling = fresh.sampling
         self.timeline = StepClock(section.policy_lag, start_seconds, start_step)
 
     def rollout(self, step: int) -> StepRollout:
         version = self.timeline.rollout_version(step)
-        return StepRollout(self._fresh_groups(step, self.sampling), version, step)
+        return StepRollout(self._fresh_groups(step, self.fresh.sampling), version, step)
 
     def collect(self, step: int, step_rollout: StepRollout, results: Sequence[GenerationResult]) -> list[TrainedGroup]:
         """The groups step ``step`` trains on, from its rollout's ``results``."""
@@ -158,8 +157,8 @@ class RolloutSchedule:
         groups = []
         fresh = self.fresh
         for prompt in fresh.task.batch(batch):
-            full = step_requests([prompt], fresh.run_seed, batch, fresh.samples_per_prompt, self.sampling)
-            generate = full if sampling == self.sampling else [replace(r, sampling=sampling) for r in full]
+            full = step_requests([prompt], fresh.run_seed, batch, fresh.samples_per_prompt, fresh.sampling)
+            generate = full if sampling == fresh.sampling else [replace(r, sampling=sampling) for r in full]
             groups.append(Group(prompt, full, list(generate), fresh=True))
         return groups
 
@@ -251,9 +250,9 @@ class CutRolloutSchedule(RolloutSchedule):
     def _fresh_groups(self, batch: int, budget: int | None) -> list[Group]:
         """The batch's groups, each response capped at ``budget`` where that is less than the room it has (its
         ``max_new_tokens``, and the context its prompt leaves): only a response the budget stops is cut."""
-        groups = super()._fresh_groups(batch, self.sampling)
+        groups = super()._fresh_groups(batch, self.fresh.sampling)
         for group in groups:
-            room = self.sampling.max_new_tokens
+            room = self.fresh.sampling.max_new_tokens
             if self.context_length is not None:
                 room = min(room, self.context_length - len(group.prompt.token_ids))
             if budget is not None and budget < room:
