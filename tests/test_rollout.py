@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import (
+    Draft,
+    GenerationRequest,
+    GenerationResult,
+    RequestStats,
+    RolloutKey,
+    SamplingParams,
+)
 from bubblespec.rollout.clocks import PROFILES
 from bubblespec.rollout.step import DraftPlan, drafted_tokens, drafts_from, step_requests
 from bubblespec.rollout.virtual_ranks import VirtualRankPool
@@ -66,7 +75,10 @@ def test_a_draft_cut_off_by_the_barrier_goes_on_where_it_stopped(engine):
     shard_long = [GenerationRequest((1, 4), RolloutKey(0, 0, "now", 1), SamplingParams(max_new_tokens=12))]
     plan = DraftPlan(requests, num_ranks=2)
     outcome = pool.rollout([shard_short, shard_long], plan)
+    assert outcome.seconds == outcome.barrier_seconds  # the step went on at the barrier
+    late, _ = pool.settle()  # the drafting pass the barrier cut ends late
     cut = {d.key: d for d in outcome.drafts}
+    assert set(cut) == {d.key for d in late}
     assert cut and all(not d.finished for d in cut.values())  # a 9-pass bubble drafts no 40-token response
     assert all(whole[key][: len(d.token_ids)] == list(d.token_ids) for key, d in cut.items())
 
@@ -107,6 +119,57 @@ def test_a_rank_record_names_its_slowest_response(engine):
     assert rank.slowest_response_decode_steps == 24 - 5 == rank.forward_passes
 
 
+def test_a_rank_takes_new_weights_once_its_drafting_pass_in_flight_has_ended():
+    """The step goes on at the barrier while a rank's drafting pass still runs (a late chunk); the new weights the
+    rank gets meanwhile wait for that pass on the rank (the replica's engine lock), so no pass mixes two policies."""
+    import torch
+
+    from bubblespec.rollout.serve_ranks import RankReplica
+    from bubblespec.rollout.weights import PackedWeights
+
+    events: list[str] = []
+    in_pass, pass_may_end, weights_wait = threading.Event(), threading.Event(), threading.Event()
+
+    class Drafting:
+        def generate(self, requests, stop=None, on_forward=None):
+            in_pass.set()
+            pass_may_end.wait()
+            events.append("pass ended")
+            return [GenerationResult(r.key, [1], [0.0], "preempted", RequestStats()) for r in requests]
+
+        def update_weights(self, state_dict, version):
+            events.append(f"weights {version}")
+
+    class WatchedLock:
+        """The replica's lock, telling the test when a caller has to wait for it."""
+
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                weights_wait.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
+    replica.rank, replica.backend, replica.stopped_step, replica.version, replica.dtype = 0, "drafting", -1, 0, None
+    replica.engine, replica._engine_lock = Drafting(), WatchedLock()
+    drafting = threading.Thread(target=replica.draft, args=([_request("a")], 1, 0))
+    drafting.start()
+    assert in_pass.wait(timeout=60)
+    replica.stop(1)  # the barrier: the pass in flight ends late
+    weights = PackedWeights.pack({"w": torch.ones(2)})
+    syncing = threading.Thread(target=replica.update_weights, args=(weights, 1))
+    syncing.start()
+    assert weights_wait.wait(timeout=60)  # the sync reached the engine while the pass ran: it waits
+    pass_may_end.set()
+    drafting.join(), syncing.join()
+    assert events == ["pass ended", "weights 1"] and replica.version == 1
+
+
 def test_a_failing_engine_names_its_rank_and_backend():
     from bubblespec.core.errors import EngineError
     from bubblespec.rollout.serve_ranks import RankReplica
@@ -121,6 +184,7 @@ def test_a_failing_engine_names_its_rank_and_backend():
 
     replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
     replica.rank, replica.backend, replica.stopped_step, replica.version = 3, "broken", -1, 0
+    replica._engine_lock = threading.Lock()
     replica.engine = Broken()
     with pytest.raises(EngineError, match=r"rank 3 \(backend 'broken'\) failed on 1 requests: RuntimeError: device"):
         replica.generate([_request("a")], version=0)

@@ -7,6 +7,7 @@ simulated time, resolved one at a time in the order the virtual clock would repo
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import threading
 from dataclasses import replace
@@ -190,14 +191,17 @@ def _plan() -> DraftPlan:
 
 
 def _decisions(outcome, activity) -> dict:
-    return {
-        "activity": activity,
-        "records": list(outcome.ranks),
-        "timelines": outcome.timelines,
-        "drafts": outcome.drafts,
-        "results": sorted((r.key, tuple(r.token_ids)) for r in outcome.results),
-        "seconds": (outcome.seconds, outcome.barrier_seconds),
-    }
+    """A copy of what the phase decided so far (late chunks add to the outcome in place)."""
+    return copy.deepcopy(
+        {
+            "activity": activity,
+            "records": list(outcome.ranks),
+            "timelines": outcome.timelines,
+            "drafts": outcome.drafts,
+            "results": sorted((r.key, tuple(r.token_ids)) for r in outcome.results),
+            "seconds": (outcome.seconds, outcome.barrier_seconds),
+        }
+    )
 
 
 def _virtual(phase: str):
@@ -205,9 +209,16 @@ def _virtual(phase: str):
     activity: list = []
     pool.on_activity = lambda *event: activity.append(event)
     if phase == "rollout":
-        return _decisions(pool.rollout(_shards(), _plan()), activity)
+        return _settled(pool, pool.rollout(_shards(), _plan()), activity)
     pool.start_drafting(_plan())
-    return _decisions(pool.stop_drafting(train_seconds=7.0), activity)
+    return _settled(pool, pool.stop_drafting(train_seconds=7.0), activity)
+
+
+def _settled(pool, outcome, activity) -> dict:
+    """The phase's decisions once its late chunks are reported (the outcome gains their drafts and records)."""
+    ended = _decisions(outcome, activity)
+    late, _ = pool.settle()
+    return _decisions(outcome, activity) | {"late": late, "ended": ended}
 
 
 def _serve(phase: str):
@@ -218,20 +229,26 @@ def _serve(phase: str):
     activity: list = []
     pool.on_activity = lambda *event: activity.append(event)
     if phase == "rollout":
-        return _decisions(pool.rollout(_shards(), _plan()), activity)
+        return _settled(pool, pool.rollout(_shards(), _plan()), activity)
     pool.start_drafting(_plan())
     assert ranks.trainer_end_reached.wait(timeout=60), "the simulated ranks never reached the trainer's end"
-    return _decisions(pool.stop_drafting(train_seconds=7.0), activity)
+    return _settled(pool, pool.stop_drafting(train_seconds=7.0), activity)
 
 
 @pytest.mark.parametrize("phase", ["rollout", "training"])
 def test_both_clocks_make_the_same_decisions_from_the_same_durations(phase):
     virtual, serve = _virtual(phase), _serve(phase)
     assert [event[:2] for event in virtual["activity"]] == [event[:2] for event in serve["activity"]]
-    for part in virtual:
+    for part in virtual.keys() - {"ended", "late"}:
         assert virtual[part] == serve[part], part
+    # on Serve, late chunks may return while the outcome is read: what the step saw is compared by its length
+    assert virtual["ended"]["seconds"] == serve["ended"]["seconds"]
+    assert sorted(virtual["late"], key=repr) == sorted(serve["late"], key=repr)
     drafted = {d.key.prompt_uid for d in virtual["drafts"]}
     assert drafted and len(drafted) < len(PLAN_LENGTHS)  # the stop cut the plan off: the decisions mattered
+    # the phase ended at the stop with chunks still in flight; reported late, they added their drafts
+    assert virtual["late"] and virtual["ended"]["seconds"] == virtual["seconds"]
+    assert sorted(virtual["drafts"], key=repr) == sorted(virtual["ended"]["drafts"] + virtual["late"], key=repr)
 
 
 def test_the_rollout_decisions_follow_the_rules():
@@ -285,3 +302,36 @@ def test_a_retry_policy_allows_its_number_of_retries():
     policy = RetryPolicy(max_retries=2)
     assert [policy.retry(attempt) for attempt in range(4)] == [True, True, False, False]
     assert replace(policy, max_retries=0).retry(0) is False
+
+
+def test_the_step_goes_on_at_the_barrier_and_a_late_pass_delays_only_what_waits_for_it():
+    """A pass costs one second per sequence. Rank 1's shard ends at 1 s; it drafts three keys (3 s a pass) from
+    1 s; rank 0's shard ends at 5 s (the barrier), during rank 1's second pass, which ends at 7 s. The rollout ends at
+    5 s; the late pass's drafts come with ``settle``, which waits 2 s right after the barrier and nothing once the
+    trainer has trained for longer; drafting while training starts on rank 1 when its late pass is over."""
+    per_sequence = replace(ONE_SECOND_A_PASS, fixed_s=0.0, flops_per_token=1.0)
+    engine = ScriptedEngine({"0/long": 5, "0/short": 1, "2/a": 4, "2/b": 4} | {f"1/k{i}": 10 for i in range(6)})
+    pool = VirtualRankPool(engine, 2, per_sequence, max_batch_size=3)
+    shards = [_requests({"0/long": 5}), _requests({"0/short": 1})]
+    plan = DraftPlan(_requests({f"1/k{i}": 10 for i in range(6)}), num_ranks=2, max_batch_size=3)
+    outcome = pool.rollout(shards, plan)
+    assert (outcome.seconds, outcome.barrier_seconds) == (5.0, 5.0) and outcome.drafts == []
+    assert outcome.drafting_wait_seconds == 0.0  # the step did not wait
+    late, waited = pool.settle(elapsed=0.0)
+    assert waited == 2.0 and len(late) == 3 and outcome.drafts == late
+    assert [len(d.token_ids) for d in late] == [2, 2, 2] and not any(d.finished for d in late)
+    assert outcome.ranks[1].preemption_latency_seconds == 2.0 and outcome.ranks[1].drafting_seconds == 4.0
+    assert outcome.timelines[1][-1] == ("draft", 1.0, 7.0)
+
+    def bubble_plan():
+        return DraftPlan(_requests({f"1/k{i}": 10 for i in range(6)}), num_ranks=2, max_batch_size=3)
+
+    pool.rollout(shards, bubble_plan())
+    late, waited = pool.settle(elapsed=2.5)  # the trainer trained for 2.5 s meanwhile
+    assert len(late) == 3 and waited == 0.0
+    assert pool.settle() == ([], 0.0)  # each late chunk is reported once
+    pool.rollout(shards, bubble_plan())
+    pool.start_drafting(DraftPlan(_requests({"2/a": 4, "2/b": 4}), num_ranks=2, max_batch_size=3))
+    training = pool.stop_drafting(train_seconds=20.0)
+    # four one-sequence passes each; rank 1 begins them once its late pass is over, 2 s into training
+    assert [timeline[0][2] for timeline in training.timelines] == [4.0, 6.0]

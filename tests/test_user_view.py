@@ -180,20 +180,15 @@ def test_the_step_line_says_how_far_the_run_is_what_speculation_saved_and_why_no
 
 
 def test_the_verdict_splits_what_speculation_did_and_names_the_cause_that_dominated():
-    """The summary adds up each step's wait at the barrier (its slowest drafting rank's preemption latency); the
-    verdict splits the estimate into decode passes saved net of verification and that wait, and names the larger
-    cost with what addresses it."""
+    """The summary adds up each step's wait for drafting passes in flight; the verdict splits the estimate into
+    decode passes saved net of verification and that wait, and names the larger cost with what addresses it."""
     from bubblespec.core.config import validate
     from bubblespec.observe.summary import speculation_verdict, summarize
-    from bubblespec.rollout.step import RankRecord
-
-    def ranks(*latencies):
-        return [RankRecord(rank, preemption_latency_seconds=latency) for rank, latency in enumerate(latencies)]
 
     config = validate({"speculation": {"enabled": True}})
     steps = [
-        step_record(0, generated_tokens=100, decode_steps=100, rollout_seconds_saved=-0.03, ranks=ranks(0.0, 0.02)),
-        step_record(1, generated_tokens=100, decode_steps=90, rollout_seconds_saved=-0.01, ranks=ranks(0.01, 0.0)),
+        step_record(0, generated_tokens=100, decode_steps=100, rollout_seconds_saved=-0.03, barrier_wait_seconds=0.02),
+        step_record(1, generated_tokens=100, decode_steps=90, rollout_seconds_saved=-0.01, barrier_wait_seconds=0.01),
     ]
     summary = summarize(config, steps, wall_seconds=1.0)
     assert summary["barrier_wait_seconds"] == pytest.approx(0.03)

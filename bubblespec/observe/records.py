@@ -83,6 +83,11 @@ class StepRecord(BaseModel):
     rollout_seconds_saved: float | None = None
     """Rollout seconds the drafts saved (negative: cost): the rollout replayed without drafts, estimated from this
     run's own forward passes (docs/design.md §8), minus the rollout phase; None where not estimated."""
+    barrier_wait_seconds: float = 0.0
+    """Seconds the step waited for drafting passes in flight: from the barrier until its rollout phase ended, and
+    before its weight sync for passes still running then (part of ``rollout_seconds_saved`` when that is a cost).
+    A rank's pass past the barrier runs while the trainer trains: its ``preemption_latency_seconds`` counts here
+    only where the step waited for it."""
     rollout_digest: str = ""
     """A fingerprint of the step's rollouts: equal digests, equal rollouts."""
     draft_store: dict[str, int] | None = None
@@ -110,12 +115,6 @@ class StepRecord(BaseModel):
         if self.rollout_seconds_saved is None:
             return None
         return self.phase_seconds.rollout + self.rollout_seconds_saved
-
-    @property
-    def barrier_wait_seconds(self) -> float:
-        """How long the step waited, once its last shard was done, for drafting passes in flight: its slowest
-        drafting rank's preemption latency (part of ``rollout_seconds_saved`` when that is a cost)."""
-        return max((rank.preemption_latency_seconds for rank in self.ranks), default=0.0)
 
     @property
     def trained(self) -> bool:

@@ -422,11 +422,10 @@ def _step_record(
     bubble = sum(r.bubble_seconds for r in ranks)
     saved = None
     if ranks and all(r.seconds_saved_by_drafts is not None for r in ranks):
-        # Without drafts the rollout ends at the replayed barrier; with them, at the barrier or, when ranks drafted
-        # in their bubbles, once they have stopped: that overrun is a cost of drafting.
+        # Without drafts the rollout ends at the replayed barrier; with them, at the barrier, and the step also waits
+        # for drafting passes in flight there and before the weight sync: those waits are a cost of drafting.
         without = max(r.generation_seconds - r.seconds_saved_by_drafts for r in ranks)
-        drafted = any(r.drafting_seconds > 0 for r in ranks)
-        saved = without - (outcome.seconds if drafted else outcome.barrier_seconds)
+        saved = without - outcome.barrier_seconds - outcome.drafting_wait_seconds
     return StepRecord(
         step=step,
         reward_mean=sum(rewards) / max(len(rewards), 1),
@@ -446,6 +445,7 @@ def _step_record(
         rollout_tokens_per_second=generated / outcome.seconds if outcome.seconds > 0 else 0.0,
         phase_seconds=phases,
         barrier_seconds=outcome.barrier_seconds,
+        barrier_wait_seconds=outcome.drafting_wait_seconds,
         train=train_metrics,
         rewards_checksum=sum(r * (i + 1) for i, r in enumerate(rewards)),
         ranks=ranks,

@@ -20,8 +20,11 @@ Rules, for a reader who wants them in one place:
 - The first idle rank takes the next chunk (:meth:`DraftPlan.take`: an equal share of what is left per rank).
 - No chunk is handed out at or after the barrier (rollout) or the stop (training); calls that return together are
   taken shards first, so a rank that falls idle exactly at the barrier stays idle.
-- A drafting call's time counts towards bubble use only up to the barrier (or stop); the time it runs past the
-  barrier is the rank's preemption latency.
+- The phase ends at the barrier (rollout) or the stop (training): the step goes on at once. A drafting call still
+  in flight then is *late*: it returns after its current forward pass, off the step's critical path (the rank
+  finishes that pass while the trainer trains), and the driver reports it later (``settle``); its drafts and
+  figures join the phase's outcome then. A drafting call's time counts towards bubble use only up to the barrier (or
+  stop); the time it runs past it is the rank's preemption latency.
 - A drafting call lost with its rank (the replica died) costs its chunk's drafts only; the rank takes no more chunks
   in this phase. A lost shard is retried on the rank's replacement up to :attr:`RetryPolicy.max_retries` times
   (keyed sampling makes the retried shard's tokens those of the lost one).
@@ -118,6 +121,9 @@ class PhaseScheduler:
         """Ranks drafting a chunk: its start and its place in :attr:`_chunks`."""
         self._chunks: list[list[Draft]] = []
         """The drafts of each chunk, in the order the chunks were handed out."""
+        self._outcome: RolloutOutcome | None = None
+        self.late_drafts: list[Draft] = []
+        """Drafts of chunks that returned after the phase's outcome was taken (late chunks)."""
 
     @property
     def is_rollout(self) -> bool:
@@ -127,6 +133,12 @@ class PhaseScheduler:
     def in_flight(self) -> bool:
         """Whether some rank still runs a call of this phase."""
         return bool(self._generating or self._drafting)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the phase is over for the step: every shard is back and the ranks were told to stop. Drafting
+        calls still running are late; the driver may take the :meth:`outcome` and report them afterwards."""
+        return not self._generating and self.stopped_at is not None
 
     def start(self) -> list[Command]:
         """The phase's first calls: every shard (rollout), or a chunk for every rank (training)."""
@@ -175,6 +187,9 @@ class PhaseScheduler:
             record.preemption_latency_seconds = now - self.stopped_at
         self.timelines[rank].append(("draft", began, now))
         self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(results)} tokens")
+        if self._outcome is not None:  # a late chunk: its drafts join the outcome taken at the stop
+            self.late_drafts += made
+            self._outcome.drafts[:] = self._all_drafts()
         return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
 
     def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:
@@ -191,21 +206,27 @@ class PhaseScheduler:
         return self._stop(now) if self.stopped_at is None else []
 
     def outcome(self, end: float) -> RolloutOutcome:
-        """What the phase did; ``end``: when the driver saw the last call return (seconds from the phase start).
-        A rollout lasts until ``end``, its ranks idle from their last call on; drafting while training lasts as
-        long as the trainer did (until the stop)."""
-        assert not self.in_flight, "the phase still has calls running"
+        """What the phase did; ``end``: when the driver ended the phase (seconds from the phase start), at once
+        after the barrier or stop. A rollout lasts until ``end``, its ranks idle from their last call on, except
+        those still drafting (late chunks); drafting while training lasts as long as the trainer did (until the
+        stop). A late chunk reported afterwards adds its drafts, records and timeline to this same outcome."""
+        assert self.ended or not self.in_flight, "the phase still has shards running, or was not stopped"
         barrier = self.stopped_at if self.stopped_at is not None else end
         if not self.is_rollout:
             end = barrier
         else:
-            for record, timeline in zip(self.records, self.timelines, strict=True):
+            for rank, (record, timeline) in enumerate(zip(self.records, self.timelines, strict=True)):
                 record.bubble_seconds = barrier - record.generation_seconds
                 busy_until = timeline[-1][2] if timeline else 0.0
-                if busy_until < end:
+                if busy_until < end and rank not in self._drafting:
                     timeline.append(("idle", busy_until, end))
-        drafts = [draft for chunk in self._chunks for draft in chunk]
-        return RolloutOutcome(list(self.results.values()), drafts, self.records, end, barrier, self.timelines)
+        self._outcome = RolloutOutcome(
+            list(self.results.values()), self._all_drafts(), self.records, end, barrier, self.timelines
+        )
+        return self._outcome
+
+    def _all_drafts(self) -> list[Draft]:
+        return [draft for chunk in self._chunks for draft in chunk]
 
     @property
     def _stop_time(self) -> float:
@@ -262,6 +283,12 @@ class RankPool(Protocol):
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         """Stops that drafting (the virtual clock budgets it by ``train_seconds``); returns the drafts made, with
         per-rank records and timelines (seconds from the start of training) and no results."""
+        ...
+
+    def settle(self, elapsed: float = 0.0) -> tuple[list[Draft], float]:
+        """Waits for the drafting calls still running from ended phases (late chunks: their drafts, records and
+        timelines join those phases' outcomes); returns their drafts and the seconds this waited (the virtual clock:
+        what is left of them ``elapsed`` seconds after the last phase's end)."""
         ...
 
     def release(self) -> None:

@@ -2,9 +2,11 @@
 rank, with the HTTP proxy off. The controller drives them through DeploymentHandles (wall clock).
 
 A rank that finishes its shard is handed chunks of the next step's drafting plan; when the last rank finishes
-(the barrier) every rank is told to stop, and each in-flight draft call returns after its current forward pass
-with partial drafts. Stopping uses a step number rather than a flag to clear, so a stop can never be lost to a
-draft call that starts late.
+(the barrier) every rank is told to stop and the step goes on at once: each draft call in flight returns after its
+current forward pass with partial drafts, while the trainer trains, and :meth:`ServeRankPool.settle` collects
+them. A replica runs one engine call at a time (a lock), so new weights wait for that pass on the rank, not for the
+step. Stopping uses a step number rather than a flag to clear, so a stop can never be lost to a draft call that
+starts late. The pool drives every phase from one event loop of its own (a thread), on which late calls finish.
 
 Faults: Serve replaces a replica that dies, and the replacement starts from the initial model. Every call
 therefore names the policy version it expects; a replica holding another one refuses it (:class:`StalePolicy`),
@@ -14,6 +16,7 @@ and the pool gives the rank the current weights and calls again, as it does when
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -58,6 +61,9 @@ class RankReplica:
         self.stopped_step = -1
         self.version = 0
         self.releases = 0
+        self._engine_lock = threading.Lock()
+        """One engine call at a time: Serve runs this replica's methods in a thread pool, and a late drafting pass
+        may still run when new weights or the next call arrive."""
 
     def __del__(self) -> None:
         """Serve calls this when it shuts the replica down gracefully (its application deleted, as on a shared
@@ -91,7 +97,8 @@ class RankReplica:
         from bubblespec.core.errors import BubblespecError, EngineError
 
         try:
-            results = method(requests, **kwargs)
+            with self._engine_lock:
+                results = method(requests, **kwargs)
         except BubblespecError:
             raise
         except Exception as error:
@@ -115,18 +122,22 @@ class RankReplica:
         from bubblespec.models.decoder import DTYPES
 
         dtype = DTYPES.get(self.dtype)  # an engine-specific dtype name ("auto") takes the tensors as they are
-        state = weights.tensors()
-        self.engine.update_weights({name: t if dtype is None else t.to(dtype) for name, t in state.items()}, version)
-        self.version = version
+        state = weights.tensors()  # made ready while a late drafting pass may still run; swapped in after it
+        state = {name: t if dtype is None else t.to(dtype) for name, t in state.items()}
+        with self._engine_lock:
+            self.engine.update_weights(state, version)
+            self.version = version
         return version
 
     def release(self) -> None:
         """The trainer shares this rank's hardware: free the engine's generation memory until :meth:`resume`."""
-        self.engine.release()
+        with self._engine_lock:
+            self.engine.release()
         self.releases += 1
 
     def resume(self) -> None:
-        self.engine.resume()
+        with self._engine_lock:
+            self.engine.resume()
 
     def placement(self) -> dict:
         """Where this replica runs: its Ray node, the GPUs Ray gave it, and how often it released its memory."""
@@ -199,8 +210,23 @@ class ServeRankPool:
         """Seconds on the wall clock; the scheduler's times are differences of two readings."""
         self.on_activity: ActivityListener = ignore_activity
         """Told (rank, activity, detail) as ranks start generating, fall idle, draft and stop: the live display."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._late: list[asyncio.Future] = []
+        """Calls of ended phases still running on the pool's loop: late drafting chunks, stop calls."""
+        self._drafting = None
 
     restore_timeout_s = 120.0
+
+    def _submit(self, coroutine) -> concurrent.futures.Future:
+        """Runs ``coroutine`` on the pool's event loop (started on first use, in a thread of its own, so that calls
+        still running when a phase ends go on running)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="bubblespec-ranks", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _call(self, coroutine):
+        return self._submit(coroutine).result()
 
     def update_weights(self, state_dict, version: int) -> float:
         import ray
@@ -227,7 +253,7 @@ class ServeRankPool:
         async def on_all():
             return await asyncio.gather(*[self._resilient(rank, call) for rank in range(self.num_ranks)])
 
-        return asyncio.run(on_all())
+        return self._call(on_all())
 
     async def _resilient(self, rank: int, call):
         """``call(handle)`` on a rank; if the rank's replica died, wait for Serve's replacement, give it the current
@@ -275,63 +301,57 @@ class ServeRankPool:
         await asyncio.gather(*[stop(rank) for rank in range(self.num_ranks)])
 
     def evaluate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results, *_ = asyncio.run(
-            self._resilient(0, lambda handle: handle.generate.remote(list(requests), self.version))
-        )
+        call = self._resilient(0, lambda handle: handle.generate.remote(list(requests), self.version))
+        results, *_ = self._call(call)
         return results
 
     def rollout(self, shards, plan: DraftPlan) -> RolloutOutcome:
         self._step += 1
         scheduler = PhaseScheduler(self.num_ranks, plan, self.version, shards, self.on_activity)
-        return asyncio.run(self._run(scheduler, self._step, self.clock()))
+        return self._call(self._run(scheduler, self._step, self.clock()))
 
     def start_drafting(self, plan: DraftPlan) -> None:
-        """Ranks draft the rest of ``plan`` in the background (a thread with its own event loop) until
-        :meth:`stop_drafting`."""
+        """Ranks draft the rest of ``plan`` in the background (on the pool's loop) until :meth:`stop_drafting`."""
         self._step += 1
         scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity)
-        self._loop = asyncio.new_event_loop()
-        self._trainer_done = asyncio.Event()
-        self._drafting: RolloutOutcome | Exception | None = None
-        started = self.clock()
-
-        def draft() -> None:
-            try:
-                self._drafting = self._loop.run_until_complete(
-                    self._run(scheduler, self._step, started, until=self._trainer_done)
-                )
-            except Exception as error:  # raised in the caller's thread by stop_drafting
-                self._drafting = error
-            finally:
-                self._loop.close()
-
-        self._drafter = threading.Thread(target=draft, name="bubblespec-drafting")
-        self._drafter.start()
+        trainer_done = asyncio.Event()
+        future = self._submit(self._run(scheduler, self._step, self.clock(), until=trainer_done))
+        self._drafting = (future, trainer_done)
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Stops the drafting; raises the error of a rank whose engine failed meanwhile (every rank was stopped
-        then already)."""
-        try:
-            self._loop.call_soon_threadsafe(self._trainer_done.set)
-        except RuntimeError:  # the loop is closed: drafting ended on an error
-            pass
-        self._drafter.join()
-        if isinstance(self._drafting, Exception):
-            raise self._drafting
-        return self._drafting
+        """Stops the drafting at once (passes in flight end late, :meth:`settle`); raises the error of a rank whose
+        engine failed meanwhile (every rank was stopped then already)."""
+        future, trainer_done = self._drafting
+        self._drafting = None
+        self._loop.call_soon_threadsafe(trainer_done.set)
+        return future.result()
+
+    def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
+        """Waits for the late calls of ended phases (their drafts join those phases' outcomes); returns their drafts
+        and the wall seconds this waited (``elapsed`` is for the virtual clock: here the wait is measured)."""
+        if not self._late:
+            return [], 0.0
+        start = time.perf_counter()
+        late, self._late = self._late, []
+        outcomes = self._call(_gather(late))
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            raise errors[0]
+        return [draft for outcome in outcomes if outcome for draft in outcome], time.perf_counter() - start
 
     async def _run(
         self, scheduler: PhaseScheduler, step: int, started: float, until: asyncio.Event | None = None
     ) -> RolloutOutcome:
-        """Runs a phase: starts the calls ``scheduler`` asks for and reports each as it returns; ``until``: the
-        trainer's end (drafting while training), reported to the scheduler as its stop."""
+        """Runs a phase until it ends (:attr:`PhaseScheduler.ended`): starts the calls ``scheduler`` asks for and
+        reports each as it returns; ``until``: the trainer's end (drafting while training), reported to the
+        scheduler as its stop. Drafting calls still running then are late: reported as they return, after."""
         running: dict[asyncio.Future, Generate | DraftChunk] = {}
         trainer_done = None if until is None else asyncio.ensure_future(until.wait())
 
         async def run(commands) -> None:
             for command in commands:
                 if isinstance(command, StopDrafting):
-                    await self._stop_all(step)
+                    self._late.append(asyncio.ensure_future(self._stop_all(step)))  # the step does not wait for it
                 elif isinstance(command, Generate):
                     shard = list(command.requests)
                     call = self._resilient(command.rank, lambda h, shard=shard: h.generate.remote(shard, self.version))
@@ -340,9 +360,37 @@ class ServeRankPool:
                     call = self.handles[command.rank].draft.remote(list(command.requests), step, self.version)
                     running[asyncio.ensure_future(_awaited(call))] = command
 
+        async def report(future: asyncio.Future, now: float) -> None:
+            command = running.pop(future)
+            if isinstance(command, Generate):
+                results, passes, saved = future.result()
+                await run(scheduler.shard_done(command.rank, now, results, passes, saved))
+                return
+            try:
+                results = future.result()
+            except _replica_lost_errors() as error:
+                logger.warning(
+                    "rank %d lost its replica while drafting (%s); its chunk's drafts are dropped", command.rank, error
+                )
+                await run(scheduler.chunk_lost(command.rank, now, error))
+            else:
+                await run(scheduler.chunk_done(command.rank, now, results))
+
+        async def late() -> list:
+            """The late chunks, reported as they return; their drafts."""
+            try:
+                while running:
+                    done, _ = await asyncio.wait(set(running), return_when=asyncio.FIRST_COMPLETED)
+                    for future in done:
+                        await report(future, self.clock() - started)
+            except Exception as error:
+                await self._abandon(step, set(running), set())
+                raise _engine_error(error) from None
+            return scheduler.late_drafts
+
         try:
             await run(scheduler.start())
-            while running or (trainer_done is not None and not trainer_done.done()):
+            while not scheduler.ended:
                 waiting = set(running) if trainer_done is None or trainer_done.done() else {*running, trainer_done}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 now = self.clock() - started
@@ -350,21 +398,7 @@ class ServeRankPool:
                     await run(scheduler.stop(now))
                 # calls that came back together: shards first, so that the barrier comes before a chunk's end
                 for future in sorted(done - {trainer_done}, key=lambda f: isinstance(running[f], DraftChunk)):
-                    command = running.pop(future)
-                    if isinstance(command, Generate):
-                        results, passes, saved = future.result()
-                        await run(scheduler.shard_done(command.rank, now, results, passes, saved))
-                        continue
-                    try:
-                        results = future.result()
-                    except _replica_lost_errors() as error:
-                        logger.warning(
-                            "rank %d lost its replica while drafting (%s); its chunk's drafts are dropped",
-                            command.rank, error,
-                        )  # fmt: skip
-                        await run(scheduler.chunk_lost(command.rank, now, error))
-                    else:
-                        await run(scheduler.chunk_done(command.rank, now, results))
+                    await report(future, now)
         except Exception as error:
             shard_calls = {future for future, command in running.items() if isinstance(command, Generate)}
             await self._abandon(step, set(running), shard_calls)
@@ -372,7 +406,10 @@ class ServeRankPool:
         finally:
             if trainer_done is not None:
                 trainer_done.cancel()
-        return scheduler.outcome(self.clock() - started)
+        outcome = scheduler.outcome(self.clock() - started)
+        if running:
+            self._late.append(asyncio.ensure_future(late()))
+        return outcome
 
     async def _abandon(self, step: int, in_flight: set, shard_calls: set) -> None:
         """After a rank's engine failed: every rank stops drafting for ``step`` (its drafting call returns after the
@@ -397,6 +434,10 @@ def _engine_error(error: Exception) -> Exception:
 
 async def _awaited(response):
     return await response
+
+
+async def _gather(futures: list) -> list:
+    return await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:

@@ -97,6 +97,11 @@ class RolloutService:
         self._plan = DraftPlan([])
         self._warned_unpeekable = False
         self._drafting = self._released = False
+        self._outcome: RolloutOutcome | None = None
+        """The last rollout's outcome: a wait for its late drafting passes is recorded on it."""
+        self._since_phase_end = 0.0
+        """Seconds since the ranks' last phase ended (the trainer's, while ranks did not draft): how long late
+        drafting passes have had to finish on the virtual clock."""
 
     @classmethod
     def build(
@@ -162,17 +167,23 @@ class RolloutService:
         ``step``'s own requests and earlier steps' carried ones. A request that brings its own draft keeps it; the
         others get the static sources' drafts. Idle ranks draft the keys of the steps after ``step``."""
         speculate = self.speculation.uses_bubble
+        waited = self._settle()  # late drafts not collected by a weight sync (no update since the last step)
         drafts = self._static_drafts([r.key for r in requests if r.draft is None])
         requests = [r if r.draft is not None else attach_drafts([r], drafts)[0] for r in requests]
         predicted = {r.key: len(r.draft.token_ids) for r in requests if r.draft is not None}
         shards = self.sharding_policy.shard(requests, self.num_ranks, predicted)
         plan = self._next_plan(step) if speculate else DraftPlan([])
         outcome = self.ranks.rollout(shards, plan)
+        self._since_phase_end = 0.0
+        if self.colocated:  # the ranks release their memory to the trainer next: their drafting passes end first
+            waited += self._settle()
+        outcome.seconds += waited
         if speculate:
             self._store(outcome.drafts)
             self.store.drop_steps_before(step + 1)  # this step's drafts are used up
             plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
         self._plan = plan
+        self._outcome = outcome
         by_key = {result.key: result for result in outcome.results}
         outcome.results = [by_key[r.key] for r in requests]
         for _, source in self.static_sources:
@@ -199,15 +210,21 @@ class RolloutService:
             self.ranks.resume()
             self._released = False
         if not self._drafting:
+            self._since_phase_end += train_seconds
             return None
         self._drafting = False
-        outcome = self.ranks.stop_drafting(train_seconds)
+        outcome = self.ranks.stop_drafting(train_seconds)  # at once: passes in flight end late
+        self._since_phase_end = 0.0
         self._store(outcome.drafts)
-        return TrainingDrafting.of(outcome)
+        return TrainingDrafting(outcome)
 
     def update_weights(self, state_dict, version: int) -> float:
-        """The new policy to every rank; returns the seconds it took."""
-        return self.ranks.update_weights(state_dict, version=version)
+        """The new policy to every rank, once their late drafting passes have ended; returns the seconds it took,
+        that wait included (also recorded as the last rollout's ``late_wait_seconds``)."""
+        waited = self._settle()
+        if self._outcome is not None:
+            self._outcome.late_wait_seconds += waited
+        return waited + self.ranks.update_weights(state_dict, version=version)
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generates held-out requests with the current weights (no drafts, not timed)."""
@@ -215,6 +232,10 @@ class RolloutService:
 
     def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list) -> None:
         """Back to a checkpoint's drafting state: its pending drafts, history and response lengths."""
+        try:
+            self.ranks.settle()  # late drafting passes end before the rewind, and their drafts are forgotten
+        except Exception as error:  # a rewind follows a failure; what the late passes raised is logged, not raised
+            logger.warning("a drafting pass failed before the rewind: %s: %s", type(error).__name__, error)
         self.store.drop_steps_before(2**62)  # a rewind forgets drafts made after the checkpoint
         self.store.put(list(drafts))
         if self.history is not None:
@@ -281,6 +302,15 @@ class RolloutService:
                 self._warned_unpeekable = True
             return []
         return self.requests(future_step, prompts, self.samples_per_prompt)
+
+    def _settle(self) -> float:
+        """Collects the ranks' late drafting passes (:meth:`RankPool.settle`) and stores their drafts; returns the
+        seconds that waited for them."""
+        drafts, waited = self.ranks.settle(self._since_phase_end)
+        self._since_phase_end += waited
+        if drafts and self.speculation.uses_bubble:
+            self._store(drafts)
+        return waited
 
     def _store(self, drafts: list[Draft]) -> None:
         """Stores new drafts, except an unfinished one shorter than the draft it would replace: stopped while

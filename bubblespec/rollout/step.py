@@ -141,36 +141,52 @@ class RolloutOutcome:
     """Drafts made in the bubble for the next step."""
     ranks: list[RankRecord]
     seconds: float
-    """Rollout phase length: until the last rank finished its shard and every rank stopped drafting."""
+    """Rollout phase length: until the last rank finished its shard and the ranks were told to stop drafting (a
+    drafting pass still running then ends off the critical path: a late chunk)."""
     barrier_seconds: float = 0.0
     """When the last rank finished its shard."""
     timelines: list[list[tuple[str, float, float]]] = field(default_factory=list)
     """Per rank: (activity, start, end) with activity in generate, draft, idle; seconds from phase start."""
+    late_wait_seconds: float = 0.0
+    """Seconds the step waited after this phase for its late drafting passes, before a weight sync could start
+    (part of that sync's seconds; the rank pool's ``settle``)."""
+
+    @property
+    def drafting_wait_seconds(self) -> float:
+        """Seconds the step waited for drafting passes in flight: from the barrier until the phase ended (when
+        ranks drafted in the bubble), plus :attr:`late_wait_seconds`."""
+        drafted = any(rank.drafting_seconds > 0 for rank in self.ranks)
+        at_barrier = max(self.seconds - self.barrier_seconds, 0.0) if drafted else 0.0
+        return at_barrier + self.late_wait_seconds
 
 
 @dataclass(frozen=True)
 class TrainingDrafting:
     """What the ranks drafted while the trainer trained (``speculation.draft_during_training``), as
     :meth:`RolloutService.training_ended <bubblespec.rollout.service.RolloutService.training_ended>` returns it: the
-    step record reads it beside the rollout's outcome (the drafts themselves are in the draft store already)."""
+    step record reads it beside the rollout's outcome (the drafts themselves go to the draft store). Read from the
+    drafting phase's outcome when asked, so that late chunks reported after the trainer's end are counted."""
 
-    drafts_made: int
-    drafting_seconds: list[float]
-    """Per rank."""
-    draft_tokens_produced: list[int]
-    """Per rank."""
-    timelines: list[list[tuple[str, float, float]]]
-    """Per rank: (activity, start, end), seconds from the start of training."""
+    outcome: RolloutOutcome
 
-    @classmethod
-    def of(cls, outcome: RolloutOutcome) -> TrainingDrafting:
-        """The figures of a drafting phase's outcome (one with no results)."""
-        return cls(
-            drafts_made=len(outcome.drafts),
-            drafting_seconds=[rank.drafting_seconds for rank in outcome.ranks],
-            draft_tokens_produced=[rank.draft_tokens_produced for rank in outcome.ranks],
-            timelines=outcome.timelines,
-        )
+    @property
+    def drafts_made(self) -> int:
+        return len(self.outcome.drafts)
+
+    @property
+    def drafting_seconds(self) -> list[float]:
+        """Per rank."""
+        return [rank.drafting_seconds for rank in self.outcome.ranks]
+
+    @property
+    def draft_tokens_produced(self) -> list[int]:
+        """Per rank."""
+        return [rank.draft_tokens_produced for rank in self.outcome.ranks]
+
+    @property
+    def timelines(self) -> list[list[tuple[str, float, float]]]:
+        """Per rank: (activity, start, end), seconds from the start of training."""
+        return self.outcome.timelines
 
 
 class DraftPlan:

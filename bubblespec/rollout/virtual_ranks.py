@@ -9,6 +9,11 @@ Serve.
 A shard's length does not depend on what other ranks do, so the pool simulates every shard when the phase starts
 and knows the barrier (the last shard's end) before any drafting chunk runs; a chunk runs until its rank's time
 reaches that barrier (or the trainer's end), as a real rank runs until it is told to stop.
+
+The phase ends at the barrier (or the trainer's end), as on Ray Serve: a chunk whose last forward pass runs past it
+is late, reported by :meth:`VirtualRankPool.settle`. Its rank is busy until that pass ends: drafting while the
+trainer trains starts there on that rank, and a weight sync that comes sooner waits for it (``settle`` says how
+long), as a real rank's engine finishes its pass before it takes new weights.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ class VirtualRankPool:
         (:mod:`bubblespec.rollout.speculation_effect`)."""
         self.on_activity: ActivityListener = ignore_activity
         self._training_plan = DraftPlan([])
+        self._late: list[tuple[PhaseScheduler, list, float]] = []
+        """Phases with late chunks: the scheduler, the chunks' returns (a heap) and the phase's end."""
+        self._busy_until = [0.0] * num_ranks
+        """Per rank, how far past the last rollout's barrier its late drafting pass runs."""
 
     def update_weights(self, state_dict, version: int) -> float:
         self.engine.update_weights(state_dict, version)
@@ -78,8 +87,22 @@ class VirtualRankPool:
                                    on_activity=self.on_activity)  # fmt: skip
         return self._run(scheduler, trainer_ends=train_seconds)
 
+    def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
+        """Reports the late chunks of earlier phases (their drafts join those phases' outcomes); returns their
+        drafts and the simulated seconds a caller ``elapsed`` seconds after the last phase's end waits for them."""
+        drafts, waited = [], 0.0
+        for scheduler, returns, end in self._late:
+            while returns:
+                now, _, rank, _, _, results = heapq.heappop(returns)
+                scheduler.chunk_done(rank, now, results)
+                waited = max(waited, now - end - elapsed)
+            drafts += scheduler.late_drafts
+        self._late = []
+        return drafts, waited
+
     def _run(self, scheduler: PhaseScheduler, trainer_ends: float | None) -> RolloutOutcome:
-        timelines = [VirtualClock(self.profile) for _ in range(self.num_ranks)]
+        starts = [0.0] * self.num_ranks if trainer_ends is None else self._busy_until
+        timelines = [VirtualClock(self.profile, start) for start in starts]
         returns: list[tuple[float, int, int, int, float, list[GenerationResult]]] = []
         """Calls that have run, by the simulated time they return: (time, kind, rank, forward passes, seconds the
         drafts saved, results)."""
@@ -110,7 +133,7 @@ class VirtualRankPool:
         else:
             heapq.heappush(returns, (trainer_ends, _SHARD, -1, 0, 0.0, []))  # the trainer's end, before any chunk's
             run(first)
-        while returns:
+        while returns and not scheduler.ended:
             now, kind, rank, passes, saved, results = heapq.heappop(returns)
             if rank < 0:
                 run(scheduler.stop(now))
@@ -118,5 +141,10 @@ class VirtualRankPool:
                 run(scheduler.shard_done(rank, now, results, passes, saved))
             else:
                 run(scheduler.chunk_done(rank, now, results))
-        end = max(t.now for t in timelines) if trainer_ends is None else trainer_ends
-        return scheduler.outcome(end)
+        # the phase ends at the barrier (the trainer's end): chunks still running then, or returning at that very
+        # time (reported after it), are late
+        if returns:
+            self._late.append((scheduler, returns, stop_at))
+        if trainer_ends is None:
+            self._busy_until = [max(t.now - stop_at, 0.0) for t in timelines]
+        return scheduler.outcome(stop_at)
