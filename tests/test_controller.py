@@ -456,6 +456,26 @@ def test_a_task_that_cannot_peek_runs_without_drafts_and_says_so(tmp_path, basel
     assert _rollouts(steps) == _rollouts(baseline[0])
 
 
+def test_a_run_that_pauses_drafting_gives_the_rollouts_and_weights_of_plain_decoding(tmp_path, monkeypatch, baseline):
+    """speculation.enabled: auto with a gate that no saving satisfies: the run pauses drafting after its first judged
+    step and probes every other step; its step records say so, and nothing it trains on changes."""
+    import functools
+
+    from bubblespec.rollout import service
+    from bubblespec.rollout.speculation_gate import SpeculationGate
+
+    never_pays = functools.partial(SpeculationGate, window=1, min_saving=10.0, probe_every=2)
+    monkeypatch.setattr(service, "SpeculationGate", never_pays)
+    plain_steps, plain_weights = _run(tmp_path, "plain", num_steps=6, speculation={"enabled": False})
+    steps, weights = _run(tmp_path, "auto", num_steps=6, speculation={"enabled": "auto"})
+    assert _rollouts(steps) == _rollouts(plain_steps) and _same_weights(weights, plain_weights)
+    # step 1 verifies step 0's drafts and is judged as step 2 starts: paused from step 2, every other bubble a probe
+    paused = [s.drafting_paused for s in steps]
+    assert paused[:2] == [False, False] and paused[2:] == [i % 2 == 1 for i in range(1, len(paused) - 1)]
+    assert steps[2].drafts_made == 0 and steps[3].drafts_made > 0
+    assert all(s.draft_coverage == 0 for s in steps[3::2])  # after a paused bubble, nothing to verify
+
+
 def test_virtual_ranks_stop_drafting_within_one_forward_pass(tmp_path):
     """Invariant 5 on the virtual clock: a rank's drafting ends at most one forward pass after the barrier."""
     from bubblespec.rollout.clocks import PROFILES

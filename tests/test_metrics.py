@@ -101,7 +101,7 @@ def test_metrics_are_live_during_the_run_and_equal_the_jsonl(tmp_path):
         info = [labels for name, labels in metrics if name == "bubblespec_run_info"]
         assert dict(*info) | {"version": "-"} == {
             "clock": "virtual", "profile": "h100-7b", "backend": "torch", "model": "arithmetic task's model",
-            "dtype": "float32", "num_ranks": "2", "speculation": "true", "schedule": "sync", "version": "-",
+            "dtype": "float32", "num_ranks": "2", "speculation": "auto", "schedule": "sync", "version": "-",
         }  # fmt: skip
         assert metrics[("process_start_time_seconds", ())] <= began
         checked.append(record.step)

@@ -194,11 +194,14 @@ def test_the_verdict_splits_what_speculation_did_and_names_the_cause_that_domina
     assert summary["barrier_wait_seconds"] == pytest.approx(0.03)
     waited = speculation_verdict(summary | {"rollout_seconds": 0.5})
     assert "the drafts saved -0.01 s of decode passes net of verifying them, and the steps waited 0.03 s" in waited
-    assert "Waiting for drafting dominated" in waited and "speculation.enabled: false" in waited
+    assert "Waiting for drafting dominated" in waited and "speculation.enabled: auto pauses drafting" in waited
     verified = speculation_verdict(summary | {"rollout_seconds": 0.5, "barrier_wait_seconds": 0.0})
     assert "Verifying the drafts dominated" in verified and "rollout.max_draft_tokens_per_step" in verified
     paid = speculation_verdict(summary | {"rollout_seconds": 0.5, "rollout_seconds_saved": 0.2})
-    assert paid.startswith("speculation saved 0.20 wall-clock seconds") and "waited 0.03 s at the barrier" in paid
+    assert (
+        paid.startswith("speculation saved 0.20 wall-clock seconds")
+        and "waited 0.03 s for drafting passes in flight" in paid
+    )
 
 
 def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():

@@ -118,8 +118,11 @@ class RolloutConfig(Section):
 
 
 class SpeculationConfig(Section):
-    enabled: bool = True
-    """Draft the next step in the bubble and verify those drafts; off gives plain synchronous RL."""
+    enabled: bool | Literal["auto"] = "auto"
+    """Draft the next step in the bubble and verify those drafts; false gives plain synchronous RL. ``auto`` (the
+    default) drafts like true, but pauses drafting where the run's own estimate says the drafts of the last few
+    steps saved under 2% of the rollout, drafts one bubble in ten to measure again, and resumes where that pays
+    (:mod:`bubblespec.rollout.speculation_gate`); true drafts in every step whatever it saves."""
     draft_store: str = "memory"
     """Draft store plugin (entry point group ``bubblespec.draft_stores``)."""
     draft_store_options: dict[str, Any] = {}

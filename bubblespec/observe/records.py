@@ -107,6 +107,9 @@ class StepRecord(BaseModel):
     """Response tokens of the samples the step trained on."""
     stale_tokens: int = 0
     """Of ``trained_tokens``, those a policy older than the trained one generated: 0 under every exact schedule."""
+    drafting_paused: bool = False
+    """``speculation.enabled: auto`` kept the idle ranks from drafting in this step's bubble (and while the trainer
+    trained): the drafts of earlier steps had not paid (:mod:`bubblespec.rollout.speculation_gate`)."""
     carried_groups: int = 0
     """Prompts (groups of samples) cut short in this step and carried to a later one (``schedule.cut_*``)."""
 

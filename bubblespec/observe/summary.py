@@ -12,10 +12,20 @@ from bubblespec.rollout.step import bubble_use
 
 def speculation_verdict(summary: dict) -> str:
     """Did speculation help in this run? One sentence from the summary: what the drafts saved in decode passes net
-    of verification, what waiting for drafting at the barrier cost, and, when it did not pay, the cause that
-    dominated and the setting that addresses it."""
+    of verification, what waiting for drafting passes in flight cost, and, when it did not pay, the cause that
+    dominated and the setting that addresses it; the steps ``speculation.enabled: auto`` paused drafting in."""
     if not summary.get("speculation"):
         return "speculation was off in this run (speculation.enabled: false)"
+    paused = summary.get("drafting_paused_steps", 0)
+    return _verdict(summary) + (
+        f"; speculation.enabled: auto paused drafting in {paused} of {summary['num_steps']} steps, where it had not "
+        "paid (true drafts in every step)"
+        if paused
+        else ""
+    )
+
+
+def _verdict(summary: dict) -> str:
     saved, rollout = summary.get("rollout_seconds_saved"), summary["rollout_seconds"]
     steps = f"{summary['decode_steps_saved']:.1%} fewer decode steps"
     if saved is None:
@@ -27,7 +37,7 @@ def speculation_verdict(summary: dict) -> str:
     passes = saved + wait
     parts = (
         f"the drafts saved {passes:.2f} s of decode passes net of verifying them, and the steps waited {wait:.2f} s "
-        "at the barrier for drafting passes in flight"
+        "for drafting passes in flight"
     )
     estimated = "estimated: the same responses replayed without drafts under this run's own pass timings"
     if saved >= 0:
@@ -36,14 +46,16 @@ def speculation_verdict(summary: dict) -> str:
     verdict = f"{cost}: {parts}"
     if wait >= max(-passes, 0.0):
         return (
-            f"{verdict}. Waiting for drafting dominated: the bubbles are short next to a drafting pass (a workload "
-            "with a longer tail of response lengths fills them); speculation.enabled: false runs this one without "
-            "drafts. `bubblespec bench CONFIG` measures both side by side"
+            f"{verdict}. Waiting for drafting dominated: drafting passes still ran when the step needed the ranks "
+            "(colocated ranks release their memory to the trainer only after them); speculation.enabled: auto pauses "
+            "drafting that does not pay, false runs without drafts. `bubblespec bench CONFIG` measures both side by "
+            "side"
         )
     return (
         f"{verdict}. Verifying the drafts dominated: they cost more than they saved; try a smaller "
         "rollout.max_draft_tokens_per_step, rollout.adaptive_draft_length: true, or another "
-        "speculation.bubble_policy, and `bubblespec bench CONFIG` to measure them side by side"
+        "speculation.bubble_policy (speculation.enabled: auto pauses drafting that does not pay), and "
+        "`bubblespec bench CONFIG` to measure them side by side"
     )
 
 
@@ -87,6 +99,7 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
         "rollout_seconds": rollout,
         "rollout_seconds_saved": saved,
         "barrier_wait_seconds": wait,
+        "drafting_paused_steps": sum(s.drafting_paused for s in steps),
         "rollout_tokens_per_second": tokens / rollout if rollout > 0 else 0.0,
         "eval_rewards": {
             **({"start": before} if before is not None else {}),

@@ -162,7 +162,9 @@ class Controller:
         # trainer sends them.
         dtype = DTYPES[self.config.model.dtype]
         parts.service.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
-        parts.service.restore(drafts, run_dir.load_history(checkpoint), state.get("response_lengths", []))
+        parts.service.restore(
+            drafts, run_dir.load_history(checkpoint), state.get("response_lengths", []), state.get("speculation_gate")
+        )
         run_dir.truncate_steps(step)
         self.schedule = self._schedule(finished_at(run_dir.read_steps()), step + 1)
         self._engine_version = step + 1
@@ -222,6 +224,7 @@ class Controller:
             trained_tokens=sum(len(result.token_ids) for result in results),
             stale_tokens=sum(group.stale_tokens for group in trained),
             carried_groups=schedule.carried(),
+            drafting_paused=parts.service.drafting_paused,
         )
         self.run_dir.append_step(record)
         self._latest_weights = weights
@@ -331,6 +334,7 @@ class Controller:
                 "num_steps": self.config.num_steps,
                 "time": time.time(),
                 "response_lengths": drafting["response_lengths"],
+                "speculation_gate": drafting["gate"],
             },  # fmt: skip
             history=drafting["history"],
         )
@@ -364,6 +368,8 @@ def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: fl
         fields["rollout_saved_s"] = f"{record.rollout_seconds_saved:+.3f}"
         fields["barrier_wait_s"] = f"{record.barrier_wait_seconds:.3f}"  # part of rollout_saved_s
     fields |= {"train_s": f"{phases.train:.3f}", "sync_s": f"{phases.weight_sync:.3f}"}
+    if record.drafting_paused:
+        fields["drafting"] = "paused"  # speculation.enabled: auto found that drafting did not pay
     if record.policy_lag:
         fields["policy_lag"] = record.policy_lag
     if record.stale_tokens:
@@ -420,12 +426,6 @@ def _step_record(
     generated = sum(r.shard_tokens for r in ranks)
     requests = sum(r.num_requests for r in ranks)
     bubble = sum(r.bubble_seconds for r in ranks)
-    saved = None
-    if ranks and all(r.seconds_saved_by_drafts is not None for r in ranks):
-        # Without drafts the rollout ends at the replayed barrier; with them, at the barrier, and the step also waits
-        # for drafting passes in flight there and before the weight sync: those waits are a cost of drafting.
-        without = max(r.generation_seconds - r.seconds_saved_by_drafts for r in ranks)
-        saved = without - outcome.barrier_seconds - outcome.drafting_wait_seconds
     return StepRecord(
         step=step,
         reward_mean=sum(rewards) / max(len(rewards), 1),
@@ -440,7 +440,7 @@ def _step_record(
         proposal_coverage=sum(r.requests_with_proposals for r in ranks) / max(requests, 1),
         bubble_seconds=bubble,
         bubble_utilization=bubble_use(ranks),
-        rollout_seconds_saved=saved,
+        rollout_seconds_saved=outcome.seconds_saved,
         drafts_made=drafts_made,
         rollout_tokens_per_second=generated / outcome.seconds if outcome.seconds > 0 else 0.0,
         phase_seconds=phases,

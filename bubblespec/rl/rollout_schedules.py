@@ -325,6 +325,6 @@ def build_rollout_schedule(
     if section.cuts:
         return CutRolloutSchedule(
             section, fresh, prompts_per_step=config.task.prompts_per_step, num_steps=config.num_steps,
-            drafts=config.speculation.enabled, start_seconds=start_seconds, context_length=context_length,
+            drafts=config.speculation.enabled is not False, start_seconds=start_seconds, context_length=context_length,
         )  # fmt: skip
     return RolloutSchedule(section, fresh, start_seconds, start_step)

@@ -187,9 +187,10 @@ class PhaseScheduler:
             record.preemption_latency_seconds = now - self.stopped_at
         self.timelines[rank].append(("draft", began, now))
         self.on_activity(rank, "idle", f"{len(made)} drafts, {drafted_tokens(results)} tokens")
-        if self._outcome is not None:  # a late chunk: its drafts join the outcome taken at the stop
-            self.late_drafts += made
+        if self._outcome is not None:  # a late chunk: its drafts join the outcome taken at the stop, and the keys it
+            self.late_drafts += made  # left unfinished go back to the plan for the next phase that drafts from it
             self._outcome.drafts[:] = self._all_drafts()
+            self.plan.requeue(made)
         return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
 
     def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:

@@ -40,6 +40,7 @@ from bubblespec.core.interfaces import (
 )
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
+from bubblespec.rollout.speculation_gate import SpeculationGate
 from bubblespec.rollout.step import DraftPlan, RolloutOutcome, TrainingDrafting, attach_drafts, step_requests
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,15 @@ class RolloutService:
         self._warned_unpeekable = False
         self._drafting = self._released = False
         self._outcome: RolloutOutcome | None = None
-        """The last rollout's outcome: a wait for its late drafting passes is recorded on it."""
+        self._outcome_step = 0
+        self._judged = True
+        """The last rollout's outcome and step: a wait for its late drafting passes is recorded on it, and the gate
+        judges its drafts once it is complete."""
+        self.gate = SpeculationGate(auto=speculation.enabled == "auto")
+        """Whether idle ranks draft in the coming bubble (``speculation.enabled: auto`` pauses drafting that does
+        not pay)."""
+        self.drafting_paused = False
+        """Whether the gate kept the last rollout's idle ranks from drafting."""
         self._since_phase_end = 0.0
         """Seconds since the ranks' last phase ended (the trainer's, while ranks did not draft): how long late
         drafting passes have had to finish on the virtual clock."""
@@ -166,13 +175,15 @@ class RolloutService:
         """:meth:`generate` of explicit requests: a schedule's (:mod:`bubblespec.rl.rollout_schedules`) mix of step
         ``step``'s own requests and earlier steps' carried ones. A request that brings its own draft keeps it; the
         others get the static sources' drafts. Idle ranks draft the keys of the steps after ``step``."""
-        speculate = self.speculation.uses_bubble
         waited = self._settle()  # late drafts not collected by a weight sync (no update since the last step)
+        self._judge()
+        speculate = self.speculation.uses_bubble
+        self.drafting_paused = speculate and not self.gate.drafting(step)
         drafts = self._static_drafts([r.key for r in requests if r.draft is None])
         requests = [r if r.draft is not None else attach_drafts([r], drafts)[0] for r in requests]
         predicted = {r.key: len(r.draft.token_ids) for r in requests if r.draft is not None}
         shards = self.sharding_policy.shard(requests, self.num_ranks, predicted)
-        plan = self._next_plan(step) if speculate else DraftPlan([])
+        plan = self._next_plan(step) if speculate and not self.drafting_paused else DraftPlan([])
         outcome = self.ranks.rollout(shards, plan)
         self._since_phase_end = 0.0
         if self.colocated:  # the ranks release their memory to the trainer next: their drafting passes end first
@@ -183,7 +194,7 @@ class RolloutService:
             self.store.drop_steps_before(step + 1)  # this step's drafts are used up
             plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
         self._plan = plan
-        self._outcome = outcome
+        self._outcome, self._outcome_step, self._judged = outcome, step, False
         by_key = {result.key: result for result in outcome.results}
         outcome.results = [by_key[r.key] for r in requests]
         for _, source in self.static_sources:
@@ -224,14 +235,16 @@ class RolloutService:
         waited = self._settle()
         if self._outcome is not None:
             self._outcome.late_wait_seconds += waited
+        self._judge()  # the last rollout's outcome is complete: the gate judges it before a checkpoint keeps its state
         return waited + self.ranks.update_weights(state_dict, version=version)
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generates held-out requests with the current weights (no drafts, not timed)."""
         return self.ranks.evaluate(requests)
 
-    def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list) -> None:
-        """Back to a checkpoint's drafting state: its pending drafts, history and response lengths."""
+    def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list, gate: dict | None = None) -> None:
+        """Back to a checkpoint's drafting state: its pending drafts, history, response lengths and the gate's state
+        (None: a new run's)."""
         try:
             self.ranks.settle()  # late drafting passes end before the rewind, and their drafts are forgotten
         except Exception as error:  # a rewind follows a failure; what the late passes raised is logged, not raised
@@ -241,6 +254,8 @@ class RolloutService:
         if self.history is not None:
             self.history.restore(history)
         self.response_lengths.restore(response_lengths)
+        self.gate.restore(gate or {})
+        self._outcome, self._judged = None, True
 
     def pending_drafts(self, step: int) -> list[Draft]:
         """The stored drafts of the keys the steps after ``step`` will ask for (what a checkpoint keeps)."""
@@ -254,10 +269,12 @@ class RolloutService:
         return list(self.store.get(keys).values())
 
     def snapshot(self) -> dict:
-        """What drafting learned across steps, for a checkpoint: response lengths and the history source."""
+        """What drafting learned across steps, for a checkpoint: response lengths, the history source and the
+        speculation gate."""
         return {
             "response_lengths": self.response_lengths.snapshot(),
             "history": None if self.history is None else self.history.snapshot(),
+            "gate": self.gate.snapshot(),
         }
 
     def close(self) -> None:
@@ -302,6 +319,13 @@ class RolloutService:
                 self._warned_unpeekable = True
             return []
         return self.requests(future_step, prompts, self.samples_per_prompt)
+
+    def _judge(self) -> None:
+        """The gate judges the last rollout's drafts, once (:mod:`bubblespec.rollout.speculation_gate`)."""
+        if self._outcome is not None and not self._judged:
+            self._judged = True
+            if line := self.gate.observe(self._outcome_step, self._outcome):
+                logger.info("%s", line)
 
     def _settle(self) -> float:
         """Collects the ranks' late drafting passes (:meth:`RankPool.settle`) and stores their drafts; returns the

@@ -10,7 +10,7 @@ charges every replayed pass with a cost model of its own passes:
 - on the wall clock, a least-squares fit of the rank's measured pass times in this shard to the passes' sizes
   (sequences, tokens fed, context read, logits sampled), with non-negative coefficients (:func:`fit_pass_cost`).
 
-A rank's ``seconds_saved_by_drafts`` is the cost of the passes it ran minus the cost of the replay's (both under the
+A rank's ``seconds_saved_by_drafts`` is the cost of the replay's passes minus the cost of those it ran (both under the
 same cost, so that a warm-up or a stall common to both cancels): negative when verifying drafts cost more than it
 saved, and 0 for a shard without drafts on the built-in engine (whose schedule the replay is).
 """
@@ -117,10 +117,10 @@ def seconds_saved(
     vocab_size: int,
     cost: PassCost,
 ) -> float:
-    """``seconds`` of generating ``results`` with drafts (under ``cost``), minus the plain-decoding replay's seconds
-    under ``cost``: what the drafts saved (negative: what they cost). Preempted results count with the tokens they
-    had."""
+    """The plain-decoding replay's seconds under ``cost`` minus ``seconds``, those of generating ``results`` with
+    drafts (under ``cost``): what the drafts saved (negative: what they cost). Preempted results count with the tokens
+    they had."""
     plain = plain_decode_passes(
         [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results], max_batch_size, vocab_size
     )
-    return seconds - sum(cost(forward) for forward in plain)
+    return sum(cost(forward) for forward in plain) - seconds

@@ -152,6 +152,17 @@ class RolloutOutcome:
     (part of that sync's seconds; the rank pool's ``settle``)."""
 
     @property
+    def seconds_saved(self) -> float | None:
+        """Rollout seconds the drafts saved (negative: cost), estimated (:mod:`bubblespec.rollout.speculation_effect`):
+        without drafts the rollout ends at the replayed barrier (the slowest rank's generation less its saving);
+        with them at the barrier, and the step also waits for drafting passes in flight (:attr:`drafting_wait_seconds`),
+        a cost of drafting. None where a rank's saving was not estimated."""
+        if not self.ranks or any(rank.seconds_saved_by_drafts is None for rank in self.ranks):
+            return None
+        without = max(rank.generation_seconds + rank.seconds_saved_by_drafts for rank in self.ranks)
+        return without - self.barrier_seconds - self.drafting_wait_seconds
+
+    @property
     def drafting_wait_seconds(self) -> float:
         """Seconds the step waited for drafting passes in flight: from the barrier until the phase ended (when
         ranks drafted in the bubble), plus :attr:`late_wait_seconds`."""

@@ -54,6 +54,8 @@ class VirtualRankPool:
         self._training_plan = DraftPlan([])
         self._late: list[tuple[PhaseScheduler, list, float]] = []
         """Phases with late chunks: the scheduler, the chunks' returns (a heap) and the phase's end."""
+        self._late_drafts: list = []
+        """Drafts of late chunks reported but not yet handed to :meth:`settle`'s caller."""
         self._busy_until = [0.0] * num_ranks
         """Per rank, how far past the last rollout's barrier its late drafting pass runs."""
 
@@ -82,7 +84,9 @@ class VirtualRankPool:
         self._training_plan = plan
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
-        """Every rank drafts the rest of the plan for the training phase's ``train_seconds``."""
+        """Every rank drafts the rest of the plan for the training phase's ``train_seconds``, a rank with a late
+        pass from the rollout once that pass is over (its keys left unfinished go on in this phase)."""
+        self._report_late()
         scheduler = PhaseScheduler(self.num_ranks, self._training_plan, self.engine.policy_version,
                                    on_activity=self.on_activity)  # fmt: skip
         return self._run(scheduler, trainer_ends=train_seconds)
@@ -90,15 +94,21 @@ class VirtualRankPool:
     def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
         """Reports the late chunks of earlier phases (their drafts join those phases' outcomes); returns their
         drafts and the simulated seconds a caller ``elapsed`` seconds after the last phase's end waits for them."""
-        drafts, waited = [], 0.0
+        lateness = self._report_late()
+        drafts, self._late_drafts = self._late_drafts, []
+        return drafts, max(lateness - elapsed, 0.0)
+
+    def _report_late(self) -> float:
+        """Reports every late chunk; returns how far the latest ran past its phase's end."""
+        lateness = 0.0
         for scheduler, returns, end in self._late:
             while returns:
                 now, _, rank, _, _, results = heapq.heappop(returns)
                 scheduler.chunk_done(rank, now, results)
-                waited = max(waited, now - end - elapsed)
-            drafts += scheduler.late_drafts
+                lateness = max(lateness, now - end)
+            self._late_drafts += scheduler.late_drafts
         self._late = []
-        return drafts, waited
+        return lateness
 
     def _run(self, scheduler: PhaseScheduler, trainer_ends: float | None) -> RolloutOutcome:
         starts = [0.0] * self.num_ranks if trainer_ends is None else self._busy_until
