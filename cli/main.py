@@ -68,8 +68,10 @@ def validate(
 
 def _training_drafting_line(config) -> str:
     """What the run decided for drafting while the trainer trains, and why."""
-    on, why = config.training_drafting()
-    return f"drafting while the trainer trains: {'on' if on else 'off'} ({why})"
+    from bubblespec.observe.summary import ranks_drafting
+
+    drafting, why = config.training_drafting()
+    return f"drafting while the trainer trains: {ranks_drafting(drafting, config.rollout.num_ranks)} ({why})"
 
 
 @app.command()

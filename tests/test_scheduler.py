@@ -335,3 +335,12 @@ def test_the_step_goes_on_at_the_barrier_and_a_late_pass_delays_only_what_waits_
     training = pool.stop_drafting(train_seconds=20.0)
     # four one-sequence passes each; rank 1 begins them once its late pass is over, 2 s into training
     assert [timeline[0][2] for timeline in training.timelines] == [4.0, 6.0]
+
+
+def test_drafting_while_training_hands_chunks_only_to_the_ranks_it_may_use():
+    """Ranks on CPU cores the trainer shares: only the first ``drafting_ranks`` draft; the others stay idle."""
+    pool = VirtualRankPool(ScriptedEngine(SHARD_LENGTHS | PLAN_LENGTHS), NUM_RANKS, ONE_SECOND_A_PASS)
+    pool.start_drafting(_plan(), ranks=1)
+    outcome = pool.stop_drafting(train_seconds=7.0)
+    assert outcome.ranks[0].draft_requests > 0 and outcome.timelines[0]
+    assert all(r.draft_requests == 0 and not t for r, t in zip(outcome.ranks[1:], outcome.timelines[1:], strict=True))

@@ -105,6 +105,8 @@ def test_colocated_ranks_release_their_memory_while_the_trainer_trains_and_nothi
     [
         ({"ray": {"colocated": True}, "speculation": {"draft_during_training": True}},
          "draft_during_training needs ranks on hardware of their own; with ray.colocated"),
+        ({"ray": {"colocated": True}, "speculation": {"draft_during_training": 1}},
+         "draft_during_training needs ranks on hardware of their own; with ray.colocated"),
         ({"trainer": {"device": "cuda", "gpus_per_worker": 0}}, "trainer.device cuda needs a GPU per worker"),
         ({"rollout": {"gpus_per_rank": -1}}, "rollout.gpus_per_rank: Input should be greater than or equal to 0"),
     ],
@@ -119,23 +121,26 @@ def test_placement_settings_that_cannot_work_are_config_errors(changes, message)
 @pytest.mark.parametrize(
     ("changes", "drafts", "why"),
     [
-        ({}, False, "the ranks run on CPU cores the trainer may use"),  # the README's main job: wall clock, CPU
-        ({"rollout": {"gpus_per_rank": 1}}, True, "the ranks reserve GPUs of their own"),
-        ({"rollout": {"gpus_per_rank": 1}, "ray": {"colocated": True}}, False, "ray.colocated"),
-        ({"ray": {"rollout_nodes": {"role": "rollout"}, "trainer_nodes": {"role": "train"}}}, True, "nodes of their"),
-        ({"ray": {"rollout_nodes": {"role": "any"}, "trainer_nodes": {"role": "any"}}}, False, "CPU cores"),
-        ({"clock": {"kind": "virtual", "profile": "h100-7b"}}, False, "on the virtual clock set it true"),
-        ({"rollout": {"gpus_per_rank": 1}, "speculation": {"enabled": False}}, False, "nothing"),
-        ({"speculation": {"draft_during_training": True}}, True, "speculation.draft_during_training: true"),
+        ({}, 0, "the ranks run on CPU cores the trainer may use"),  # the README's main job: wall clock, CPU
+        ({"rollout": {"gpus_per_rank": 1}}, 2, "the ranks reserve GPUs of their own"),
+        ({"rollout": {"gpus_per_rank": 1}, "ray": {"colocated": True}}, 0, "ray.colocated"),
+        ({"ray": {"rollout_nodes": {"role": "rollout"}, "trainer_nodes": {"role": "train"}}}, 2, "nodes of their"),
+        ({"ray": {"rollout_nodes": {"role": "any"}, "trainer_nodes": {"role": "any"}}}, 0, "CPU cores"),
+        ({"clock": {"kind": "virtual", "profile": "h100-7b"}}, 0, "on the virtual clock set it true"),
+        ({"rollout": {"gpus_per_rank": 1}, "speculation": {"enabled": False}}, 0, "nothing"),
+        ({"speculation": {"draft_during_training": True}}, 2, "speculation.draft_during_training: true"),
         ({"clock": {"kind": "virtual", "profile": "h100-7b"}, "speculation": {"draft_during_training": False}},
-         False, "speculation.draft_during_training: false"),
+         0, "speculation.draft_during_training: false"),
+        # bench-wall's setting on 2 CPU cores: the one rank of two a core is left for beside the trainer
+        ({"speculation": {"draft_during_training": 1}}, 1, "speculation.draft_during_training: 1 (the first ranks)"),
     ],
 )  # fmt: skip
 def test_drafting_while_training_is_decided_from_the_placement_unless_set(changes, drafts, why):
-    """``auto`` (the default) drafts while the trainer trains only where the ranks have hardware of their own; an
-    explicit setting wins; the reason is what the run prints."""
-    decided, reason = validate(changes).training_drafting()
-    assert decided is drafts
+    """``auto`` (the default) drafts while the trainer trains with every rank where the ranks have hardware of their
+    own, with none where they share the trainer's; an explicit setting wins (true: every rank, a number: that many);
+    the reason is what the run prints."""
+    decided, reason = validate(changes | {"rollout": {"num_ranks": 2} | changes.get("rollout", {})}).training_drafting()
+    assert decided == drafts
     assert why in reason
     assert reason.startswith("auto: ") == ("draft_during_training" not in changes.get("speculation", {}))
 

@@ -197,6 +197,10 @@ def test_the_verdict_splits_what_speculation_did_and_names_the_cause_that_domina
     assert "Waiting for drafting dominated" in waited and "speculation.enabled: auto pauses drafting" in waited
     verified = speculation_verdict(summary | {"rollout_seconds": 0.5, "barrier_wait_seconds": 0.0})
     assert "Verifying the drafts dominated" in verified and "rollout.max_draft_tokens_per_step" in verified
+    short = speculation_verdict(
+        summary | {"rollout_seconds": 0.5, "barrier_wait_seconds": 0.0, "decode_steps_saved": 0.01}
+    )
+    assert "The bubbles were too short to draft much (1.0% fewer decode steps" in short and "auto pauses" in short
     paid = speculation_verdict(summary | {"rollout_seconds": 0.5, "rollout_seconds_saved": 0.2})
     assert (
         paid.startswith("speculation saved 0.20 wall-clock seconds")

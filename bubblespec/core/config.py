@@ -138,13 +138,14 @@ class SpeculationConfig(Section):
     lookahead_steps: int = Field(1, ge=1, le=4)
     """Steps ahead to draft for: 1 drafts step t+1 only; 2 also drafts step t+2 (with the same, older policy,
     so with lower acceptance) once every key of step t+1 has been handed out, so idle ranks keep working."""
-    draft_during_training: bool | Literal["auto"] = "auto"
-    """Also draft while the trainer runs: right only where rollout ranks and trainer use separate hardware, where
+    draft_during_training: bool | Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    """Also draft while the trainer runs: right only where rollout ranks use hardware the trainer does not, where
     the training phase is a bubble for the ranks too. ``auto`` decides it from the placement
-    (:meth:`ServiceConfig.training_drafting`): on where the ranks have hardware of their own (GPUs they reserve,
-    nodes of their own), off where they share the trainer's devices or cores (``ray.colocated``, ranks on the CPU
-    beside the trainer) and on the virtual clock, whose simulated cluster drafts while training only when told to.
-    The run says what it chose and why."""
+    (:meth:`ServiceConfig.training_drafting`): every rank where the ranks have hardware of their own (GPUs they
+    reserve, nodes of their own); none where they share the trainer's devices or cores (``ray.colocated``, ranks on
+    the CPU beside the trainer) and on the virtual clock, whose simulated cluster drafts while training only when
+    told to. ``true``: every rank; a number: that many (the first ranks), e.g. the one rank of two for which a
+    2-core machine has a core beside the trainer's. The run says what it chose and why."""
     draft_sources: list[str] = ["bubble"]
     """Where drafts come from, in priority order (entry point group ``bubblespec.draft_sources``): ``bubble``
     (drafts of the next step made in the bubble), ``history`` (the last response to the same prompt, from an
@@ -587,32 +588,37 @@ class ServiceConfig(Section):
 
     @model_validator(mode="after")
     def _training_hardware(self) -> ServiceConfig:
-        if self.ray.colocated and self.speculation.draft_during_training is True:
+        setting = self.speculation.draft_during_training
+        if self.ray.colocated and setting != "auto" and setting:  # true, or a number of ranks
             raise ValueError(
                 "speculation.draft_during_training needs ranks on hardware of their own; with ray.colocated the "
                 "engines release their memory to the trainer while it trains: turn one of the two off"
             )
         return self
 
-    def training_drafting(self) -> tuple[bool, str]:
-        """Whether the ranks draft while the trainer trains, and why: ``speculation.draft_during_training`` where it
-        is set, else decided from where the ranks run against the trainer. Drafting on hardware the trainer uses
-        slows the trainer by more than the drafts save (measured in BENCHMARKS.md: whole steps 0.77x on two shared
-        CPU cores)."""
+    def training_drafting(self) -> tuple[int, str]:
+        """How many ranks draft while the trainer trains (the first ones; 0: none), and why:
+        ``speculation.draft_during_training`` where it is set (true: every rank; a number: that many), else decided
+        from where the ranks run against the trainer. Drafting on cores the trainer uses slows the trainer by more
+        than the drafts save (BENCHMARKS.md: on 2 CPU cores the main job's training 6-13% slower with one rank
+        drafting, bench-wall's whole steps 0.89x with both)."""
         setting = self.speculation.draft_during_training
+        ranks = self.rollout.num_ranks
+        if isinstance(setting, bool):
+            return ranks if setting else 0, f"speculation.draft_during_training: {str(setting).lower()}"
         if setting != "auto":
-            return setting, f"speculation.draft_during_training: {str(setting).lower()}"
+            return min(setting, ranks), f"speculation.draft_during_training: {setting} (the first ranks)"
         if not self.speculation.uses_bubble:
-            return False, "auto: nothing drafts in the bubble (speculation off, or no bubble draft source)"
+            return 0, "auto: nothing drafts in the bubble (speculation off, or no bubble draft source)"
         if self.ray.colocated:
-            return False, "auto: ray.colocated, the ranks share the trainer's hardware and release it while it trains"
+            return 0, "auto: ray.colocated, the ranks share the trainer's hardware and release it while it trains"
         if self.clock.kind == "virtual":  # a simulated cluster: its placement is the config's to say
-            return False, "auto: on the virtual clock set it true to simulate ranks with hardware of their own"
+            return 0, "auto: on the virtual clock set it true to simulate ranks with hardware of their own"
         if self.rollout.gpus_per_rank > 0:
-            return True, "auto: the ranks reserve GPUs of their own (rollout.gpus_per_rank, ray.colocated false)"
+            return ranks, "auto: the ranks reserve GPUs of their own (rollout.gpus_per_rank, ray.colocated false)"
         if self.ray.rollout_nodes and self.ray.trainer_nodes and self.ray.rollout_nodes != self.ray.trainer_nodes:
-            return True, "auto: the ranks run on nodes of their own (ray.rollout_nodes, ray.trainer_nodes)"
-        return False, "auto: the ranks run on CPU cores the trainer may use; set it true where they have their own"
+            return ranks, "auto: the ranks run on nodes of their own (ray.rollout_nodes, ray.trainer_nodes)"
+        return 0, "auto: the ranks run on CPU cores the trainer may use; set it true where they have their own"
 
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:

@@ -47,9 +47,16 @@ def _verdict(summary: dict) -> str:
     if wait >= max(-passes, 0.0):
         return (
             f"{verdict}. Waiting for drafting dominated: drafting passes still ran when the step needed the ranks "
-            "(colocated ranks release their memory to the trainer only after them); speculation.enabled: auto pauses "
-            "drafting that does not pay, false runs without drafts. `bubblespec bench CONFIG` measures both side by "
-            "side"
+            "(for a weight sync, or colocated ranks releasing their memory to the trainer); speculation.enabled: auto "
+            "pauses drafting that does not pay, false runs without drafts. `bubblespec bench CONFIG` measures both "
+            "side by side"
+        )
+    if summary["decode_steps_saved"] < 0.05:
+        return (
+            f"{verdict}. The bubbles were too short to draft much ({steps}, drafts for "
+            f"{summary.get('draft_coverage_mean', 0.0):.0%} of the requests): verifying drafts that short costs about "
+            "what it saves; a workload with a longer tail of response lengths leaves longer bubbles, and "
+            "speculation.enabled: auto pauses drafting that does not pay"
         )
     return (
         f"{verdict}. Verifying the drafts dominated: they cost more than they saved; try a smaller "
@@ -106,6 +113,13 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
             **{s.step: s.eval_reward for s in steps if s.eval_reward is not None},
         },
         "wall_seconds": wall_seconds,
-        "drafting_while_training": f"{'on' if drafting else 'off'} ({why})",
+        "drafting_while_training": f"{ranks_drafting(drafting, config.rollout.num_ranks)} ({why})",
     }
     return summary | {"speculation_effect": speculation_verdict(summary)}
+
+
+def ranks_drafting(drafting: int, num_ranks: int) -> str:
+    """'off', 'on' (every rank) or 'on for N of M ranks'."""
+    if not drafting:
+        return "off"
+    return "on" if drafting >= num_ranks else f"on for {drafting} of {num_ranks} ranks"

@@ -103,10 +103,14 @@ class PhaseScheduler:
         policy_version: int,
         shards: Sequence[Sequence[GenerationRequest]] | None = None,
         on_activity: ActivityListener = ignore_activity,
+        drafting_ranks: int | None = None,
     ) -> None:
         if shards is not None and len(shards) != num_ranks:
             raise ValueError(f"{len(shards)} shards for {num_ranks} ranks")
         self.num_ranks = num_ranks
+        self.drafting_ranks = num_ranks if drafting_ranks is None else drafting_ranks
+        """Ranks 0 to this one less take chunks (drafting while training on cores shared with the trainer: as many
+        as it leaves free); all by default."""
         self.plan = plan
         self.policy_version = policy_version
         self.shards = None if shards is None else [list(shard) for shard in shards]
@@ -239,7 +243,7 @@ class PhaseScheduler:
 
     def _hand_out(self, rank: int, now: float, when: str) -> list[Command]:
         """The next chunk of the plan to ``rank``, idle at ``now``; none after the stop or when the plan is done."""
-        if self.stopped_at is not None or not self.plan:
+        if self.stopped_at is not None or not self.plan or rank >= self.drafting_ranks:
             if not self.is_rollout:
                 self.on_activity(rank, "idle", "")
             return []
@@ -277,8 +281,9 @@ class RankPool(Protocol):
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
         ...
 
-    def start_drafting(self, plan: DraftPlan) -> None:
-        """Ranks draft the rest of ``plan`` while the trainer runs (ranks and trainer on separate hardware)."""
+    def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:
+        """Ranks draft the rest of ``plan`` while the trainer runs: the first ``ranks`` of them (None: all; fewer
+        where they share the trainer's cores)."""
         ...
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:

@@ -310,10 +310,12 @@ class ServeRankPool:
         scheduler = PhaseScheduler(self.num_ranks, plan, self.version, shards, self.on_activity)
         return self._call(self._run(scheduler, self._step, self.clock()))
 
-    def start_drafting(self, plan: DraftPlan) -> None:
-        """Ranks draft the rest of ``plan`` in the background (on the pool's loop) until :meth:`stop_drafting`."""
+    def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:
+        """Ranks (the first ``ranks``; None: all) draft the rest of ``plan`` in the background (on the pool's loop)
+        until :meth:`stop_drafting`."""
         self._step += 1
-        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity)
+        scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity,
+                                   drafting_ranks=ranks)  # fmt: skip
         trainer_done = asyncio.Event()
         future = self._submit(self._run(scheduler, self._step, self.clock(), until=trainer_done))
         self._drafting = (future, trainer_done)
@@ -331,13 +333,12 @@ class ServeRankPool:
         and the wall seconds this waited (``elapsed`` is for the virtual clock: here the wait is measured)."""
         if not self._late:
             return [], 0.0
-        start = time.perf_counter()
         late, self._late = self._late, []
-        outcomes = self._call(_gather(late))
+        outcomes, waited = self._call(_gather(late))
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if errors:
             raise errors[0]
-        return [draft for outcome in outcomes if outcome for draft in outcome], time.perf_counter() - start
+        return [draft for outcome in outcomes if outcome for draft in outcome], waited
 
     async def _run(
         self, scheduler: PhaseScheduler, step: int, started: float, until: asyncio.Event | None = None
@@ -388,6 +389,7 @@ class ServeRankPool:
                 raise _engine_error(error) from None
             return scheduler.late_drafts
 
+        now = 0.0
         try:
             await run(scheduler.start())
             while not scheduler.ended:
@@ -406,7 +408,7 @@ class ServeRankPool:
         finally:
             if trainer_done is not None:
                 trainer_done.cancel()
-        outcome = scheduler.outcome(self.clock() - started)
+        outcome = scheduler.outcome(now)  # the barrier (the stop): what follows it is bookkeeping, not waiting
         if running:
             self._late.append(asyncio.ensure_future(late()))
         return outcome
@@ -436,8 +438,11 @@ async def _awaited(response):
     return await response
 
 
-async def _gather(futures: list) -> list:
-    return await asyncio.gather(*futures, return_exceptions=True)
+async def _gather(futures: list) -> tuple[list, float]:
+    """The futures' outcomes (exceptions included), and the seconds spent waiting for those not done yet."""
+    pending, start = any(not future.done() for future in futures), time.perf_counter()
+    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    return outcomes, time.perf_counter() - start if pending else 0.0
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:

@@ -72,7 +72,7 @@ class RolloutService:
         samples_per_prompt: int = 1,
         static_sources: Sequence[tuple[str, StaticDraftSource]] = (),
         colocated: bool = False,
-        draft_during_training: bool = False,
+        draft_during_training: int | bool = 0,
     ) -> None:
         self.ranks = ranks
         self.store = store
@@ -90,9 +90,9 @@ class RolloutService:
         """The ``history`` source, whose memory checkpoints keep."""
         self.colocated = colocated
         """Ranks share the trainer's hardware: they release their memory while it trains."""
-        self.draft_during_training = draft_during_training
-        """Ranks on hardware of their own draft while the trainer trains (:meth:`ServiceConfig.training_drafting`
-        decides it)."""
+        self.draft_during_training = ranks.num_ranks if draft_during_training is True else int(draft_during_training)
+        """How many ranks (the first ones) draft while the trainer trains: those with hardware of their own, or CPU
+        cores the trainer leaves free (:meth:`ServiceConfig.training_drafting` decides it); 0: none."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
         self._plan = DraftPlan([])
@@ -124,11 +124,11 @@ class RolloutService:
         samples_per_prompt: int,
         peek: Peek | None,
         colocated: bool = False,
-        draft_during_training: bool = False,
+        draft_during_training: int | bool = 0,
     ) -> RolloutService:
         """A service on ``ranks`` with the draft store, policies and draft sources ``speculation`` names;
-        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``); ``draft_during_training``: they
-        draft while it trains (:meth:`ServiceConfig.training_drafting`)."""
+        ``colocated``: the ranks share the trainer's hardware (``ray.colocated``); ``draft_during_training``: how many
+        of them draft while it trains (True: all; :meth:`ServiceConfig.training_drafting`)."""
         from bubblespec.core import plugins
         from bubblespec.rollout.draft_store import TolerantDraftStore
 
@@ -210,7 +210,7 @@ class RolloutService:
             self.ranks.release()
             self._released = True
         elif self.speculation.uses_bubble and self.draft_during_training and self._plan:
-            self.ranks.start_drafting(self._plan)
+            self.ranks.start_drafting(self._plan, self.draft_during_training)
             self._drafting = True
 
     def training_ended(self, train_seconds: float) -> TrainingDrafting | None:

@@ -51,7 +51,7 @@ class VirtualRankPool:
         """The engine's batch limit, for the replay of shards without drafts
         (:mod:`bubblespec.rollout.speculation_effect`)."""
         self.on_activity: ActivityListener = ignore_activity
-        self._training_plan = DraftPlan([])
+        self._training_plan, self._training_ranks = DraftPlan([]), None
         self._late: list[tuple[PhaseScheduler, list, float]] = []
         """Phases with late chunks: the scheduler, the chunks' returns (a heap) and the phase's end."""
         self._late_drafts: list = []
@@ -80,15 +80,15 @@ class VirtualRankPool:
         scheduler = PhaseScheduler(self.num_ranks, plan, self.engine.policy_version, shards, self.on_activity)
         return self._run(scheduler, trainer_ends=None)
 
-    def start_drafting(self, plan: DraftPlan) -> None:
-        self._training_plan = plan
+    def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:
+        self._training_plan, self._training_ranks = plan, ranks
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
         """Every rank drafts the rest of the plan for the training phase's ``train_seconds``, a rank with a late
         pass from the rollout once that pass is over (its keys left unfinished go on in this phase)."""
         self._report_late()
         scheduler = PhaseScheduler(self.num_ranks, self._training_plan, self.engine.policy_version,
-                                   on_activity=self.on_activity)  # fmt: skip
+                                   on_activity=self.on_activity, drafting_ranks=self._training_ranks)  # fmt: skip
         return self._run(scheduler, trainer_ends=train_seconds)
 
     def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
