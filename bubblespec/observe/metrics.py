@@ -145,7 +145,8 @@ class RunMetrics:
         )
         self.preemption_latency = Histogram(
             "bubblespec_preemption_latency_seconds",
-            "From the barrier to a drafting rank's stop, for ranks drafting at the barrier." + RUN_CLOCK,
+            "From the barrier to a drafting rank's stop, for ranks drafting at the barrier (the step goes on)."
+            + RUN_CLOCK,
             ["rank"],
             buckets=PREEMPTION_BUCKETS,
             registry=self.registry,
