@@ -91,8 +91,9 @@ class RolloutService:
         self.colocated = colocated
         """Ranks share the trainer's hardware: they release their memory while it trains."""
         self.draft_during_training = ranks.num_ranks if draft_during_training is True else int(draft_during_training)
-        """How many ranks (the first ones) draft while the trainer trains: those with hardware of their own, or CPU
-        cores the trainer leaves free (:meth:`ServiceConfig.training_drafting` decides it); 0: none."""
+        """How many ranks (the first ones) draft while the trainer trains: every rank on hardware of its own, or
+        the number ``speculation.draft_during_training`` names (:meth:`ServiceConfig.training_drafting` decides
+        it); 0: none."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
         self._plan = DraftPlan([])
