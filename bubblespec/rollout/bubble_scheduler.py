@@ -109,8 +109,8 @@ class PhaseScheduler:
             raise ValueError(f"{len(shards)} shards for {num_ranks} ranks")
         self.num_ranks = num_ranks
         self.drafting_ranks = num_ranks if drafting_ranks is None else drafting_ranks
-        """Ranks 0 to this one less take chunks (drafting while training on cores shared with the trainer: as many
-        as it leaves free); all by default."""
+        """Ranks 0 to this one less take chunks (``speculation.draft_during_training`` as a number of ranks); all by
+        default."""
         self.plan = plan
         self.policy_version = policy_version
         self.shards = None if shards is None else [list(shard) for shard in shards]
@@ -282,8 +282,8 @@ class RankPool(Protocol):
         ...
 
     def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:
-        """Ranks draft the rest of ``plan`` while the trainer runs: the first ``ranks`` of them (None: all; fewer
-        where they share the trainer's cores)."""
+        """Ranks draft the rest of ``plan`` while the trainer runs: the first ``ranks`` of them (None: all;
+        :meth:`ServiceConfig.training_drafting` says how many)."""
         ...
 
     def stop_drafting(self, train_seconds: float) -> RolloutOutcome:
