@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -79,21 +81,31 @@ def _training_drafting_line(config) -> str:
 def run(
     config_path: Annotated[Path | None, typer.Argument(help="A run config (YAML).", metavar="CONFIG")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
-    resume: Annotated[Path | None, typer.Option(help="Continue the run in this run directory.")] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            help="Continue the run in this run directory, with its saved config; --set may change what does not "
+            "change its results (metrics, ray, checkpoint_every, logged_prompts, a larger num_steps)."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live display or step lines; warnings only.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also debug logs.")] = False,
 ) -> None:
-    """Run synchronous RL with bubble-time drafting, as the config says."""
-    from bubblespec.core.config import load_config
+    """Run synchronous RL with bubble-time drafting, as the config says. Ctrl-C and SIGTERM stop it with its
+    checkpoints kept and print the command that resumes it."""
+    from bubblespec.core.config import apply_overrides, load_config, validate
+    from bubblespec.core.errors import Terminated
     from bubblespec.observe.run_dir import RunDirectory
     from bubblespec.run.launch import run as run_config
 
     if quiet and verbose:
         raise typer.BadParameter("--quiet and --verbose exclude each other")
     if resume is not None:
-        if config_path is not None or overrides:
-            raise typer.BadParameter("--resume takes the config saved in the run directory; give no CONFIG or --set")
+        if config_path is not None:
+            raise typer.BadParameter("--resume takes the config saved in the run directory; give no CONFIG")
         config = RunDirectory(resume).load_config()
+        if overrides:  # checked against the saved config when the run resumes
+            config = validate(apply_overrides(config.model_dump(mode="json"), overrides), source="--set")
     elif config_path is None:
         raise typer.BadParameter("give a CONFIG file, or --resume RUN_DIR")
     else:
@@ -109,20 +121,48 @@ def run(
     if not quiet and config.speculation.uses_bubble:
         typer.echo(_training_drafting_line(config))
     try:
-        if quiet:
-            run_config(config, resume_dir=resume)
-            write_report(run_dir)
-            typer.echo(f"run directory: {run_dir}")
-            return
-        with StepPrinter(config, console) as printer:
-            summary = run_config(
-                config, resume_dir=resume, on_step=printer.step, on_phase=printer.phase, on_activity=printer.activity
-            )
-    except KeyboardInterrupt:
-        typer.secho(f"interrupted: {_where_it_stopped(Path(run_dir))}", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(code=130) from None
+        with _sigterm_stops_like_ctrl_c():
+            if quiet:
+                run_config(config, resume_dir=resume)
+                write_report(run_dir)
+                typer.echo(f"run directory: {run_dir}")
+                return
+            with StepPrinter(config, console) as printer:
+                summary = run_config(
+                    config,
+                    resume_dir=resume,
+                    on_step=printer.step,
+                    on_phase=printer.phase,
+                    on_activity=printer.activity,
+                )
+    except KeyboardInterrupt as stop:
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        typer.secho(f"{how}: {_where_it_stopped(Path(run_dir))}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=code) from None
     printer.summary(summary, run_dir)
     typer.echo(f"report: {write_report(run_dir) / 'summary.md'}")
+
+
+@contextlib.contextmanager
+def _sigterm_stops_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM (what SLURM, Kubernetes and `kill` send) raises :class:`~bubblespec.core.errors.Terminated` in the
+    main thread while the run runs, so that it stops as on Ctrl-C; the handler before is put back after."""
+    import signal
+    import threading
+
+    from bubblespec.core.errors import Terminated
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _where_it_stopped(run_dir: Path) -> str:

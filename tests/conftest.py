@@ -55,29 +55,6 @@ def _one_ray_at_a_time(request, tmp_path_factory):
         yield
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _no_default_metrics_port_under_xdist():
-    """Two workers would both serve runs' metrics on the default port (``metrics.port`` 9464) and collide: under
-    xdist a run configured with the default port serves on a free one (the run's target file names it). A test that
-    sets a port gets that port."""
-    import os
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
-    from bubblespec.core.config import MetricsConfig
-    from bubblespec.observe.metrics import RunMetrics
-
-    default, serve = MetricsConfig().port, RunMetrics.serve
-
-    def serve_on_a_free_port(self, config):
-        return serve(self, config.model_copy(update={"port": 0}) if config.port == default else config)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RunMetrics, "serve", serve_on_a_free_port)
-        yield
-
-
 def pytest_report_header(config) -> list[str]:
     """The resolved versions of the main dependencies, first thing in the log: a failure that a new release caused
     shows which release it was (the test command pins them with test-constraints.txt)."""

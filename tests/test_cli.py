@@ -237,8 +237,12 @@ def test_run_logs_one_structured_line_per_step_unless_quiet(tmp_path, flag):
     lines = [line for line in result.output.splitlines() if "decode_steps=" in line]
     if flag == "--quiet":
         assert not lines and "run directory:" in result.output
+        assert "sample of step" not in result.output
     else:
-        assert any("step=0 done=1/2 left=" in line for line in lines)
+        # what the model wrote, at the first step (show_sample_every: 10)
+        assert "sample of step 0: 2 responses, reward min " in result.output and "sample of step 1" not in result.output
+        assert "  prompt   '" in result.output and "  best     '" in result.output
+        assert any("step=0 done=1/2 reward=" in line for line in lines)  # no pace yet: the first step warms up
         assert any("step=1 done=2/2 left=0m00s reward=" in line for line in lines)
         assert "report:" in result.output and "speculation " in result.output  # what it saved or cost
     assert (tmp_path / "runs" / "run" / "report" / "summary.md").is_file()

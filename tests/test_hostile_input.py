@@ -198,3 +198,57 @@ def test_a_true_prefix_followed_by_anything_changes_nothing(engine, reference, p
     tokens = tuple(expected.token_ids[:prefix]) + tuple(noise)
     drafted = GenerationRequest(request.prompt_token_ids, request.key, request.sampling, Draft(request.key, tokens, 0))
     assert engine.generate([drafted])[0].token_ids == expected.token_ids
+
+
+NOT_CONFIG_KEYS = {"trainer.pt", "trainer.use_v"}
+"""Dotted names in error messages that start like a config section and are not keys: a checkpoint file, and verl's
+``trainer.use_v1``."""
+
+
+def _config_keys(model: type = RunConfig, prefix: str = "") -> set[str]:
+    """Every dotted key of ``model``; a mapping field (task.options, rollout.engine_options, ...) as ``key.*``."""
+    import typing
+
+    from pydantic import BaseModel
+
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(prefix + name)
+        for kind in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                keys |= _config_keys(kind, f"{prefix}{name}.")
+            elif kind is dict or typing.get_origin(kind) is dict:
+                keys.add(f"{prefix}{name}.*")
+    return keys
+
+
+def test_every_config_key_an_error_message_names_exists():
+    """The hints users follow name real keys: each ``section.field`` in the text of a ``raise`` in the package
+    (where a hint once said ``run.name``, a key that never existed)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    keys = _config_keys()
+    # every section, and "run": the RunConfig's own keys are top-level (name, not run.name)
+    sections = sorted([key for key in keys if "." not in key] + ["run"], key=len, reverse=True)
+    named = re.compile(rf"(?<![\w./-])(?:{'|'.join(sections)})(?:\.[a-z_]+)+")
+
+    def exists(key: str) -> bool:
+        parts = key.split(".")
+        return key in keys or any(".".join(parts[:i]) + ".*" in keys for i in range(1, len(parts)))
+
+    root = Path(__file__).parent.parent
+    wrong, seen = [], 0
+    for folder in ("bubblespec", "cli", "backends", "policies"):
+        for file in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if not isinstance(node, ast.Raise):
+                    continue
+                texts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                for key in (m.group().rstrip(".") for text in texts for m in named.finditer(text)):
+                    seen += 1
+                    if not exists(key) and key not in NOT_CONFIG_KEYS:
+                        wrong.append(f"{file.relative_to(root)}:{node.lineno}: {key}")
+    assert seen > 50  # the scan finds the messages' keys at all
+    assert not wrong, wrong

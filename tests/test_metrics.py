@@ -12,6 +12,7 @@ import pytest
 from bubblespec.core.config import validate
 from bubblespec.core.errors import ConfigError
 from bubblespec.observe.metrics import (
+    DEFAULT_PORT,
     PHASES,
     RANK_STATES,
     TRAIN_COUNTERS,
@@ -25,7 +26,7 @@ from bubblespec.observe.run_dir import RunDirectory
 from bubblespec.rollout.bubble_scheduler import REPLACED
 from bubblespec.run.launch import run
 from tests.prometheus import free_port
-from tests.scrape import scrape, target_of
+from tests.scrape import scrape, scrape_run, target_of
 
 
 def _config(tmp_path, name: str, port: int, **changes):
@@ -168,6 +169,22 @@ def test_a_port_in_use_names_the_port_and_the_config_key_and_writes_nothing(tmp_
         with pytest.raises(ConfigError, match=rf"metrics\.port {port} .* in use.*metrics\.enabled: false"):
             run(config)
     assert not config.run_dir.exists()
+
+
+def test_with_no_port_set_a_taken_default_port_gives_a_free_one_named_in_the_target(tmp_path):
+    """A shared machine: another process holds 9464. The run serves elsewhere and says where."""
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", DEFAULT_PORT))
+            taken.listen()
+        except OSError:
+            pass  # another process holds it already: the case under test
+        config = _config(tmp_path, "shared", None, num_steps=1, eval_every=0)
+        seen = []
+        run(config, on_step=lambda record: seen.append((target_of(config.run_dir), scrape_run(config.run_dir))))
+    (_, port, labels), metrics = seen[0]
+    assert port != DEFAULT_PORT and labels == {"run": "shared"}
+    assert metrics[("bubblespec_steps_total", ())] == 1  # the run's own counters are served there
 
 
 def test_metrics_can_be_turned_off(tmp_path):

@@ -500,7 +500,9 @@ class ClockConfig(Section):
 
 class RayConfig(Section):
     address: str | None = None
-    """An existing Ray cluster ("auto" or "ray://host:port"); empty starts a local Ray and stops it at the end."""
+    """An existing Ray cluster to join: "auto" (the one started on this machine with ``ray start``), "host:port" or
+    "ray://host:port". Empty: the ``RAY_ADDRESS`` environment variable if set (``ray job submit`` sets it), else a
+    local Ray of the run's own, started and stopped with it, even where another Ray runs on the machine."""
     http_proxy: bool = False
     """Start Ray Serve's HTTP proxy (only needed to reach ranks over HTTP)."""
     colocated: bool = False
@@ -519,8 +521,10 @@ class MetricsConfig(Section):
     """Serve Prometheus metrics (``bubblespec_*``, label ``rank``) while the run runs."""
     host: str = "127.0.0.1"
     """Address the metrics endpoint binds to: loopback unless you say otherwise (e.g. "0.0.0.0")."""
-    port: int = Field(9464, ge=0, le=65535)
-    """Port of ``http://host:port/metrics``; 0 picks a free one (printed at the start)."""
+    port: int | None = Field(None, ge=0, le=65535)
+    """Port of ``http://host:port/metrics``. Empty: 9464 when it is free, else a free one; 0: a free one; a number:
+    that port, or an error when it is taken. The URL is printed at the start and written to the run's
+    service-discovery file (docs/cluster.md)."""
 
 
 class RolloutScheduleConfig(Section):
@@ -644,6 +648,9 @@ class RunConfig(ServiceConfig):
     """Held-out prompts (from the task with another seed), one keyed sample each, the same keys every time."""
     logged_prompts: int = Field(2, ge=0)
     """Prompts per step whose responses (every sample), rewards and advantages go to ``samples.jsonl``; 0: none."""
+    show_sample_every: int = Field(10, ge=0)
+    """Every N steps (and at the first) the console shows the step's first logged prompt, one of its responses and
+    its reward: what the model writes, as it learns. 0 (or ``logged_prompts: 0``, or ``--quiet``): never."""
     task: TaskConfig = TaskConfig()
     trainer: TrainerConfig = TrainerConfig()
     schedule: RolloutScheduleConfig = RolloutScheduleConfig()
@@ -667,6 +674,41 @@ class RunConfig(ServiceConfig):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+
+RESUMABLE = ("metrics", "ray", "checkpoint_every", "logged_prompts", "show_sample_every", "num_steps")
+"""What a resumed run may change (``bubblespec run --resume DIR --set ...``): where it serves metrics and finds Ray,
+how often it checkpoints, what it logs, and (growing only) how many steps it runs. Nothing here changes a step's
+rollouts or weights; everything else might, and is refused."""
+
+
+def check_resumable(saved: RunConfig, config: RunConfig) -> None:
+    """Refuses, by key, a resumed run's config that differs from the one ``saved`` in its run directory in what
+    could change its results (anything outside :data:`RESUMABLE`), or that shrinks ``num_steps``."""
+
+    def flat(data: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(data, dict):
+            return {prefix: data}
+        return {k: v for key, value in data.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    before, after = flat(saved.model_dump(mode="json")), flat(config.model_dump(mode="json"))
+    changed = sorted(key.rstrip(".") for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    refused = [key for key in changed if key.split(".")[0] not in RESUMABLE]
+    if refused:
+        raise ConfigError(
+            f"a resumed run keeps the settings that decide its results; {', '.join(refused)} would change them. A "
+            f"resume may change {', '.join(RESUMABLE[:-1])} and {RESUMABLE[-1]} (upward); start a new run for the "
+            "others"
+        )
+    if config.num_steps < saved.num_steps:
+        raise ConfigError(
+            f"num_steps {config.num_steps} is below the run's {saved.num_steps}: a resume may only extend a run"
+        )
+    if config.num_steps != saved.num_steps and saved.schedule.cuts:
+        raise ConfigError(
+            f"num_steps: schedule.kind {saved.schedule.kind!r} ends its last step differently (nothing is carried "
+            "past it), so this run cannot be extended; start a new run"
+        )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -12,6 +12,11 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as SLURM, Kubernetes and ``kill`` send it, raised in the main thread: a run stops as it does on Ctrl-C
+    (its checkpoints kept, its cleanup run), and ``bubblespec run`` says how to resume and exits with 143."""
+
+
 class BubblespecError(Exception):
     """Base class of errors caused by user input (configs, model paths, plugin names, drafts)."""
 

@@ -48,6 +48,10 @@ from bubblespec.rollout.step import RankRecord
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_PORT = 9464
+"""The metrics port a run takes when ``metrics.port`` is empty and the port is free (Prometheus' range for
+exporters)."""
+
 ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Upper bounds of the acceptance-length histogram (tokens emitted per verify step)."""
 PREEMPTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -345,14 +349,21 @@ class RunMetrics:
         self.reward_failures.labels("error").inc(record.reward_errors)
 
     def serve(self, config: MetricsConfig) -> str:
-        """Starts the HTTP endpoint; returns its URL. A port in use is a :class:`ConfigError` naming it."""
+        """Starts the HTTP endpoint; returns its URL. A port that was set and is in use is a :class:`ConfigError`
+        naming it; with no port set, :data:`DEFAULT_PORT` when it is free, else any free port."""
+        port = DEFAULT_PORT if config.port is None else config.port
         try:
-            self._server, self._thread = start_http_server(config.port, config.host, registry=self.registry)
+            try:
+                self._server, self._thread = start_http_server(port, config.host, registry=self.registry)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE or config.port is not None:
+                    raise
+                self._server, self._thread = start_http_server(0, config.host, registry=self.registry)
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 raise ConfigError(
-                    f"metrics.port {config.port} on {config.host} is already in use; set metrics.port to a free "
-                    "port (0 picks one) or metrics.enabled: false"
+                    f"metrics.port {port} on {config.host} is already in use; set metrics.port to a free port, leave "
+                    "it empty (9464 when free, else any free port) or set metrics.enabled: false"
                 ) from None
             raise ConfigError(f"cannot serve metrics on metrics.host {config.host!r}: {error}") from None
         host, port = self._server.server_address[:2]

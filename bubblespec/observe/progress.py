@@ -98,6 +98,9 @@ class StepPrinter:
         ):
             value = summary.get(name)
             table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+        if "wall_seconds_of_parts" in summary:  # a resumed run
+            parts = summary["wall_seconds_of_parts"]
+            table.add_row("wall seconds of its parts", " + ".join(f"{part:.1f}" for part in parts))
         for name, mean in (summary.get("reward_means") or {}).items():
             table.add_row(f"reward {name} (mean)", f"{mean:.3f}")
         evals = summary.get("eval_rewards") or {}

@@ -7,6 +7,7 @@ a temporary folder and renamed into place, and resuming discards JSONL lines of 
     RUN_DIR/steps.jsonl                  one JSON object per step
     RUN_DIR/checkpoints/step-000004/     weights.safetensors, trainer.pt, drafts.json, state.json
                                          (+ history.json with the history draft source)
+    RUN_DIR/wall.json                    the wall seconds of each part of the run (a resume starts a part)
     RUN_DIR/summary.json                 written at the end
 
 Beside it, OUTPUT_DIR/prometheus-targets/RUN.json names the run's metrics endpoint while it runs
@@ -15,6 +16,7 @@ Beside it, OUTPUT_DIR/prometheus-targets/RUN.json names the run's metrics endpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -33,6 +35,7 @@ CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.j
 class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._made: list[Path] = []
 
     @property
     def steps_file(self) -> Path:
@@ -43,13 +46,50 @@ class RunDirectory:
         return self.path / "checkpoints"
 
     def create(self, config: RunConfig) -> None:
-        if self.path.exists() and any(self.path.iterdir()):
+        """Claims the directory for a new run by writing its config.yaml, in one step that a second run of the same
+        name, started at the same moment, cannot also take."""
+        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._made = missing[1:]  # the folders above it this call made: removed again with it
+        try:
+            if any(child.name != "config.yaml" for child in self.path.iterdir()):
+                raise FileExistsError
+            with (self.path / "config.yaml").open("x") as out:
+                out.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        except FileExistsError:
             raise ConfigError(
                 f"run directory {str(self.path)!r} already exists; resume it with `bubblespec run --resume "
-                f"{self.path}` or choose another run.name / run.output_dir"
-            )
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+                f"{self.path}`, or give this run another name: --set name={config.name}-2 (or another output_dir)"
+            ) from None
+
+    def remove_if_unused(self) -> None:
+        """Removes a directory that :meth:`create` claimed and no step was written to (the run failed or was stopped
+        while starting), so that the same command can simply be run again."""
+        if self.path.is_dir() and {child.name for child in self.path.iterdir()} <= {"config.yaml"}:
+            shutil.rmtree(self.path)
+            for folder in self._made:  # nearest first; only while empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+    @property
+    def wall_file(self) -> Path:
+        return self.path / "wall.json"
+
+    def read_wall_seconds(self) -> list[float]:
+        """The wall seconds of each part of the run so far (one per start or resume; the time from its first step
+        to its last step or its end, whatever of it a crash left unrecorded excepted)."""
+        return json.loads(self.wall_file.read_text()) if self.wall_file.is_file() else []
+
+    def write_wall_seconds(self, parts: list[float]) -> None:
+        partial = self.path / ".wall.json.partial"
+        partial.write_text(json.dumps(parts))
+        partial.replace(self.wall_file)
+
+    def save_config(self, config: RunConfig) -> None:
+        """Replaces config.yaml in one rename (a resumed run with overrides of what does not change its results)."""
+        partial = self.path / ".config.yaml.partial"
+        partial.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        partial.replace(self.path / "config.yaml")
 
     def load_config(self) -> RunConfig:
         file = self.path / "config.yaml"

@@ -114,7 +114,7 @@ class Controller:
     def run(self, start_step: int = 0) -> None:
         """Runs steps ``start_step`` to the end. When the trainer's workers restart after a fault, the run rewinds
         to its last checkpoint and replays the steps since: keyed sampling makes them come out the same."""
-        step, started = start_step, time.perf_counter()
+        step, first_done = start_step, None
         while step < self.config.num_steps:
             try:
                 record = self.step(step)
@@ -131,8 +131,14 @@ class Controller:
                 )
                 continue
             step += 1
-            per_step = (time.perf_counter() - started) / (step - start_step)
-            logger.info(step_line(record, self.config.num_steps, per_step * (self.config.num_steps - step)))
+            # The time left at the pace of the steps after this process's first (which also warms up the engines and
+            # evaluates the initial policy); none after the first.
+            now, left = time.perf_counter(), None
+            if first_done is None:
+                first_done, paced = now, step
+            elif step > paced:
+                left = (now - first_done) / (step - paced) * (self.config.num_steps - step)
+            logger.info(step_line(record, self.config.num_steps, left))
             self.on_step(record)
 
     def restore(self, fresh_parts: bool = True) -> int:
@@ -194,7 +200,10 @@ class Controller:
             )
             for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
         ]
-        self.run_dir.append_samples(self._logged_samples(step, prompts, results, rewards, reward_parts, samples))
+        logged = self._logged_samples(step, prompts, results, rewards, reward_parts, samples)
+        self.run_dir.append_samples(logged)
+        if logged and cfg.show_sample_every and step % cfg.show_sample_every == 0:
+            logger.info(sample_lines(logged[0], cfg.task.samples_per_prompt))
         train_metrics, weights, train_seconds, training = self._train(samples, step)
         self.on_phase(step, "weight sync")
         sync_seconds = parts.service.update_weights(weights, version=step + 1) if samples else 0.0
@@ -338,6 +347,31 @@ class Controller:
             },  # fmt: skip
             history=drafting["history"],
         )
+
+
+def sample_lines(logged: PromptSamples, samples_per_prompt: int, width: int = 300) -> str:
+    """What the model wrote for one prompt of a step, for the console: the prompt (its middle cut when long), the
+    response with the best reward and, where the rewards differ, the one with the worst; each with its reward."""
+    by_reward = sorted(logged.responses, key=lambda response: -response.reward)
+    shown = by_reward[:1] + (by_reward[-1:] if by_reward[0].reward != by_reward[-1].reward else [])
+    rewards = [response.reward for response in logged.responses]
+    lines = [
+        f"sample of step {logged.step}: {samples_per_prompt} responses, reward min {min(rewards):.3f} mean "
+        f"{sum(rewards) / len(rewards):.3f} max {max(rewards):.3f}; reference answer {logged.answer!r}",
+        f"  prompt   {_shown(logged.prompt, width)}",
+    ]
+    for label, response in zip(("best", "worst"), shown, strict=False):
+        cut = " (cut at the token limit)" if response.finish_reason == "length" else ""
+        lines.append(f"  {label:<8} {_shown(response.text, width)}  reward {response.reward:.3f}{cut}")
+    return "\n".join(lines)
+
+
+def _shown(text: str, width: int) -> str:
+    """``text`` on one line (its line breaks as ⏎), its middle cut to fit ``width``."""
+    text = text.replace("\n", "⏎")
+    if len(text) > width:
+        text = f"{text[: width // 2]} … {text[-(width // 2) :]}"
+    return repr(text)
 
 
 def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: float | None = None) -> str:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bubblespec.core.config import RunConfig
+from bubblespec.core.config import RunConfig, check_resumable
 from bubblespec.observe.metrics import RunMetrics, info_labels
 from bubblespec.observe.records import StepRecord
 from bubblespec.observe.run_dir import RunDirectory
@@ -30,11 +30,25 @@ def run(
     ``metrics.enabled`` the step records also feed Prometheus metrics served while the run runs."""
     metrics = RunMetrics(config.rollout.num_ranks, info_labels(config)) if config.metrics.enabled else None
     run_dir = RunDirectory(resume_dir or config.run_dir)
+    if resume_dir is None:
+        run_dir.create(config)  # first: a run of the same name fails before a port is taken or Ray starts
+    else:
+        check_resumable(run_dir.load_config(), config)
+        run_dir.save_config(config)  # with the changes a resume allows (num_steps, metrics, ray, ...)
+    try:
+        return _run(config, run_dir, resume_dir is not None, metrics, on_step, on_phase, on_activity)
+    except BaseException:
+        if resume_dir is None:
+            run_dir.remove_if_unused()
+        raise
+
+
+def _run(config, run_dir, resuming, metrics, on_step, on_phase, on_activity) -> dict:
     with contextlib.ExitStack() as stack:
         if metrics is not None:
-            if resume_dir is not None:  # counters continue from the steps kept, before the first scrape sees them
+            if resuming:  # counters continue from the steps kept, before the first scrape sees them
                 metrics.observe_history(run_dir.checkpointed_steps())
-            # First: a port in use fails before Ray starts or anything is written.
+            # A port in use fails before Ray starts.
             metrics.serve(config.metrics)
             stack.callback(metrics.close)
             on_phase = _both(metrics.phase, on_phase)
@@ -43,20 +57,19 @@ def run(
         stack.callback(close_tasks, parts.task, parts.eval_task)
 
         def step_done(record: StepRecord) -> None:
+            wall[-1] = time.perf_counter() - started
+            run_dir.write_wall_seconds(wall)
             if metrics is not None:
                 metrics.observe_step(record)
             if on_step is not None:
                 on_step(record)
 
         controller = Controller(config, parts, run_dir, step_done, on_phase)
-        start = 0
-        if resume_dir is None:
-            run_dir.create(config)
-        else:
-            start = controller.restore()
+        start = controller.restore() if resuming else 0
         if metrics is not None:
             metrics.write_target(run_dir.path, config.name)
-        started = time.perf_counter()
+        # the wall seconds of each part of the run (a resumed run has several), this one's last
+        wall, started = [*(run_dir.read_wall_seconds() if resuming else []), 0.0], time.perf_counter()
         if on_activity is not None:
             parts.service.ranks.on_activity = on_activity
         try:
@@ -67,7 +80,11 @@ def run(
             raise
         if metrics is not None:  # a run that failed keeps its target: Prometheus shows it down
             metrics.remove_target()
-        summary = summarize(config, run_dir.read_steps(), time.perf_counter() - started) | placement(parts)
+        wall[-1] = time.perf_counter() - started
+        run_dir.write_wall_seconds(wall)
+        summary = summarize(config, run_dir.read_steps(), sum(wall)) | placement(parts)
+        if len(wall) > 1:
+            summary["wall_seconds_of_parts"] = wall
         run_dir.write_summary(summary)
         return summary
 

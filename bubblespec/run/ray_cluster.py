@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -27,7 +29,9 @@ RAY_DEFAULTS = {
 
 @contextlib.contextmanager
 def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool]:
-    """Connects to ``ray.address`` or starts a local Ray (yielding True); stops what it started."""
+    """Connects to ``ray.address`` (or the ``RAY_ADDRESS`` environment variable, as ``ray job submit`` sets it) or
+    starts a local Ray of this run's own (yielding True), even where another Ray runs on the machine: joining one
+    takes ``ray.address: auto`` or its address. Stops what it started."""
     for name, value in RAY_DEFAULTS.items():
         os.environ.setdefault(name, value)
     import ray
@@ -35,25 +39,55 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
     if ray.is_initialized():  # e.g. a test's session-wide cluster: use it, leave it running
         yield False
         return
-    if config.ray.address:
-        check_reachable(config.ray.address)
+    address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        check_reachable(address)
     try:
-        if config.ray.address:
-            ray.init(address=config.ray.address, logging_level=logging.WARNING, log_to_driver=False)
-        else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+        with sigterm_left_to_the_driver():
+            if address:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            else:  # "local": a Ray of this run's own, even where another cluster runs on the machine
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                )
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
-        where = config.ray.address or "a local Ray"
+        where = f"the Ray at {address}" if address else "a local Ray"
         raise BubblespecError(f"cannot start or reach {where} (ray.address): {error}") from None
     try:
-        yield not config.ray.address  # True when this run started (and so owns) the Ray instance
+        yield not address  # True when this run started (and so owns) the Ray instance
     finally:
         ray.shutdown()
 
 
+@contextlib.contextmanager
+def sigterm_left_to_the_driver() -> Iterator[None]:
+    """Around ``ray.init``, where this process handles SIGTERM itself (``bubblespec run`` stops the run as on Ctrl-C):
+    Ray installs a native SIGTERM handler in the driver (a stack dump, then abort), and this process's handler is
+    put back after; and a local Ray's processes, which inherit the signal mask, start with SIGTERM blocked, so that
+    a SIGTERM sent to the whole job (SLURM signals every process of a job step, ``kill -- -PGID`` a process group)
+    does not kill them under the run (they block SIGINT themselves, which is why Ctrl-C works). The run then stops
+    Ray itself; stopping it takes about 4 s more, since Ray kills a process that ignores its SIGTERM a second
+    later. A SIGTERM to this process meanwhile is delivered when ``ray.init`` returns."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fails fast, with the config key, when ``ray.address`` names a host:port nobody listens on (``ray.init``
-    would retry for minutes). "auto" and "local" are left to Ray, which answers at once."""
+    would retry for minutes). "auto" (the cluster running on this machine) and "local" (a new one) are left to Ray,
+    which answers at once."""
     if address in ("auto", "local"):
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -169,7 +203,8 @@ def local_cluster(nodes: list[dict], head_cpus: float = 2) -> Iterator:
     try:
         for node in nodes:
             cluster.add_node(**node)
-        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        with sigterm_left_to_the_driver():
+            ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         cluster.wait_for_nodes()
         yield cluster
     finally:
