@@ -119,6 +119,19 @@ def test_training_series_leave_gaps_for_steps_that_trained_nothing():
     assert kl[0] == 0.1 and math.isnan(kl[1]) and math.isnan(kl[2])
 
 
+def test_training_picture_gives_each_quantity_its_own_axis_and_a_constant_as_text():
+    """The loss (about 0.01) is not drawn on the gradient norm's axis (about 10), where it looked flat at 0."""
+    from bubblespec.observe.report import training_panels
+
+    trains = [{"loss": 0.01 * s, "grad_norm": 10.0 + s, "learning_rate": 1e-4, "ratio_mean": 1.0} for s in range(3)]
+    panels, constants = training_panels([step_record(step, train=train) for step, train in enumerate(trains)])
+    assert [(title, [label for label, _ in drawn]) for title, drawn in panels] == [
+        ("loss", ["loss"]),
+        ("gradient norm", ["grad norm"]),
+    ]
+    assert constants == ["importance ratio pi / pi_old: mean 1 in every step", "learning rate 0.0001 in every step"]
+
+
 def table_rows(summary: str, heading: str) -> list[list[str]]:
     """The body rows of the first markdown table after ``heading``."""
     section = summary.split(heading, 1)[1].split("\n\n", 2)[1]

@@ -229,13 +229,15 @@ def draw_timeline(records: list[StepRecord], clock: str, file: Path) -> None:
 
 
 TRAINING_PANELS = (
-    ("loss and gradient norm", (("loss", "loss"), ("grad_norm", "grad norm"))),
-    ("entropy and KL to the reference", (("entropy", "entropy (nats/token)"), ("kl", "KL"))),
-    ("importance ratio and clip fractions", (("ratio_min", "ratio min"), ("ratio_mean", "ratio mean"),
-                                             ("ratio_max", "ratio max"), ("clip_fraction_low", "clipped low"),
-                                             ("clip_fraction_high", "clipped high"))),
+    ("loss", (("loss", "loss"),)),
+    ("gradient norm", (("grad_norm", "grad norm"),)),
+    ("entropy (nats/token)", (("entropy", "entropy"),)),
+    ("KL to the reference", (("kl", "KL"),)),
+    ("importance ratio pi / pi_old", (("ratio_min", "min"), ("ratio_mean", "mean"), ("ratio_max", "max"))),
+    ("fraction of tokens clipped", (("clip_fraction_low", "low"), ("clip_fraction_high", "high"))),
     ("learning rate", (("learning_rate", "learning rate"),)),
-)  # fmt: skip
+)
+"""training.png's panels: quantities of one unit and scale share a panel, every other quantity has its own."""
 
 
 def training_series(records: list[StepRecord], field: str) -> list[float]:
@@ -247,25 +249,52 @@ def training_series(records: list[StepRecord], field: str) -> list[float]:
     return values
 
 
+def training_panels(records: list[StepRecord]) -> tuple[list[tuple[str, list]], list[str]]:
+    """The panels training.png draws, each (title, [(label, series)]), and as text instead of flat lines the panels
+    whose quantities are the same in every step that has them ("learning rate 0.0001 in every step"; one update per
+    batch keeps the importance ratio at 1). A series the run has no value for is left out."""
+    panels, constants = [], []
+    for title, fields in TRAINING_PANELS:
+        drawn = [(label, training_series(records, field)) for field, label in fields]
+        known = [(label, {v for v in series if not math.isnan(v)}) for label, series in drawn]
+        drawn = [(label, series) for (label, series), (_, values) in zip(drawn, known, strict=True) if values]
+        known = [(label, values) for label, values in known if values]
+        if len(records) > 1 and known and all(len(values) == 1 for _, values in known):
+            values = ", ".join(f"{label} {values.pop():.4g}" for label, values in known)
+            constants.append(
+                f"{values} in every step"
+                if [title] == [label for label, _ in known]
+                else (f"{title}: {values} in every step")
+            )
+        elif drawn:
+            panels.append((title, drawn))
+    return panels, constants
+
+
 def draw_training(records: list[StepRecord], file: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     steps = [r.step for r in records]
-    figure = Figure(figsize=(min(10 + 0.1 * len(steps), 20), 7.5), dpi=110, layout="constrained")
+    panels, constants = training_panels(records)
+    columns = min(3, max(len(panels), 1))
+    rows = max(math.ceil(len(panels) / columns), 1)
+    figure = Figure(figsize=(min(4 * columns + 0.1 * len(steps), 20), 3.2 * rows + 1), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    for axes, (title, fields) in zip(figure.subplots(2, 2).flat, TRAINING_PANELS, strict=True):
-        for field, label in fields:
-            series = training_series(records, field)
-            if not all(math.isnan(v) for v in series):
-                axes.plot(steps, series, ".-", label=label)
+    cells = list(figure.subplots(rows, columns, squeeze=False).flat)
+    for axes, (title, drawn) in zip(cells, panels, strict=False):
+        for label, series in drawn:
+            axes.plot(steps, series, ".-", label=label)
         axes.set(title=title, xlabel="step")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
-        if axes.lines:
+        if len(drawn) > 1:
             axes.legend(fontsize="small")
-    figure.suptitle("the policy update per step (gaps: steps without reward signal, which train nothing)")
+    for axes in cells[len(panels) :]:
+        axes.set_visible(False)
+    title = "the policy update per step (gaps: steps without reward signal, which train nothing)"
+    figure.suptitle("\n".join([title, *constants]))
     figure.savefig(file)
 
 
@@ -354,7 +383,7 @@ HEADLINE = (
     ("rollout_seconds", "rollout seconds"),
     ("rollout_seconds_saved", "rollout seconds saved by drafts (estimated; negative: cost)"),
     ("rollout_tokens_per_second", "rollout tokens per second"),
-    ("wall_seconds", "wall seconds of the whole run"),
+    ("wall_seconds", "wall seconds of the whole run (every part of a resumed run)"),
 )
 STEP_COLUMNS = (
     "step",
