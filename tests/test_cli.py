@@ -156,16 +156,6 @@ def test_run_with_a_missing_model_fails_cleanly_and_writes_nothing(tmp_path):
     assert result.exit_code == 2 and "not a run directory" in result.output
 
 
-def test_the_readme_python_example_runs():
-    from pathlib import Path
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # it asserts identical outputs itself
-    assert namespace["results"] and namespace["again"]
-
-
 def test_the_live_display_shows_what_each_rank_is_doing_now():
     from rich.console import Console
 
