@@ -1,11 +1,13 @@
-"""A run on a shared machine: stopped by SIGTERM as by Ctrl-C (to its process, and to its whole process group as SLURM
-does), resumed with the settings that do not change its results, and a run name that is taken refused before
-anything starts, with a hint that works."""
+"""A run on a shared machine: beside another user's Ray and metrics port, stopped by SIGTERM as by Ctrl-C (to its
+process, and to its whole process group as SLURM does), resumed with the settings that do not change its results,
+and a run name that is taken refused before anything starts, with a hint that works."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import bubblespec.run.launch
 from bubblespec.cli.main import app
 from bubblespec.core.config import RESUMABLE, check_resumable, validate
 from bubblespec.core.errors import ConfigError
+from bubblespec.observe.metrics import DEFAULT_PORT
 from bubblespec.observe.run_dir import RunDirectory
 
 RUN = [sys.executable, "-m", "bubblespec.cli.main", "run"]
@@ -183,3 +186,41 @@ def test_sigterm_to_the_whole_process_group_of_a_wall_clock_run_stops_it_and_its
     _stopped_cleanly(process, tmp_path / "group")
     gone, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_run_beside_another_users_ray_and_metrics_port_starts_its_own_and_finishes(tmp_path):
+    """A shared machine: someone's Ray cluster runs (``ray start --head``) and port 9464 is taken. A run without
+    ray.address starts a Ray of its own instead of joining theirs (which failed: Ray refuses num_cpus when joining),
+    serves its metrics elsewhere, finishes, and leaves their cluster running."""
+    from tests.prometheus import free_port
+
+    theirs = tmp_path / "their-ray"  # every process of their cluster names it: found and stopped by it at the end
+    port = free_port()
+    started = subprocess.run(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+         f"--temp-dir={theirs}", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        config = _config(tmp_path, "beside", num_steps=1) | {"clock": {"kind": "wall"}, "eval_every": 0}
+        config["metrics"] = {}  # the default port: 9464, taken below
+        with contextlib.ExitStack() as stack:
+            holder = stack.enter_context(socket.socket())
+            with contextlib.suppress(OSError):  # held by another process already: the same case
+                holder.bind(("127.0.0.1", DEFAULT_PORT))
+                holder.listen()
+            done = subprocess.run([*RUN, str(_write(tmp_path, config))], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "metrics at http://127.0.0.1:" in done.stderr + done.stdout
+        assert f"127.0.0.1:{DEFAULT_PORT}/" not in done.stderr + done.stdout
+        status = subprocess.run(["ray", "status", f"--address=127.0.0.1:{port}"], capture_output=True, timeout=120)
+        assert status.returncode == 0  # their cluster is still up
+    finally:
+        ours = [p for p in psutil.process_iter(["cmdline"]) if str(theirs) in " ".join(p.info["cmdline"] or [])]
+        for process in ours:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(ours, timeout=30)

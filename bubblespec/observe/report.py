@@ -5,8 +5,8 @@
                           sync across all ranks; below, each rank's seconds per activity over the whole run
     report/steps.png      per step: acceptance length, decode steps vs tokens, bubble use and draft coverage,
                           reward and held-out eval reward
-    report/training.png   per step: loss and gradient norm, entropy and KL, importance ratio and clip fractions,
-                          learning rate
+    report/training.png   per step, each on its own axis: loss, gradient norm, entropy, KL, importance ratio,
+                          clip fractions, learning rate (those the same in every step as text)
     report/summary.md     headline numbers, a table per step and per rank, the pictures
 
 The timeline is built by :func:`timeline_segments`, a pure function of the step records, so that what the
