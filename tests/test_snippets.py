@@ -1,7 +1,8 @@
 """Every snippet in the README and docs/ works as written, each checked as far as a test can:
 
 - ``python`` runs, in a fresh folder beside the repository's ``examples/`` (a subprocess each);
-- ``bash``: ``bubblespec validate``, ``plugins``, ``report``, ``--help`` and ``python -c`` run as written;
+- ``bash``: ``bubblespec validate``, ``plugins``, ``report``, ``model``, ``--help`` and ``python -c`` run as written
+  (``model get`` converts into the session's cache, ``BUBBLESPEC_CACHE``: see conftest.py);
   ``bubblespec run`` and ``bench`` (minutes to hours) are checked by validating their config with their ``--set``
   overrides, ``run --resume`` by checking its overrides are ones a resume allows; installs (pip, apt-get) and the test
   command are what ``.ci/run`` runs on a fresh clone, so here they are only parsed (``bash -n``);
@@ -97,7 +98,7 @@ def _check_command(words: list[str], folder: Path) -> None:
         _run(folder, [sys.executable, *words[1:]])
     elif words[0] != "bubblespec":
         raise AssertionError(f"a command this test does not know how to check: {command!r}")
-    elif words[1] in ("validate", "plugins", "report") or "--help" in words:
+    elif words[1] in ("validate", "plugins", "report", "model") or "--help" in words:
         _run(folder, words, timeout=300)
     elif words[1:3] == ["bench", "engine"]:  # no config; a model PATH to fill in: the parser checks the options
         _run(folder, [*words, "--help"])
