@@ -1,8 +1,15 @@
 # ruff: noqa: E501  (each problem's text stays on one line)
-"""Writes examples/data/gsm8k-{train,test}.jsonl: grade-school math problems made up from templates, in GSM8K's
-format (``question``; ``answer`` with one step per line, calculator annotations ``<<6*10=60>>`` and a last line
-``#### 30``). Every annotation is evaluated and checked. Run: ``python scripts/make_gsm8k_sample.py``."""
+"""Writes grade-school math problems made up from templates, in GSM8K's format (``question``; ``answer`` with one step
+per line, calculator annotations ``<<6*10=60>>`` and a last line ``#### 30``). Every annotation is evaluated and
+checked.
 
+    python scripts/make_gsm8k_sample.py                  # examples/data/gsm8k-{train,test}.jsonl: 48 and 16 rows
+    python scripts/make_gsm8k_sample.py --name smollm2-gsm8k --train 4000 --test 200 --max-steps 2
+
+``--max-steps`` keeps the templates whose solutions take at most that many steps (one line each): the difficulty a
+small model can learn from. Each step count is drawn equally often."""
+
+import argparse
 import json
 import random
 import re
@@ -43,6 +50,39 @@ NAMES = [
     "Lucia",
     "Sam",
 ]
+
+
+def t_more(r, n):
+    a, b = r.randint(3, 40), r.randint(2, 30)
+    thing = r.choice(["apples", "stickers", "marbles", "books", "shells", "stamps"])
+    q = f"{n} has {a} {thing}. {n} gets {b} more {thing}. How many {thing} does {n} have now?"
+    l1, total = line(f"{n} has {{}} {thing}.", f"{a}+{b}")
+    return q, [l1], total
+
+
+def t_give(r, n):
+    a = r.randint(12, 60)
+    b = r.randint(2, a - 3)
+    thing = r.choice(["candies", "pencils", "cards", "balloons", "coins"])
+    q = f"{n} has {a} {thing} and gives {b} of them to a friend. How many {thing} does {n} have left?"
+    l1, left = line(f"{n} has {{}} {thing} left.", f"{a}-{b}")
+    return q, [l1], left
+
+
+def t_boxes(r, n):
+    boxes, per = r.randint(2, 9), r.randint(3, 12)
+    thing = r.choice(["crayons", "eggs", "cupcakes", "toy cars", "oranges"])
+    q = f"{n} has {boxes} boxes with {per} {thing} in each box. How many {thing} does {n} have?"
+    l1, total = line(f"{n} has {{}} {thing}.", f"{boxes}*{per}")
+    return q, [l1], total
+
+
+def t_share(r, n):
+    people, each = r.randint(2, 8), r.randint(2, 9)
+    thing = r.choice(["cookies", "grapes", "strawberries", "nuts"])
+    q = f"{n} shares {people * each} {thing} equally among {people} friends. How many {thing} does each friend get?"
+    l1, got = line("Each friend gets {} " + thing + ".", f"{people * each}/{people}")
+    return q, [l1], got
 
 
 def t_bakery(r, n):
@@ -193,6 +233,8 @@ def t_rent(r, n):
     return q, [l1, l2], year
 
 
+ONE_STEP = [t_more, t_give, t_boxes, t_share]
+"""Templates of one step, for the smallest models (the 48-row sample keeps the multi-step ones below)."""
 TEMPLATES = [
     t_bakery,
     t_savings,
@@ -213,11 +255,30 @@ TEMPLATES = [
 ]
 
 
-def rows(seed, count):
+def steps_of(template) -> int:
+    """How many steps (solution lines) a template's problems take."""
+    made = None
+    seed = 0
+    while made is None:
+        made = template(random.Random(seed), "Sam")
+        seed += 1
+    return len(made[1])
+
+
+def rows(seed, count, templates=TEMPLATES):
+    """``count`` problems: the templates by turns, except that with templates of several step counts each count is
+    drawn equally often (a template of that count at random)."""
     r = random.Random(seed)
+    by_steps = {}
+    for template in templates:
+        by_steps.setdefault(steps_of(template), []).append(template)
+    counts = sorted(by_steps)
     out = []
     while len(out) < count:
-        template = TEMPLATES[len(out) % len(TEMPLATES)]
+        if len(counts) == 1 or templates is TEMPLATES:
+            template = templates[len(out) % len(templates)]
+        else:
+            template = r.choice(by_steps[counts[len(out) % len(counts)]])
         made = template(r, r.choice(NAMES))
         if made is None:
             continue
@@ -235,6 +296,21 @@ def write(path, data):
     Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in data))
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="gsm8k", help="files examples/data/NAME-{train,test}.jsonl")
+    parser.add_argument("--train", type=int, default=48, help="training rows")
+    parser.add_argument("--test", type=int, default=16, help="held-out rows (another seed)")
+    parser.add_argument("--max-steps", type=int, default=None, help="only templates of at most this many steps")
+    args = parser.parse_args(argv)
+    templates = TEMPLATES
+    if args.max_steps is not None:
+        templates = [t for t in ONE_STEP + TEMPLATES if steps_of(t) <= args.max_steps]
+        if not templates:
+            parser.error(f"no template takes at most {args.max_steps} steps")
+    write(DATA / f"{args.name}-train.jsonl", rows(1, args.train, templates))
+    write(DATA / f"{args.name}-test.jsonl", rows(2, args.test, templates))
+
+
 if __name__ == "__main__":
-    write(DATA / "gsm8k-train.jsonl", rows(1, 48))
-    write(DATA / "gsm8k-test.jsonl", rows(2, 16))
+    main()

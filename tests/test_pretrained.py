@@ -77,3 +77,15 @@ def test_smollm2_converts_to_folders_the_torch_engine_runs_with_drafts_identical
     assert sum(r.stats.decode_steps for r in drafted) < sum(r.stats.decode_steps for r in plain)
     again = pretrained.get(NAME, log=lambda line: pytest.fail(f"converted again: {line}"))
     assert again == smollm2  # once per cache
+
+
+@pytest.mark.slow
+def test_the_smollm2_gsm8k_example_renders_its_problems_with_the_model_s_chat_template(smollm2):
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "smollm2-gsm8k.yaml"
+    result = CliRunner().invoke(app, ["validate", str(example), "--set", f"model.path={smollm2['float32']}"])
+    assert result.exit_code == 0, result.output
+    assert "train rows: 4000" in result.output and "held-out rows: 200" in result.output
+    assert "<|im_start|>system\n    Solve the problem step by step." in result.output
+    assert "unknown tokens: 0.0%" in result.output and "warning" not in result.output
