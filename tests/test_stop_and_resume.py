@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from bubblespec.core.config import RESUMABLE, check_resumable, validate
 from bubblespec.core.errors import ConfigError
 from bubblespec.observe.metrics import DEFAULT_PORT
 from bubblespec.observe.run_dir import RunDirectory
+from tests.scrape import target_of
 
 RUN = [sys.executable, "-m", "bubblespec.cli.main", "run"]
 
@@ -172,55 +174,59 @@ def test_sigterm_to_the_run_stops_it_as_ctrl_c_does(tmp_path):
     _stopped_cleanly(process, tmp_path / "term")
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_sigterm_to_the_whole_process_group_of_a_wall_clock_run_stops_it_and_its_ray(tmp_path):
-    """As SLURM stops a job: every process of the group gets SIGTERM, the local Ray's too. The run stops as on
-    Ctrl-C and leaves no Ray process behind."""
-    config = _config(tmp_path, "group", num_steps=50) | {"clock": {"kind": "wall"}, "eval_every": 0}
-    process = _start(_write(tmp_path, config), start_new_session=True)
-    _wait_for_steps(process, tmp_path / "group", 2)
-    ray_processes = psutil.Process(process.pid).children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes)
-    os.killpg(process.pid, signal.SIGTERM)
-    _stopped_cleanly(process, tmp_path / "group")
-    gone, alive = psutil.wait_procs(ray_processes, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_run_beside_another_users_ray_and_metrics_port_starts_its_own_and_finishes(tmp_path):
-    """A shared machine: someone's Ray cluster runs (``ray start --head``) and port 9464 is taken. A run without
-    ray.address starts a Ray of its own instead of joining theirs (which failed: Ray refuses num_cpus when joining),
-    serves its metrics elsewhere, finishes, and leaves their cluster running."""
+@contextlib.contextmanager
+def _another_users_ray_and_metrics_port():
+    """Someone's Ray cluster started with ``ray start --head`` as a user would, in Ray's default temp dir, where a
+    ``ray.init()`` without an address finds and joins it; and port 9464 held, as on a shared machine. Yields their
+    cluster's address; stops it at the end (its processes are those that name its GCS port)."""
     from tests.prometheus import free_port
 
-    theirs = tmp_path / "their-ray"  # every process of their cluster names it: found and stopped by it at the end
     port = free_port()
-    started = subprocess.run(
-        ["ray", "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-         f"--temp-dir={theirs}", "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
     try:
+        started = subprocess.run(
+            ["ray", "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+             "--disable-usage-stats"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
         assert started.returncode == 0, started.stderr[-2000:]
-        config = _config(tmp_path, "beside", num_steps=1) | {"clock": {"kind": "wall"}, "eval_every": 0}
-        config["metrics"] = {}  # the default port: 9464, taken below
-        with contextlib.ExitStack() as stack:
-            holder = stack.enter_context(socket.socket())
+        with socket.socket() as holder:
             with contextlib.suppress(OSError):  # held by another process already: the same case
                 holder.bind(("127.0.0.1", DEFAULT_PORT))
                 holder.listen()
-            done = subprocess.run([*RUN, str(_write(tmp_path, config))], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "metrics at http://127.0.0.1:" in done.stderr + done.stdout
-        assert f"127.0.0.1:{DEFAULT_PORT}/" not in done.stderr + done.stdout
-        status = subprocess.run(["ray", "status", f"--address=127.0.0.1:{port}"], capture_output=True, timeout=120)
-        assert status.returncode == 0  # their cluster is still up
+            yield f"127.0.0.1:{port}"
     finally:
-        ours = [p for p in psutil.process_iter(["cmdline"]) if str(theirs) in " ".join(p.info["cmdline"] or [])]
-        for process in ours:
+        processes = [p for p in psutil.process_iter(["cmdline"]) if _names_port(p.info["cmdline"] or [], port)]
+        for process in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
-        psutil.wait_procs(ours, timeout=30)
+        psutil.wait_procs(processes, timeout=30)
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # where ray.init() looks: theirs
+        if current.is_file() and f":{port}" in current.read_text():
+            current.unlink()
+
+
+def _names_port(arguments: list[str], port: int) -> bool:
+    return any(a.endswith(f":{port}") or a == f"--gcs_server_port={port}" for a in arguments)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_beside_another_users_ray_a_run_starts_its_own_and_sigterm_to_its_group_stops_it_and_only_it(tmp_path):
+    """A shared machine: someone's Ray runs and port 9464 is taken. A wall-clock run without ray.address starts a Ray
+    of its own instead of joining theirs (which failed: Ray refuses num_cpus when joining) and serves its metrics
+    elsewhere. Then, as SLURM stops a job, every process of its group gets SIGTERM, its local Ray's too: the run stops
+    as on Ctrl-C, leaves no Ray process of its own behind, and their cluster runs on."""
+    config = _config(tmp_path, "group", num_steps=50) | {"clock": {"kind": "wall"}, "eval_every": 0, "metrics": {}}
+    with _another_users_ray_and_metrics_port() as theirs:
+        process = _start(_write(tmp_path, config), start_new_session=True)
+        _wait_for_steps(process, tmp_path / "group", 2)
+        _, port, _ = target_of(tmp_path / "group")
+        assert port != DEFAULT_PORT
+        ray_processes = psutil.Process(process.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes)  # its own, started by the run
+        os.killpg(process.pid, signal.SIGTERM)
+        _stopped_cleanly(process, tmp_path / "group")
+        _, alive = psutil.wait_procs(ray_processes, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+        status = subprocess.run(["ray", "status", f"--address={theirs}"], capture_output=True, timeout=120)
+        assert status.returncode == 0  # their cluster runs on
