@@ -255,17 +255,13 @@ def training_panels(records: list[StepRecord]) -> tuple[list[tuple[str, list]], 
     batch keeps the importance ratio at 1). A series the run has no value for is left out."""
     panels, constants = [], []
     for title, fields in TRAINING_PANELS:
-        drawn = [(label, training_series(records, field)) for field, label in fields]
-        known = [(label, {v for v in series if not math.isnan(v)}) for label, series in drawn]
-        drawn = [(label, series) for (label, series), (_, values) in zip(drawn, known, strict=True) if values]
-        known = [(label, values) for label, values in known if values]
-        if len(records) > 1 and known and all(len(values) == 1 for _, values in known):
-            values = ", ".join(f"{label} {values.pop():.4g}" for label, values in known)
-            constants.append(
-                f"{values} in every step"
-                if [title] == [label for label, _ in known]
-                else (f"{title}: {values} in every step")
-            )
+        series = [(label, training_series(records, field)) for field, label in fields]
+        drawn = [(label, values) for label, values in series if not all(math.isnan(v) for v in values)]
+        known = [{v for v in values if not math.isnan(v)} for _, values in drawn]
+        if len(records) > 1 and drawn and all(len(values) == 1 for values in known):
+            text = ", ".join(f"{label} {values.pop():.4g}" for (label, _), values in zip(drawn, known, strict=True))
+            one_named_as_panel = [label for label, _ in drawn] == [title]
+            constants.append(f"{text} in every step" if one_named_as_panel else f"{title}: {text} in every step")
         elif drawn:
             panels.append((title, drawn))
     return panels, constants

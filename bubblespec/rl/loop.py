@@ -203,7 +203,7 @@ class Controller:
         logged = self._logged_samples(step, prompts, results, rewards, reward_parts, samples)
         self.run_dir.append_samples(logged)
         if logged and cfg.show_sample_every and step % cfg.show_sample_every == 0:
-            logger.info(sample_lines(logged[0], cfg.task.samples_per_prompt))
+            logger.info(sample_lines(logged[0]))
         train_metrics, weights, train_seconds, training = self._train(samples, step)
         self.on_phase(step, "weight sync")
         sync_seconds = parts.service.update_weights(weights, version=step + 1) if samples else 0.0
@@ -349,14 +349,14 @@ class Controller:
         )
 
 
-def sample_lines(logged: PromptSamples, samples_per_prompt: int, width: int = 300) -> str:
+def sample_lines(logged: PromptSamples, width: int = 300) -> str:
     """What the model wrote for one prompt of a step, for the console: the prompt (its middle cut when long), the
     response with the best reward and, where the rewards differ, the one with the worst; each with its reward."""
     by_reward = sorted(logged.responses, key=lambda response: -response.reward)
     shown = by_reward[:1] + (by_reward[-1:] if by_reward[0].reward != by_reward[-1].reward else [])
     rewards = [response.reward for response in logged.responses]
     lines = [
-        f"sample of step {logged.step}: {samples_per_prompt} responses, reward min {min(rewards):.3f} mean "
+        f"sample of step {logged.step}: {len(rewards)} responses, reward min {min(rewards):.3f} mean "
         f"{sum(rewards) / len(rewards):.3f} max {max(rewards):.3f}; reference answer {logged.answer!r}",
         f"  prompt   {_shown(logged.prompt, width)}",
     ]
