@@ -65,7 +65,7 @@ _RESERVE = 1
 """Context positions SGLang keeps back: it needs input < context and input + max_new_tokens <= context."""
 
 
-UNSUPPORTED_SAMPLING = ("min_p", "repetition_penalty")
+UNSUPPORTED_SAMPLING = ("min_p", "repetition_penalty", "suppressed_token_ids")
 """Sampling settings this backend refuses: its keyed processor and the client's top-K verification apply temperature,
 top-k and top-p only (SGLang's own penalties run in its sampler, outside the keyed rows)."""
 
@@ -77,7 +77,8 @@ def _refuse_unsupported_sampling(index: int, request: GenerationRequest) -> None
     if used:
         raise RequestError(
             f"request {index} ({request.key}) sets {', '.join(used)}: the sglang backend samples with temperature, "
-            "top_k and top_p only; use the torch or vllm backend for min_p and repetition_penalty"
+            "top_k and top_p only; use the torch or vllm backend for min_p, repetition_penalty and suppressed tokens "
+            "(or set rollout.sampling.suppressed_token_ids: [] where the task suppresses some)"
         )
 
 
@@ -145,6 +146,7 @@ class SGLangEngine(Engine):
     """A :class:`bubblespec.core.interfaces.GenerationEngine` backed by one SGLang 0.5.23 server (per rank)."""
 
     config_class = SGLangEngineConfig
+    unsupported_sampling = UNSUPPORTED_SAMPLING
 
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config

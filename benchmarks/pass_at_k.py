@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = task.batch(0)[: args.problems]
     if len(prompts) < args.problems:
         raise SystemExit(f"the held-out set has {len(prompts)} problems; ask for at most that many")
-    engine = TorchEngine.from_pretrained(model_path(config, task), dtype=config.model.dtype)
-    sampling = sampling_params(config, task)
+    path = model_path(config, task)
+    engine = TorchEngine.from_pretrained(path, dtype=config.model.dtype)
+    sampling = sampling_params(config, task, path)
     requests = [
         GenerationRequest(p.token_ids, RolloutKey(config.seed, -1, p.uid, s), sampling)
         for p in prompts

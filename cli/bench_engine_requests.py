@@ -58,7 +58,9 @@ def task_workload(num_requests: int, seed: int) -> Workload:
 def task_requests(task, step: int, num_prompts: int, samples: int = 1) -> list[GenerationRequest]:
     from bubblespec.rollout.step import step_requests
 
-    params = SamplingParams(temperature=1.0, max_new_tokens=task.max_new_tokens)
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=task.max_new_tokens, suppressed_token_ids=tuple(task.suppressed_token_ids)
+    )
     return step_requests(
         task.batch(step)[:num_prompts], run_seed=0, step=step, samples_per_prompt=samples, sampling=params
     )

@@ -624,3 +624,23 @@ def test_response_lengths_are_bounded_and_restore_in_the_order_they_forget():
         assert (table.get("a"), table.get("b"), table.get("c")) == (7, None, 1)
     with pytest.raises(ValueError, match="max_prompts must be at least 1, got 0"):
         ResponseLengths(max_prompts=0)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rollout": {"sampling": {"suppressed_token_ids": [1, 2]}}},
+         r"rollout.sampling.suppressed_token_ids \[2\] are the model's end-of-sequence tokens: a response could never"),
+        ({"rollout": {"sampling": {"suppressed_token_ids": [40000]}}},
+         r"rollout.sampling.suppressed_token_ids \[40000\] are outside the model's vocabulary of \d+ tokens"),
+        ({"rollout": {"backend": "sglang"}},  # the shipped task suppresses <pad>, <bos> and <unk>
+         r"rollout.backend 'sglang' cannot sample with suppressed_token_ids=\(0, 1, 3\); use a backend that can .*"
+         r"suppressed_token_ids: \[\] suppresses none"),
+    ],
+    ids=["eos", "outside", "sglang"],
+)  # fmt: skip
+def test_suppressed_tokens_a_run_cannot_use_are_refused_before_anything_starts(tmp_path, changes, message):
+    config = _config(tmp_path, "suppressed", **changes)
+    with pytest.raises(ConfigError, match=message):
+        run(config)
+    assert not config.run_dir.exists()

@@ -5,6 +5,7 @@ before any update, a learning-rate schedule in RL steps, and one worker's bad in
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -27,9 +28,11 @@ def model_path(tmp_path_factory):
     return str(write_checkpoint(tmp_path_factory.mktemp("settings-model"), vocab_size=32000, context=128, seed=8))
 
 
-def _engine_samples(model_path: str, lengths: tuple[int, ...], top_k: int = TOP_K) -> list[TrainSample]:
-    """Responses the float64 torch engine sampled at temperature 0.7 with top-k, of the given lengths, with its
-    logprobs; rewards alternate within each group of two."""
+def _engine_samples(
+    model_path: str, lengths: tuple[int, ...], top_k: int = TOP_K, suppressed: tuple[int, ...] = ()
+) -> list[TrainSample]:
+    """Responses the float64 torch engine sampled at temperature 0.7 with top-k (and without the ``suppressed``
+    tokens), of the given lengths, with its logprobs; rewards alternate within each group of two."""
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 
@@ -38,7 +41,9 @@ def _engine_samples(model_path: str, lengths: tuple[int, ...], top_k: int = TOP_
         GenerationRequest(
             (1, 7 + i, 9),
             RolloutKey(0, 0, f"p{i // 2}", i % 2),
-            SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_new_tokens=n, ignore_eos=True),
+            SamplingParams(
+                temperature=TEMPERATURE, top_k=top_k, max_new_tokens=n, ignore_eos=True, suppressed_token_ids=suppressed
+            ),  # fmt: skip
         )
         for i, n in enumerate(lengths)
     ]
@@ -110,6 +115,25 @@ def test_a_sampled_token_the_trainer_would_filter_keeps_a_finite_logprob(model_p
     samples = _engine_samples(model_path, (12, 6), top_k=20)
     logprobs = _learner(model_path).response_logprobs(samples)
     assert all(torch.isfinite(row).all() for row in logprobs)
+
+
+@pytest.mark.parametrize("top_k", [TOP_K, 0], ids=["top-k", "temperature-only"])
+def test_the_trainer_scores_without_the_suppressed_tokens_as_the_engine_sampled(model_path, top_k):
+    """Suppressing the two tokens sampled most: the engine never samples them, and the trainer's logprobs are the
+    engine's (top-k decided after the suppression); a trainer that ignored them would not be; a response that
+    holds one is refused by name."""
+    plain = _engine_samples(model_path, (12, 12, 12, 12), top_k=top_k)
+    common = collections.Counter(t for s in plain for t in s.response_token_ids).most_common(2)
+    suppressed = tuple(token for token, _ in common)
+    samples = _engine_samples(model_path, (12, 6, 9, 3), top_k=top_k, suppressed=suppressed)
+    assert not {t for s in samples for t in s.response_token_ids} & set(suppressed)
+    config = trainer_config({"optimizer.learning_rate": 1e-2, "loss.sampling_filters": True})
+    learner = GRPOLearner(model_path, "float64", config, TEMPERATURE, top_k=top_k, suppressed_token_ids=suppressed)
+    assert learner.step(samples)["logprob_diff_max"] < 1e-10
+    ignoring = GRPOLearner(model_path, "float64", config, TEMPERATURE, top_k=top_k)
+    assert ignoring.step(samples)["logprob_diff_max"] > 1e-4
+    with pytest.raises(ValueError, match=r"response \d+ holds token \d+ at position \d+, a suppressed token"):
+        learner.response_logprobs(plain)
 
 
 def test_a_non_finite_loss_is_an_error_naming_the_step_and_no_weight_changes(model_path):

@@ -363,6 +363,7 @@ def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(t
     caller gets worker 1's own exception, not a restart loop; the next batch trains, and weights come back as
     bfloat16 tensors, float32 master weights in the checkpoint state."""
     from bubblespec.core.errors import TrainerError
+    from bubblespec.core.interfaces import SamplingParams
     from bubblespec.rl.learner import LearnerSpec, TrainSample
     from bubblespec.rl.ray_train import RayTrainer
     from bubblespec.run.ray_cluster import ray_session
@@ -370,7 +371,7 @@ def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(t
 
     config = validate({"model": {"dtype": "bfloat16"}, "trainer": {"num_workers": 2, "max_restarts": 1}})
     with ray_session(config, num_cpus=3):
-        spec = LearnerSpec.of_run(config, str(ArithmeticTask.model_path()))
+        spec = LearnerSpec.of_run(config, str(ArithmeticTask.model_path()), SamplingParams())
         trainer = RayTrainer(spec, tmp_path, cpus_per_worker=1.0)
         try:
             good = [TrainSample((1, 5), (6, 2), 0, 1.0), TrainSample((1, 5), (7, 2), 0, 0.0)]

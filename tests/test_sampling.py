@@ -140,6 +140,54 @@ def test_min_p_and_the_repetition_penalty_match_the_reference(monkeypatch, block
     assert (plain != unpenalised).any(), "min-p changed no sample"
 
 
+@pytest.mark.parametrize("block_logits", [1 << 20, 40])
+def test_suppressed_tokens_match_the_reference_and_are_never_sampled(monkeypatch, block_logits):
+    """Suppressed tokens (per row, the likeliest among them so that it shows) against the loop reference with every
+    other setting beside them, greedy rows too; no row ever samples one."""
+    monkeypatch.setattr(sampling, "_CPU_BLOCK_ELEMENTS", block_logits)
+    rows = [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.0), (1.3, 0, 0.8, 0.1), (1.0, 0, 1.0, 0.0)]
+    batch, num_positions, vocab = len(rows), 6, 23
+    generator = torch.Generator().manual_seed(8)
+    logits = 3 * torch.randn(batch, num_positions, vocab, dtype=torch.float64, generator=generator)
+    seeds = _random_seeds(random.Random(17), batch)
+    positions = torch.randint(0, 300, (batch, num_positions), generator=torch.Generator().manual_seed(9))
+    best = logits.argmax(-1)
+    suppressed = [[int(best[0, 0]), 4], [int(best[1, 0]), int(best[1, 1])], [int(best[2, 2])], [], [0, 1, 2, 3, 4, 5]]
+    padded = torch.tensor([ids + [-1] * (6 - len(ids)) for ids in suppressed])
+    temperature, top_k, top_p, min_p = (torch.tensor(c, dtype=torch.float64) for c in zip(*rows, strict=True))
+    params = (temperature, top_k.long(), top_p, min_p)
+    tokens, logprobs = sampling.keyed_sample(logits, seeds, positions, *params, None, padded)
+    for b, t in itertools.product(range(batch), range(num_positions)):
+        token, logprob = reference.keyed_sample(
+            logits[b, t].tolist(), tuple(seeds[b].tolist()), int(positions[b, t]), *rows[b], suppressed=suppressed[b]
+        )
+        assert tokens[b, t].item() == token, (b, t)
+        assert logprobs[b, t].item() == pytest.approx(logprob, abs=1e-9)
+        assert token not in suppressed[b]
+    plain, _ = sampling.keyed_sample(logits, seeds, positions, *params)
+    assert (plain[:3] != tokens[:3]).any(), "the suppression changed no sample: the test would not see it ignored"
+
+
+def test_suppressing_a_token_changes_only_the_samples_it_won_at_a_large_vocabulary():
+    """Without top-p and min-p (which renormalise), a suppressed token takes only its own wins: every other keyed
+    sample stays, at 32k tokens and in bfloat16 logits."""
+    batch, num_positions, vocab = 4, 64, 32_000
+    generator = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(batch, num_positions, vocab, generator=generator)).to(torch.bfloat16)
+    logits[..., 0] = 12.0  # a "pad" token that wins about a third of the samples
+    seeds = _random_seeds(random.Random(5), batch)
+    positions = torch.arange(num_positions).expand(batch, -1)
+    params = (torch.ones(batch, dtype=torch.float64), torch.zeros(batch, dtype=torch.int64), torch.ones(batch))
+    plain, _ = sampling.keyed_sample(logits, seeds, positions, *params)
+    suppressed, logprobs = sampling.keyed_sample(logits, seeds, positions, *params, None, None, torch.zeros(batch, 1))
+    won = plain == 0
+    assert 0 < int(won.sum()) < won.numel()
+    assert not bool((suppressed == 0).any())
+    assert torch.equal(suppressed[~won], plain[~won])
+    renormalised = torch.log_softmax(logits.double().index_fill(-1, torch.tensor([0]), -math.inf), -1)
+    assert torch.allclose(logprobs, renormalised.gather(-1, suppressed[..., None])[..., 0], atol=1e-9)
+
+
 def test_min_p_keeps_the_tokens_within_its_share_of_the_best():
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.12, 0.08]]], dtype=torch.float64))
     one = torch.ones(1, dtype=torch.float64)

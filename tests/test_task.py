@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bubblespec.core.interfaces import Prompt, PromptSource, RewardFn
+from bubblespec.core.interfaces import Prompt, PromptSource, RewardFn, SamplingParams
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.tasks.arithmetic import (
     ALPHABET,
@@ -273,3 +273,28 @@ def test_dataset_size_repeats_the_prompts_every_epoch():
     assert ArithmeticTask(seed=2, prompts_per_step=4).batch(1) == task.batch(1)  # the same first epoch
     with pytest.raises(ValueError, match="multiple of prompts_per_step"):
         ArithmeticTask(prompts_per_step=4, dataset_size=10)
+
+
+@pytest.mark.parametrize("task_name", ["arithmetic", "collatz"])
+def test_the_shipped_models_never_sample_their_special_tokens_with_the_default_config(task_name):
+    """Without the task's suppressed tokens the shipped models sample <pad>, <bos> or <unk> in some responses at
+    step 0 (about one in five); a run's default sampling never does."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.core.config import validate
+    from bubblespec.rollout.step import step_requests
+    from bubblespec.run.assembly import make_task, model_path, sampling_params
+
+    config = validate(
+        {"task": {"name": task_name, "prompts_per_step": 32}, "rollout": {"sampling": {"max_new_tokens": 40}}}
+    )
+    task = make_task(config)
+    path = model_path(config, task)
+    special = set(task.suppressed_token_ids)
+    assert special == {task._tokenizer.token_to_id(t) for t in ("<pad>", "<bos>", "<unk>")}
+    engine = TorchEngine.from_pretrained(path, dtype="float32", max_batch_size=64)
+    sampled = {}
+    unsuppressed = SamplingParams(max_new_tokens=40)
+    for what, sampling in {"default": sampling_params(config, task, path), "none": unsuppressed}.items():
+        results = engine.generate(step_requests(task.batch(0), 0, 0, 2, sampling))
+        sampled[what] = sum(bool(set(r.token_ids) & special) for r in results)
+    assert sampled["default"] == 0 and sampled["none"] > 0, sampled

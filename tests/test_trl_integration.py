@@ -179,6 +179,10 @@ def test_sampling_is_trl_s_own_generation_s_and_what_it_cannot_apply_is_refused_
     assert sampling_params(config(generation_kwargs={"do_sample": False}), None, ()).temperature == 0.0
     assert sampling_params(config(), GenerationConfig(min_p=0.05), ()).min_p == 0.05  # generate fills it in
     assert sampling_params(config(min_p=0.2), GenerationConfig(min_p=0.05), ()).min_p == 0.2
+    suppressing = GenerationConfig(suppress_tokens=[0, 3])  # generate's SuppressTokensLogitsProcessor
+    assert sampling_params(config(), suppressing, ()).suppressed_token_ids == (0, 3)
+    overriding = config(generation_kwargs={"suppress_tokens": [1]})
+    assert sampling_params(overriding, suppressing, ()).suppressed_token_ids == (1,)
     with pytest.raises(ConfigError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]: bubblespec"):
         sampling_params(config(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}), None, ())
     with pytest.raises(ConfigError, match=r"generation_config sets typical_p=0\.9, which TRL's own generation"):

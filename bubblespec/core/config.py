@@ -82,6 +82,10 @@ class SamplingConfig(Section):
     """Keep the smallest set of tokens with this much probability; 1 keeps all."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Longest response; empty means the task's recommendation."""
+    suppressed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    """Token ids never sampled (a pad token that ends nothing); the trainer scores without them too. Empty means
+    the task's (the shipped tasks: ``<pad>``, ``<bos>``, ``<unk>``; a dataset task: the tokenizer's pad token where
+    it is not a stop token); ``[]`` suppresses nothing."""
 
 
 class RolloutConfig(Section):

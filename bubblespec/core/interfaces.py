@@ -57,7 +57,7 @@ class SamplingParams:
     """How to sample one response. ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1``, ``min_p == 0``
     and ``repetition_penalty == 1`` disable those. Applied in transformers' order (:func:`bubblespec.verify.sampling.
     mask_logits`): the repetition penalty on the raw logits (every token of the prompt and of the response so far),
-    the temperature, then top-k, top-p and min-p."""
+    the temperature, the suppressed tokens, then top-k, top-p and min-p."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -69,6 +69,9 @@ class SamplingParams:
     """Keep the tokens whose probability is at least this share of the most likely one's."""
     repetition_penalty: float = 1.0
     """Divide the logit of every token already in the sequence by this where it is positive, multiply it where not."""
+    suppressed_token_ids: tuple[int, ...] = ()
+    """Tokens never sampled (probability 0, greedy too), e.g. a pad token that ends nothing; the trainer scores
+    responses under the same distribution."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)) or (
@@ -86,8 +89,16 @@ class SamplingParams:
         penalty = self.repetition_penalty
         if not (isinstance(penalty, int | float) and math.isfinite(penalty)) or penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {penalty!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("stop_token_ids", "suppressed_token_ids"):
+            ids = getattr(self, name)
+            if any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"{name} must be non-negative integers, got {ids!r}")
+        stopping = sorted(set(self.suppressed_token_ids) & set(self.stop_token_ids))
+        if stopping:
+            raise ValueError(
+                f"suppressed_token_ids {stopping} are also stop tokens: a response could never end on them; "
+                "suppress tokens that end nothing"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +245,9 @@ class Engine:
     supports_draft_chain: ClassVar[bool] = False
     """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
     ``draft_source_options`` settings)."""
+    unsupported_sampling: ClassVar[tuple[str, ...]] = ()
+    """:class:`SamplingParams` fields the engine refuses where they are not at their defaults (a ``RequestError``
+    naming them) rather than applies; a run refuses them before anything starts."""
 
     @classmethod
     def from_pretrained(cls, model_path: str, **settings: Any) -> Engine:
@@ -364,6 +378,9 @@ class Task:
 
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response besides the model's end of sequence."""
+    suppressed_token_ids: tuple[int, ...] = ()
+    """Token ids the policy never samples (``rollout.sampling.suppressed_token_ids`` where the config leaves it
+    unset), e.g. a pad token that ends nothing."""
     path_options: ClassVar[tuple[str, ...]] = ()
     """Options that are input paths: a config file's relative ones are read from the config file's folder."""
     prompts: Sequence[Prompt] | None = None

@@ -35,7 +35,8 @@ back, with the records (:attr:`~BubblespecRollout.steps`) or the main process's 
 
 Sampling is TRL's own generation's (``use_vllm=False``: transformers' ``generate``, in its order): ``temperature``,
 ``top_k``, ``top_p``, ``min_p`` (the model's ``generation_config`` where the config leaves it unset, as ``generate``
-fills it), ``repetition_penalty`` and ``max_completion_length``, each overridden by ``generation_kwargs`` as TRL does
+fills it), ``repetition_penalty``, ``max_completion_length`` and ``suppress_tokens`` (the model's
+``generation_config``'s), each overridden by ``generation_kwargs`` as TRL does
 (``do_sample=False`` there is greedy); the logprobs returned are of the distribution sampled (penalty and filters
 applied). Any other ``generation_kwargs`` key that changes samples, and any sampling setting of the model's
 ``generation_config`` that TRL would take (``typical_p``, ``no_repeat_ngram_size``, ``num_beams``, ...), is refused by
@@ -94,7 +95,7 @@ def check_grpo_args(args) -> None:
 
 
 GENERATION_KWARGS_APPLIED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
-                             "do_sample")  # fmt: skip
+                             "do_sample", "suppress_tokens")  # fmt: skip
 """``GRPOConfig.generation_kwargs`` keys the rollout applies as TRL's own generation would (they override the
 config's fields there too; ``do_sample=False`` is greedy)."""
 GENERATION_KWARGS_NEUTRAL = ("use_cache", "cache_implementation", "disable_compile", "pad_token_id", "bos_token_id",
@@ -102,7 +103,7 @@ GENERATION_KWARGS_NEUTRAL = ("use_cache", "cache_implementation", "disable_compi
 """Keys that change how transformers generates, not what it samples: accepted and not needed."""
 MODEL_GENERATION_NEUTRAL = {
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
-    "encoder_repetition_penalty": 1.0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "encoder_repetition_penalty": 1.0, "bad_words_ids": None, "begin_suppress_tokens": None,
     "sequence_bias": None, "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None,
     "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": None,
     "dola_layers": None, "guidance_scale": 1.0, "watermarking_config": None, "stop_strings": None,
@@ -114,9 +115,9 @@ change the samples unless they hold these values: the rollout refuses them rathe
 def sampling_params(args, generation_config, stop: tuple[int, ...]) -> SamplingParams:
     """The sampling of TRL's own generation (``use_vllm=False``: transformers' ``generate``) for ``args`` (a
     ``GRPOConfig``) and the model's ``generation_config``: temperature, top-k, top-p, min-p (the model's
-    ``generation_config`` where the config leaves it unset, as ``generate`` fills it), the repetition penalty and
-    the length, with ``generation_kwargs`` overriding them as in TRL. Any other setting that would change the samples
-    is a :class:`ConfigError` naming it."""
+    ``generation_config`` where the config leaves it unset, as ``generate`` fills it), the repetition penalty, the
+    length and the suppressed tokens (``suppress_tokens``), with ``generation_kwargs`` overriding them as in TRL.
+    Any other setting that would change the samples is a :class:`ConfigError` naming it."""
     settings = {
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -124,6 +125,7 @@ def sampling_params(args, generation_config, stop: tuple[int, ...]) -> SamplingP
         "min_p": args.min_p if args.min_p is not None else getattr(generation_config, "min_p", None),
         "repetition_penalty": args.repetition_penalty,
         "max_new_tokens": args.max_completion_length,
+        "suppress_tokens": getattr(generation_config, "suppress_tokens", None),
     }
     extra = dict(args.generation_kwargs or {})
     unknown = sorted(set(extra) - set(GENERATION_KWARGS_APPLIED) - set(GENERATION_KWARGS_NEUTRAL))
@@ -155,6 +157,7 @@ def sampling_params(args, generation_config, stop: tuple[int, ...]) -> SamplingP
         repetition_penalty=float(settings["repetition_penalty"] if settings["repetition_penalty"] is not None else 1.0),
         max_new_tokens=int(settings["max_new_tokens"]),
         stop_token_ids=stop,
+        suppressed_token_ids=tuple(int(t) for t in settings["suppress_tokens"] or ()),
     )
 
 

@@ -41,6 +41,7 @@ import torch
 
 from bubblespec.core.config import ClipLoss, ConstantLR, TrainerConfig
 from bubblespec.core.errors import NonFiniteError
+from bubblespec.core.interfaces import SamplingParams
 from bubblespec.models.decoder import DTYPES
 from bubblespec.rl.advantages import compute_advantages
 from bubblespec.rl.logprobs import padded_tokens, placed, response_logprobs, response_mask
@@ -93,7 +94,7 @@ def lr_factor(config: TrainerConfig, rl_steps: int) -> float:
 @dataclass(frozen=True)
 class LearnerSpec:
     """What a learner is built from, and nothing else of a run's config: the model folder, the run's dtype, the
-    ``trainer`` section and the rollout's sampling filters (the distribution the trainer scores)."""
+    ``trainer`` section and the rollout's sampling (the distribution the trainer scores)."""
 
     model_path: str
     dtype: str
@@ -101,15 +102,18 @@ class LearnerSpec:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    suppressed_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of_run(cls, config, model_path: str) -> LearnerSpec:
-        sampling = config.rollout.sampling
-        return cls(model_path, config.model.dtype, config.trainer, sampling.temperature, sampling.top_k, sampling.top_p)
+    def of_run(cls, config, model_path: str, sampling: SamplingParams) -> LearnerSpec:
+        """The learner of a run whose rollout samples with ``sampling`` (the task's suppressed tokens resolved)."""
+        return cls(model_path, config.model.dtype, config.trainer, sampling.temperature, sampling.top_k,
+                   sampling.top_p, sampling.suppressed_token_ids)  # fmt: skip
 
     def build(self, all_reduce: Callable[..., None] | None = None) -> GRPOLearner:
         return GRPOLearner(self.model_path, self.dtype, self.trainer, self.temperature, all_reduce=all_reduce,
-                           top_k=self.top_k, top_p=self.top_p)  # fmt: skip
+                           top_k=self.top_k, top_p=self.top_p,
+                           suppressed_token_ids=self.suppressed_token_ids)  # fmt: skip
 
 
 def _place_name(at_step: int | None, epoch: int, num_epochs: int, number: int, num_batches: int) -> str:
@@ -171,6 +175,7 @@ class GRPOLearner:
         all_reduce: Callable[..., None] | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
+        suppressed_token_ids: Sequence[int] = (),
     ) -> None:
         self.dtype = DTYPES[dtype]
         self.master_dtype = torch.promote_types(self.dtype, torch.float32)
@@ -203,6 +208,7 @@ class GRPOLearner:
         # The rollout's filters, applied to the trainer's distribution with trainer.loss.sampling_filters (not greedy).
         filtered = config.loss.sampling_filters and temperature > 0 and (top_k > 0 or top_p < 1.0)
         self.filters = (top_k, top_p) if filtered else None
+        self.suppressed = tuple(suppressed_token_ids)  # never sampled: out of the trainer's distribution, always
         self.all_reduce = all_reduce
 
     @property
@@ -502,6 +508,7 @@ class GRPOLearner:
             self.master_dtype,
             self.filters,
             entropy_gradient,
+            self.suppressed,
         )
 
     def apply_gradients(self, where: str = "this update") -> float:

@@ -15,6 +15,10 @@ top-p of ``logits / T`` get probability 0 (score -inf), decided exactly as keyed
 kept it; where the trainer's logits differ in the last bits (another dtype or kernel) and would drop it, it keeps
 a finite log-probability instead of -inf. Entropy ``-sum_v p log p`` counts a filtered token as 0 (``0 log 0 =
 0``), computed so that its gradient is 0 there too (``exp(x) * x`` at ``x = -inf`` has a NaN derivative).
+
+Suppressed tokens (``SamplingParams.suppressed_token_ids``): the rollout never samples them, so they get score -inf
+in every row whether or not the filters apply, before top-k / top-p decide (as keyed sampling orders them). A
+response that holds one was not sampled under this distribution: a ``ValueError`` naming it, not a -inf logprob.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def response_logprobs(
     dtype: torch.dtype,
     filters: tuple[int, float] | None = None,
     entropy_gradient: bool = False,
+    suppressed: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities [B, R] of each response token under ``softmax(logits / temperature)`` (restricted by
-    ``filters``), and the entropy [B, R] of the distribution each was drawn from, in ``dtype``; both 0 at padding.
-    The entropy has a gradient only with ``entropy_gradient``."""
+    """Log-probabilities [B, R] of each response token under ``softmax(logits / temperature)`` (without the
+    ``suppressed`` tokens, restricted by ``filters``), and the entropy [B, R] of the distribution each was drawn from,
+    in ``dtype``; both 0 at padding. The entropy has a gradient only with ``entropy_gradient``."""
     device = logits_BWV.device
     width = max(list(response_lengths) + [1])
     starts_B = torch.tensor([n - 1 for n in prompt_lengths], dtype=torch.int64, device=device)
@@ -69,9 +74,15 @@ def response_logprobs(
     targets_BR = tokens_BW.gather(1, index_BR + 1)
     real_BR = response_mask(response_lengths, width, torch.bool, device)
     scores_BRV = logits_BRV.to(dtype) / temperature
+    dropped_V = None  # the suppressed tokens, broadcast over rows: no [B, R, V] mask where no filter needs one
+    if suppressed:
+        dropped_V = torch.zeros(logits_BRV.shape[-1], dtype=torch.bool, device=device)
+        dropped_V[torch.tensor(sorted(set(suppressed)), dtype=torch.int64, device=device)] = True
+        _refuse_suppressed_targets(targets_BR, real_BR, dropped_V)
+        scores_BRV = scores_BRV.masked_fill(dropped_V, float("-inf"))
     kept_BRV = None
     if filters is not None:
-        kept_BRV = _kept(logits_BRV.detach(), temperature, *filters)
+        kept_BRV = _kept(logits_BRV.detach(), temperature, *filters, suppressed)
         kept_BRV.scatter_(-1, targets_BR[..., None], True)  # the sampled token: the engine's filter kept it
         scores_BRV = scores_BRV.masked_fill(~kept_BRV, float("-inf"))
     logprobs_BRV = torch.log_softmax(scores_BRV, dim=-1)
@@ -79,15 +90,31 @@ def response_logprobs(
     source_BRV = logprobs_BRV if entropy_gradient else logprobs_BRV.detach()
     if kept_BRV is not None:
         source_BRV = source_BRV.masked_fill(~kept_BRV, 0.0)  # exp(0) * 0 = 0, with a gradient of 0 through the fill
+    elif dropped_V is not None:
+        source_BRV = source_BRV.masked_fill(dropped_V, 0.0)
     entropy_BR = -(source_BRV.exp() * source_BRV).sum(-1)
     zero = logprobs_BR.new_zeros(())
     return torch.where(real_BR, logprobs_BR, zero), torch.where(real_BR, entropy_BR, zero)
 
 
-def _kept(logits_BRV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, R, V] True where the rollout's top-k / top-p keep a token."""
+def _kept(
+    logits_BRV: torch.Tensor, temperature: float, top_k: int, top_p: float, suppressed: Sequence[int] = ()
+) -> torch.Tensor:
+    """[B, R, V] True where the rollout's suppression, top-k and top-p keep a token."""
     rows, device = logits_BRV.shape[0], logits_BRV.device
     temperature_B = torch.full((rows,), temperature, dtype=torch.float64, device=device)
     top_k_B = torch.full((rows,), top_k, dtype=torch.int64, device=device)
     top_p_B = torch.full((rows,), top_p, dtype=torch.float64, device=device)
-    return torch.isfinite(mask_logits(logits_BRV, temperature_B, top_k_B, top_p_B))
+    suppressed_BS = torch.tensor([list(suppressed)] * rows, dtype=torch.int64).reshape(rows, len(suppressed))
+    return torch.isfinite(mask_logits(logits_BRV, temperature_B, top_k_B, top_p_B, None, None, suppressed_BS))
+
+
+def _refuse_suppressed_targets(targets_BR: torch.Tensor, real_BR: torch.Tensor, dropped_V: torch.Tensor) -> None:
+    found_BR = dropped_V[targets_BR] & real_BR
+    if bool(found_BR.any()):
+        row, position = (int(i) for i in found_BR.nonzero()[0])
+        raise ValueError(
+            f"response {row} holds token {int(targets_BR[row, position])} at position {position}, a suppressed token "
+            "(sampling.suppressed_token_ids) the rollout never samples: the trainer scores responses of this "
+            "rollout's sampling only"
+        )

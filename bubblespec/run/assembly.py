@@ -89,15 +89,35 @@ def close_tasks(*tasks) -> None:
             task.close()
 
 
-def sampling_params(config: RunConfig, task) -> SamplingParams:
+def sampling_params(config: RunConfig, task, path: str | None = None) -> SamplingParams:
+    """How the run samples: ``rollout.sampling``, the task's stop tokens and, where the config leaves them unset,
+    its suppressed tokens (checked against the vocabulary and end-of-sequence tokens of the model folder ``path``
+    where given)."""
     sampling = config.rollout.sampling
-    return SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        max_new_tokens=sampling.max_new_tokens or task.max_new_tokens,
-        stop_token_ids=tuple(task.stop_token_ids),
-    )
+    suppressed = sampling.suppressed_token_ids
+    suppressed = tuple(task.suppressed_token_ids if suppressed is None else suppressed)
+    if path is not None and suppressed:
+        vocab_size, eos = read_vocab_size(path), _eos_token_ids(path)
+        outside, ending = [t for t in suppressed if t >= vocab_size], [t for t in suppressed if t in eos]
+        what = "rollout.sampling.suppressed_token_ids"
+        if outside:
+            raise ConfigError(f"{what} {outside} are outside the model's vocabulary of {vocab_size} tokens")
+        if ending:
+            raise ConfigError(
+                f"{what} {ending} are the model's end-of-sequence tokens: a response could never end; suppress "
+                "tokens that end nothing"
+            )
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens or task.max_new_tokens,
+            stop_token_ids=tuple(task.stop_token_ids),
+            suppressed_token_ids=suppressed,
+        )
+    except ValueError as error:
+        raise ConfigError(f"rollout.sampling: {error}") from None
 
 
 def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0) -> dict:
@@ -155,6 +175,21 @@ def load_backend(config: RunConfig | ServiceConfig):
             "sources the controller attaches (bubble, history)"
         )
     return backend
+
+
+def check_sampling(backend, config: RunConfig | ServiceConfig, sampling: SamplingParams) -> None:
+    """Refuses, before anything starts, sampling settings the backend declares it cannot apply."""
+    default = SamplingParams()
+    used = [f"{name}={getattr(sampling, name)}" for name in backend.unsupported_sampling
+            if getattr(sampling, name) != getattr(default, name)]  # fmt: skip
+    if used:
+        hint = ""
+        if any(name.startswith("suppressed_token_ids") for name in used):
+            hint = " (rollout.sampling.suppressed_token_ids: [] suppresses none of the task's tokens)"
+        raise ConfigError(
+            f"rollout.backend {config.rollout.backend!r} cannot sample with {', '.join(used)}; use a backend that "
+            f"can (torch, vllm){hint}"
+        )
 
 
 def _runs_draft_chain(name: str) -> bool:
@@ -242,7 +277,9 @@ def build_parts(config: RunConfig) -> Iterator[Components]:
     task, eval_task = make_tasks(config)
     path = model_path(config, task)
     backend = load_backend(config)  # fail here, with the plugin or draft-source error, not inside a replica
-    learner = LearnerSpec.of_run(config, path)
+    sampling, peek = sampling_params(config, task, path), task_peek(task, config.num_steps)
+    check_sampling(backend, config, sampling)
+    learner = LearnerSpec.of_run(config, path, sampling)
     with contextlib.ExitStack() as stack:
         if config.clock.kind == "wall":
             from bubblespec.rl.ray_train import RayTrainer
@@ -263,7 +300,6 @@ def build_parts(config: RunConfig) -> Iterator[Components]:
             ranks, vocab_size = stack.enter_context(rank_pool(config, path, backend))
             profile, workers = PROFILES[config.clock.profile], config.trainer.num_workers
             trainer = LocalTrainer(learner, lambda tokens: profile.train_seconds(tokens, workers))
-        sampling, peek = sampling_params(config, task), task_peek(task, config.num_steps)
         service = _service(config, ranks, vocab_size, sampling, config.task.samples_per_prompt, peek)
         yield Components(task=task, service=service, trainer=trainer, eval_task=eval_task)
 
@@ -280,6 +316,7 @@ def start_service(
     in this process on the virtual clock (``clock.kind: virtual``), or Ray Serve ranks on ``ray.address`` or a
     local Ray (``wall``); stopped on exit."""
     backend = load_backend(config)
+    check_sampling(backend, config, sampling)
     with rank_pool(config, path, backend) as (ranks, vocab_size):
         service = _service(config, ranks, vocab_size, sampling, samples_per_prompt, peek)
         try:
@@ -292,3 +329,15 @@ def read_vocab_size(path: str) -> int:
     import json
 
     return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+
+
+def _eos_token_ids(path: str) -> set[int]:
+    """The end-of-sequence ids of a model folder's config.json and generation_config.json."""
+    import json
+
+    ids = set()
+    for name in ("config.json", "generation_config.json"):
+        file = Path(path) / name
+        eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return ids

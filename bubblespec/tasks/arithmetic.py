@@ -174,6 +174,12 @@ class CharacterTask(Task):
         return self._tokenizer.token_to_id(BOS_TOKEN)
 
     @property
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """``<pad>``, ``<bos>`` and ``<unk>``: never part of a response (the shipped models give them a little
+        probability, and a response that sampled ``<pad>`` showed it in its text)."""
+        return tuple(self._tokenizer.token_to_id(token) for token in (PAD_TOKEN, BOS_TOKEN, UNK_TOKEN))
+
+    @property
     def eos_token_id(self) -> int:
         return self._tokenizer.token_to_id(EOS_TOKEN)
 

@@ -130,6 +130,8 @@ class RowsTask(Task):
         self.tokenizer = load_tokenizer(model_path)
         self.context_length = _context_length(model_path)
         self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, options.stop_tokens)
+        pad = self.tokenizer.pad_token_id
+        self.suppressed_token_ids = () if pad is None or pad in self.stop_token_ids else (int(pad),)
         self.scorer = RewardScorer(
             parse_specs(options.reward), options.reward_workers, options.reward_timeout_s, options.reward_failure_limit
         )

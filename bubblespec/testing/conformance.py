@@ -278,13 +278,13 @@ class EngineConformance:
         params = SamplingParams(**({"max_new_tokens": self.max_new_tokens} | sampling))
         return [GenerationRequest(r.prompt_token_ids, r.key, params) for r in self.make_requests()]
 
-    def assert_matches_reference(self, engine, reference_engine, requests, what: str) -> None:
-        """The engine's tokens, logprobs and finish reasons equal the reference engine's (see :func:`compare`)."""
-        tolerance = self.tolerance()
-        allowed = self.reference_allowance(len(requests))
-        compare(
-            _by_key(reference_engine.generate(requests)), _by_key(engine.generate(requests)), tolerance, allowed, what
-        )
+    def assert_matches_reference(self, engine, reference_engine, requests, what: str) -> dict:
+        """The engine's tokens, logprobs and finish reasons equal the reference engine's (see :func:`compare`);
+        returns the engine's results by key."""
+        actual = _by_key(engine.generate(requests))
+        expected = _by_key(reference_engine.generate(requests))
+        compare(expected, actual, self.tolerance(), self.reference_allowance(len(requests)), what)
+        return actual
 
     def test_matches_the_reference_at_temperature_1(self, engine, reference_engine):
         self.assert_matches_reference(engine, reference_engine, self.reference_requests(), "temperature 1")
@@ -302,9 +302,10 @@ class EngineConformance:
     """:class:`SamplingParams` fields the engine refuses (a ``RequestError`` naming them) rather than applies; every
     other setting must give the reference's samples."""
 
-    def test_min_p_and_the_repetition_penalty_match_the_reference(self, engine, reference_engine):
-        """min-p and the repetition penalty (over the prompt and the response so far) as the reference applies them,
-        greedy too; or one clear refusal naming them where the engine declares them unsupported."""
+    def test_min_p_the_repetition_penalty_and_suppressed_tokens_match_the_reference(self, engine, reference_engine):
+        """min-p, the repetition penalty (over the prompt and the response so far) and suppressed tokens as the
+        reference applies them, greedy too; or one clear refusal naming them where the engine declares them
+        unsupported."""
         settings = {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
         requests = self.reference_requests(**settings)
         if self.unsupported_sampling:
@@ -317,6 +318,16 @@ class EngineConformance:
         without = _by_key(reference_engine.generate(self.reference_requests(temperature=0.9)))
         penalised = _by_key(reference_engine.generate(requests))
         assert any(without[k].token_ids != penalised[k].token_ids for k in without), "the settings changed nothing"
+        common = collections.Counter(t for r in without.values() for t in r.token_ids[:-1]).most_common(2)
+        suppressed = tuple(token for token, _ in common)  # the tokens sampled most: suppressing them shows
+        for what, settings in {
+            f"temperature 0.9, suppressed {suppressed}": {"temperature": 0.9},
+            f"greedy, suppressed {suppressed}": {"temperature": 0.0},
+        }.items():
+            requests = self.reference_requests(suppressed_token_ids=suppressed, **settings)
+            results = self.assert_matches_reference(engine, reference_engine, requests, what)
+            sampled = {t for r in results.values() for t in r.token_ids}
+            assert not sampled & set(suppressed), f"{what}: the engine sampled a suppressed token"
 
     def test_stop_tokens_ignore_eos_and_max_new_tokens_match_the_reference(self, engine, reference_engine):
         """Extra stop tokens end a response at their first occurrence (the token kept, finish "stop"), ``ignore_eos``
@@ -470,8 +481,10 @@ class RealVocabularyConformance:
     sampling_settings: dict[str, dict] = {
         "t1": {"temperature": 1.0},
         "t0.7-topk40-topp0.9": {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
-        "t0.9-minp0.05-penalty1.2": {"temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.2},
-    }
+        "t0.9-minp0.05-penalty1.2-suppressed": {
+            "temperature": 0.9, "min_p": 0.05, "repetition_penalty": 1.2, "suppressed_token_ids": (0, 1, 3),
+        },
+    }  # fmt: skip
 
     @pytest.fixture(scope="class")
     @classmethod

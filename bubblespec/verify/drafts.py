@@ -65,6 +65,11 @@ def check_request(index: int, request: object, vocab_size: int, context_length: 
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"request {index} ({request.key}) has prompt token ids {bad[:5]} outside [0, {vocab_size})")
+    outside = [t for t in request.sampling.suppressed_token_ids if t >= vocab_size]
+    if outside:
+        raise RequestError(
+            f"request {index} ({request.key}) suppresses token ids {outside[:5]} outside [0, {vocab_size})"
+        )
     if len(prompt) + reserve >= context_length:
         raise RequestError(
             f"request {index} ({request.key}): prompt of {len(prompt)} tokens leaves no room in the model's "

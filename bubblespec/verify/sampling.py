@@ -4,12 +4,15 @@ Keyed sampling. For response position ``i`` of rollout key ``k`` with logits ``z
 
     y_i = argmax_v( mask(z / T)[v] + G(k, i, v) )
 
-where ``mask`` applies top-k, then top-p, then min-p (computed from ``z`` itself, masked entries become -inf), ``z``
+where ``mask`` removes the suppressed tokens, then applies top-k, top-p and min-p (computed from ``z`` itself,
+masked entries become -inf), ``z``
 has the repetition penalty applied first (a deterministic function of the logits and the tokens before position
 ``i``: prompt, response so far, and the draft tokens fed before it in a verify pass), and ``G`` is
 standard Gumbel noise from a counter-based hash of ``(k, i, v)``. This is an exact sample of
 ``softmax(mask(z / T))`` and needs no RNG state, so any engine, batch composition or verification pass that
-computes the logits of position ``i`` of key ``k`` picks the same token. ``T == 0`` is greedy (first argmax).
+computes the logits of position ``i`` of key ``k`` picks the same token. ``T == 0`` is greedy (first argmax over
+the tokens that are not suppressed). Suppressing a token changes no sample where it did not win: the others keep
+their perturbed scores (top-p and min-p aside, which renormalise without it).
 Ties in the perturbed scores go to the lowest token id.
 
 The noise. The key's 64-bit seed ``(w0, w1)`` and the position ``i`` give a 64-bit stream state
@@ -263,10 +266,14 @@ def mask_logits(
     top_p_B: torch.Tensor,
     min_p_B: torch.Tensor | None = None,
     penalty: RepetitionPenalty | None = None,
+    suppressed_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``mask(z / T)`` in float64: the repetition penalty, temperature, then top-k, top-p and min-p; masked entries
-    are -inf. The order of transformers' ``generate`` (and so of TRL's own generation): the penalty on the raw
-    logits, the temperature, then the filters.
+    """``mask(z / T)`` in float64: the repetition penalty, temperature, the suppressed tokens, then top-k, top-p and
+    min-p; masked entries are -inf. The order of transformers' ``generate`` (and so of TRL's own generation): the
+    penalty on the raw logits, the temperature, ``suppress_tokens``, then the filters.
+
+    ``suppressed_BS``: [B, S] int64 token ids each row never samples, -1 (or an id outside the vocabulary) where
+    padded; their score is -inf in every row, greedy rows too.
 
     The repetition penalty (``penalty``, see :class:`RepetitionPenalty`) divides the logit of every token seen before
     the position by the row's penalty where it is positive and multiplies it where it is not. top-k keeps every
@@ -274,7 +281,7 @@ def mask_logits(
     order of decreasing probability (ties: lower token id first), each token whose preceding cumulative probability
     (summed in that order) is < p, so the most likely token is always kept. min-p keeps the tokens whose probability
     is at least ``min_p`` times the most likely one's (``min_p == 0`` keeps all). Rows with ``T == 0`` get the penalty
-    but are otherwise returned unscaled (greedy ignores the filters). Returns a new tensor.
+    and the suppression but are otherwise returned unscaled (greedy ignores the filters). Returns a new tensor.
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
@@ -291,6 +298,8 @@ def mask_logits(
         penalty.apply_(scores_BTV)
         if not bool((divisor_B == 1.0).all()):
             scores_BTV.div_(divisor_B[:, None, None])
+    if suppressed_BS is not None and suppressed_BS.numel():
+        scores_BTV.masked_fill_(suppressed_rows(suppressed_BS, vocab).to(device)[:, None, :], -math.inf)
 
     top_k_B = top_k_B.to(device, torch.int64)
     use_top_k_B = (top_k_B > 0) & (top_k_B < vocab) & ~greedy_B
@@ -306,6 +315,15 @@ def mask_logits(
         if bool(use_min_p_B.any()):
             _on_rows_(scores_BTV, use_min_p_B, lambda scores, rows: _min_p_(scores, min_p_B[rows]))
     return scores_BTV
+
+
+def suppressed_rows(suppressed_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] bool, True at each row's suppressed token ids (``suppressed_BS``: [B, S] int64, -1 pads; ids outside
+    the vocabulary are ignored)."""
+    ids_BS = suppressed_BS.to(torch.int64)
+    index_BS = torch.where((ids_BS >= 0) & (ids_BS < vocab_size), ids_BS, vocab_size)
+    rows_BW = torch.zeros(ids_BS.shape[0], vocab_size + 1, dtype=torch.bool, device=ids_BS.device)
+    return rows_BW.scatter_(-1, index_BS, True)[:, :vocab_size]
 
 
 class RepetitionPenalty:
@@ -460,15 +478,16 @@ def keyed_sample(
     top_p_B: torch.Tensor,
     min_p_B: torch.Tensor | None = None,
     penalty: RepetitionPenalty | None = None,
+    suppressed_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keyed samples ``argmax_v(mask(z / T)[v] + G(k, i, v))`` and their log-probabilities at every position.
 
     Returns tokens [B, T] int64 and logprobs [B, T] float64 (under ``softmax(mask(z / T))``, the distribution
     sampled, penalty and filters included; under the penalised but otherwise raw distribution for greedy rows); a row
     whose logits are not all finite numbers (one NaN, +inf, or no finite logit at all) is a
-    :class:`~bubblespec.core.errors.NonFiniteError`. ``min_p_B`` (None: 0) and ``penalty`` (None: none) as in
-    :func:`mask_logits`. Rows (b, t) are independent; on CPU they are processed a few at a time so that the float64
-    temporaries stay small (fresh large allocations cost more than the arithmetic there).
+    :class:`~bubblespec.core.errors.NonFiniteError`. ``min_p_B`` (None: 0), ``penalty`` and ``suppressed_BS`` (None:
+    none) as in :func:`mask_logits`. Rows (b, t) are independent; on CPU they are processed a few at a time so that
+    the float64 temporaries stay small (fresh large allocations cost more than the arithmetic there).
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
@@ -480,6 +499,9 @@ def keyed_sample(
         positions_BT.to(device, torch.int64).reshape(num_rows, 1),
         *(_per_position(x.to(device), num_positions) for x in (temperature_B, top_k_B, top_p_B, min_p_B)),
     ]
+    if suppressed_BS is None:
+        suppressed_BS = torch.empty(batch, 0, dtype=torch.int64)
+    per_row.append(suppressed_BS.to(device, torch.int64).repeat_interleave(num_positions, dim=0))
     penalised = penalty is not None and penalty.active
     logits_R1V = logits_BTV.reshape(num_rows, 1, vocab)
     tokens_R = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -499,9 +521,11 @@ def _per_position(values_B: torch.Tensor, num_positions: int) -> torch.Tensor:
     return values_B[:, None].expand(-1, num_positions).reshape(-1)
 
 
-def _keyed_sample_rows(logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R, min_p_R, penalty):
+def _keyed_sample_rows(
+    logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R, min_p_R, suppressed_RS, penalty
+):
     """:func:`keyed_sample` for rows of one position each: tokens [R] int64, logprobs [R] float64."""
-    scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R, min_p_R, penalty)
+    scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R, min_p_R, penalty, suppressed_RS)
     scores_RV = scores_R1V[:, 0]
     best_R, tokens_R = scores_RV.max(-1)  # the first argmax: greedy rows' token
     if not bool(torch.isfinite(best_R).all()):  # a NaN anywhere in a row makes its maximum NaN

@@ -87,12 +87,15 @@ def mask_logits(
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
     seen: Sequence[int] = (),
+    suppressed: Sequence[int] = (),
 ) -> list[float]:
-    """``mask(z / T)`` for one position: the repetition penalty on the tokens in ``seen``, temperature, top-k,
-    top-p, then min-p."""
+    """``mask(z / T)`` for one position: the repetition penalty on the tokens in ``seen``, temperature, the
+    ``suppressed`` tokens removed (greedy too), top-k, top-p, then min-p."""
     logits = [float(z) for z in logits]
     for v in set(seen):
         logits[v] = logits[v] / repetition_penalty if logits[v] > 0 else logits[v] * repetition_penalty
+    for v in suppressed:
+        logits[v] = -math.inf
     if temperature == 0:
         return logits
     scores = [z / temperature for z in logits]
@@ -125,9 +128,10 @@ def keyed_sample(
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
     seen: Sequence[int] = (),
+    suppressed: Sequence[int] = (),
 ) -> tuple[int, float]:
     """The keyed sample at one position and its log-probability."""
-    scores = mask_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen)
+    scores = mask_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, suppressed)
     if temperature == 0:
         token = max(range(len(scores)), key=lambda v: (scores[v], -v))
     else:

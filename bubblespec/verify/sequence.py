@@ -265,8 +265,9 @@ def keyed_samples(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """The keyed samples and their logprobs of one forward pass, as lists [B][T]: row b of ``logits_BTV`` holds the
     logits of ``sequences[b]`` at response positions ``len(tokens) + offsets[b] + t`` (offsets default 0), the pass
-    having fed ``drafts[b]`` after the sequence's tokens. Each request's sampling settings apply (temperature, top-k,
-    top-p, min-p; the repetition penalty over its prompt, its tokens and the draft tokens before each position).
+    having fed ``drafts[b]`` after the sequence's tokens. Each request's sampling settings apply (temperature, its
+    suppressed tokens, top-k, top-p, min-p; the repetition penalty over its prompt, its tokens and the draft tokens
+    before each position).
     ``stream``: the noise stream (0: the key's own; one-hot verification samples another)."""
     params = [s.request.sampling for s in sequences]
     device = logits_BTV.device
@@ -293,6 +294,7 @@ def keyed_samples(
         torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
         torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
         penalty,
+        _padded([p.suppressed_token_ids for p in params]) if any(p.suppressed_token_ids for p in params) else None,
     )
     return tokens_BT.tolist(), logprobs_BT.tolist()
 
