@@ -263,6 +263,11 @@ def test_the_math_example_runs_a_chat_model_and_speculation_changes_no_rollout(c
     assert [(s.rollout_digest, s.reward_mean) for s in drafted] == [(s.rollout_digest, s.reward_mean) for s in plain]
     assert sum(s.draft_tokens_accepted for s in drafted) > 0
     assert all(s.reward_timeouts == 0 and s.reward_errors == 0 for s in drafted)
+    # the held-out eval keeps each reward's own mean (the answer accuracy apart from the format), before and after
+    for evaluated, means in [(plain[0].eval_reward_before_training, plain[0].eval_reward_means_before_training),
+                             (plain[0].eval_reward, plain[0].eval_reward_means)]:  # fmt: skip
+        assert list(means)[:2] == ["math", "format"] and len(means) == 3
+        assert evaluated == pytest.approx(sum(w * m for w, m in zip((1.0, 0.1, 1.0), means.values(), strict=True)))
     assert drafted[-1].eval_reward is not None
     assert all(s.train["skipped"] == 0 for s in drafted)  # every step trained
 

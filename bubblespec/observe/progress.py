@@ -15,6 +15,7 @@ from rich.table import Table
 
 from bubblespec.core.config import RunConfig
 from bubblespec.observe.records import StepRecord
+from bubblespec.observe.summary import eval_means_by_name
 
 
 def setup_logging(console: Console, level: str) -> None:
@@ -106,6 +107,8 @@ class StepPrinter:
         evals = summary.get("eval_rewards") or {}
         if evals:
             table.add_row("eval reward by step", "  ".join(f"{step}: {value:.3f}" for step, value in evals.items()))
+        for name, by_step in eval_means_by_name(summary).items():
+            table.add_row(f"eval {name} by step", "  ".join(f"{step}: {value:.3f}" for step, value in by_step.items()))
         self.console.print(table)
         if "speculation_effect" in summary:
             self.console.print(summary["speculation_effect"])

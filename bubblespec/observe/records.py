@@ -98,6 +98,11 @@ class StepRecord(BaseModel):
     """Mean reward on the held-out prompts after this step's update (steps eval_every names)."""
     eval_reward_before_training: float | None = None
     """The same for the initial policy (step 0 only)."""
+    eval_reward_means: dict[str, float] = {}
+    """With ``eval_reward``, each named reward's mean on the held-out prompts (a task whose reward is a sum of named
+    ones): the answer accuracy apart from a format reward."""
+    eval_reward_means_before_training: dict[str, float] = {}
+    """The same for the initial policy (step 0 only)."""
     finished_at_seconds: float | None = None
     """When the step's new policy was on the ranks, in seconds of the run's clock from the start of the run: the sum
     of the steps' phases, except where generation overlaps training (``schedule.kind: async``, docs/design.md §12)."""

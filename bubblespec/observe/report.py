@@ -25,7 +25,7 @@ from typing import Literal
 from bubblespec.core.errors import BubblespecError, CheckpointError
 from bubblespec.core.interfaces import acceptance_length
 from bubblespec.observe.records import PromptSamples, StepRecord, read_step_lines
-from bubblespec.observe.summary import summarize
+from bubblespec.observe.summary import eval_means_by_name, summarize
 from bubblespec.rollout.step import bubble_use
 
 SegmentKind = Literal["generate", "draft", "idle", "train", "weight_sync"]
@@ -423,6 +423,11 @@ def summary_markdown(
             f"{'before training' if k == 'start' else f'after {k}'}: {_format(v)}" for k, v in evals.items()
         )
         lines.append(f"| held-out eval reward | {shown} |")
+    for name, by_step in eval_means_by_name(summary).items():
+        shown = "  ".join(
+            f"{'before training' if k == 'start' else f'after {k}'}: {_format(v)}" for k, v in by_step.items()
+        )
+        lines.append(f"| held-out eval {name} (unweighted) | {shown} |")
     if "speculation_effect" in summary:
         lines += ["", f"**Did speculation help?** {summary['speculation_effect']}."]
     lines += ["", "## Timeline", "", "![what each rank did](timeline.png)", "", "## Steps", ""]

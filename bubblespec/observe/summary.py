@@ -10,6 +10,13 @@ from bubblespec.observe.records import StepRecord
 from bubblespec.rollout.step import bubble_use
 
 
+def eval_means_by_name(summary: dict) -> dict[str, dict]:
+    """The held-out eval's named rewards of a summary, each as {step ("start": before training): mean}."""
+    evals = summary.get("eval_reward_means") or {}
+    names = dict.fromkeys(name for means in evals.values() for name in means)
+    return {name: {step: means[name] for step, means in evals.items() if name in means} for name in names}
+
+
 def speculation_verdict(summary: dict) -> str:
     """Did speculation help in this run? One sentence from the summary: what the drafts saved in decode passes net
     of verification, what waiting for drafting passes in flight cost, and, when it did not pay, the cause that
@@ -112,6 +119,14 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
             **({"start": before} if before is not None else {}),
             **{s.step: s.eval_reward for s in steps if s.eval_reward is not None},
         },
+        "eval_reward_means": {
+            **(
+                {"start": steps[0].eval_reward_means_before_training}
+                if steps[0].eval_reward_means_before_training
+                else {}
+            ),
+            **{s.step: s.eval_reward_means for s in steps if s.eval_reward_means},
+        },  # fmt: skip
         "wall_seconds": wall_seconds,
         "drafting_while_training": f"{ranks_drafting(drafting, config.rollout.num_ranks)} ({why})",
     }

@@ -34,11 +34,6 @@ from bubblespec.rollout.step import RolloutOutcome, TrainingDrafting, bubble_use
 logger = logging.getLogger(__name__)
 
 
-def score_responses(task: Task, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
-    """The task's rewards of responses to prompts (:meth:`Task.score`)."""
-    return [float(reward) for reward in task.score(prompts, responses)]
-
-
 class Trainer(Protocol):
     def train(self, samples: list[TrainSample], step: int) -> tuple[dict, dict, float]:
         """Step ``step``'s updates on its samples (ppo_epochs x mini-batches): (metrics, new weights, seconds)."""
@@ -178,7 +173,7 @@ class Controller:
 
     def step(self, step: int) -> StepRecord:
         cfg, parts, schedule = self.config, self.parts, self.schedule
-        initial_eval = self._evaluate() if cfg.eval_every and step == 0 else None  # the policy before training
+        initial_eval = self._evaluate() if cfg.eval_every and step == 0 else (None, {})  # the policy before training
         step_rollout = schedule.rollout(step)
         self._rollout_policy(step_rollout.policy_version)
         self.on_phase(step, "rollout")
@@ -214,6 +209,7 @@ class Controller:
         store = parts.service.store.stats()
         evicted, self._evicted = store["evicted"] - self._evicted, store["evicted"]
         evaluated = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step in (0, cfg.num_steps - 1))
+        evaluation = self._evaluate() if evaluated else (None, {})
         record = _step_record(
             step,
             outcome,
@@ -226,8 +222,10 @@ class Controller:
             rollout_digest=rollout_digest(results),
             draft_store=store,
             drafts_evicted=evicted,
-            eval_reward=self._evaluate() if evaluated else None,
-            eval_reward_before_training=initial_eval,
+            eval_reward=evaluation[0],
+            eval_reward_before_training=initial_eval[0],
+            eval_reward_means=evaluation[1],
+            eval_reward_means_before_training=initial_eval[1],
             finished_at_seconds=schedule.timeline.finish(step, phases.rollout, phases.train, phases.weight_sync),
             policy_lag=step - step_rollout.policy_version,
             trained_tokens=sum(len(result.token_ids) for result in results),
@@ -275,14 +273,16 @@ class Controller:
         for old in [v for v in self._versions if v < version - lag]:
             del self._versions[old]
 
-    def _evaluate(self) -> float:
-        """Mean reward of the current weights (after this step's update) on the held-out prompts."""
+    def _evaluate(self) -> tuple[float, dict[str, float]]:
+        """Mean reward of the current weights (after this step's update) on the held-out prompts, and each named
+        reward's mean where the task's reward has parts."""
         parts, cfg = self.parts, self.config
         held_out = parts.eval_task.batch(0)[: cfg.eval_prompts]
         requests = parts.service.requests(-1, held_out, 1)  # step -1: keys no rollout uses
         by_key = {r.key: r for r in parts.service.evaluate(requests)}
-        rewards = score_responses(parts.task, held_out, [by_key[r.key].token_ids for r in requests])
-        return sum(rewards) / len(requests)
+        rewards, named = parts.task.score_parts(held_out, [by_key[r.key].token_ids for r in requests])
+        means = {name: sum(scores) / len(requests) for name, scores in named.items()} if len(named) > 1 else {}
+        return sum(float(r) for r in rewards) / len(requests), means
 
     def _rewards(
         self, prompts: list[Prompt], results: list[GenerationResult]
@@ -417,6 +417,7 @@ def step_line(record: StepRecord, num_steps: int | None = None, seconds_left: fl
         fields["logprob_diff"] = f"{record.train['logprob_diff_mean']:.2e}"
     if record.eval_reward is not None:
         fields["eval_reward"] = f"{record.eval_reward:.4f}"
+        fields |= {f"eval_reward.{name}": f"{mean:.4f}" for name, mean in record.eval_reward_means.items()}
     return " ".join(f"{key}={value}" for key, value in fields.items())
 
 
