@@ -4,10 +4,10 @@ per line, calculator annotations ``<<6*10=60>>`` and a last line ``#### 30``). E
 checked.
 
     python scripts/make_gsm8k_sample.py                  # examples/data/gsm8k-{train,test}.jsonl: 48 and 16 rows
-    python scripts/make_gsm8k_sample.py --name smollm2-gsm8k --train 4000 --test 200 --max-steps 2
+    python scripts/make_gsm8k_sample.py --name smollm2-gsm8k --train 4000 --test 200 --max-steps 1
 
 ``--max-steps`` keeps the templates whose solutions take at most that many steps (one line each): the difficulty a
-small model can learn from. Each step count is drawn equally often."""
+small model can learn from. Each step count is drawn equally often. No held-out question is also a training one."""
 
 import argparse
 import json
@@ -265,9 +265,9 @@ def steps_of(template) -> int:
     return len(made[1])
 
 
-def rows(seed, count, templates=TEMPLATES):
+def rows(seed, count, templates=TEMPLATES, exclude=frozenset()):
     """``count`` problems: the templates by turns, except that with templates of several step counts each count is
-    drawn equally often (a template of that count at random)."""
+    drawn equally often (a template of that count at random); none whose question is in ``exclude``."""
     r = random.Random(seed)
     by_steps = {}
     for template in templates:
@@ -283,7 +283,7 @@ def rows(seed, count, templates=TEMPLATES):
         if made is None:
             continue
         q, lines, answer = made
-        if not (isinstance(answer, int) and answer > 0):
+        if not (isinstance(answer, int) and answer > 0) or q in exclude:
             continue
         for text in lines:  # check every annotation
             for expr, value in re.findall(r"<<([^=]+)=(-?\d+)>>", text):
@@ -308,8 +308,9 @@ def main(argv=None) -> None:
         templates = [t for t in ONE_STEP + TEMPLATES if steps_of(t) <= args.max_steps]
         if not templates:
             parser.error(f"no template takes at most {args.max_steps} steps")
-    write(DATA / f"{args.name}-train.jsonl", rows(1, args.train, templates))
-    write(DATA / f"{args.name}-test.jsonl", rows(2, args.test, templates))
+    train = rows(1, args.train, templates)
+    write(DATA / f"{args.name}-train.jsonl", train)
+    write(DATA / f"{args.name}-test.jsonl", rows(2, args.test, templates, {row["question"] for row in train}))
 
 
 if __name__ == "__main__":
