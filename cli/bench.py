@@ -163,6 +163,14 @@ def engine(
         Path | None,
         typer.Option(help="A Hugging Face model folder, run on random prompts; default: the shipped model."),
     ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="A run config: its model, its task's prompts and sampling, and drafts made by the policy before one "
+            "real GRPO step of its trainer on its own samples and rewards (instead of --weight-noise)."
+        ),
+    ] = None,
+    overrides: Overrides = None,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float64 (torch only).")] = "float32",
     device: Annotated[str, typer.Option(help="Device of the torch engine and HF generate.")] = "cpu",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16,32",
@@ -191,12 +199,20 @@ def engine(
         print_report,
         run_engine_bench,
     )
+    from bubblespec.core.errors import ConfigError
 
+    if config is not None and (weight_noise is not None or max_new_tokens is not None):
+        raise ConfigError(
+            "--config takes the policy step and the response limit from the run config: leave out --weight-noise and "
+            "--max-new-tokens (--set task.options.max_new_tokens=N sets the limit)"
+        )
     optional = {"max_new_tokens": max_new_tokens, "weight_noise": weight_noise}
     settings = EngineBenchSettings(
         backends=parse_backends(backend),
         adaptive_draft_length=adaptive_draft_length,
         model_path=None if model is None else str(model),
+        config_path=None if config is None else str(_config(config, "engine --config")),
+        overrides=tuple(overrides or ()),
         dtype=dtype,
         device=device,
         threads=threads,

@@ -10,7 +10,8 @@
 (d) Keyed sampling's share of a decode forward pass at the model's vocabulary.
 
 ``--backend torch,vllm`` runs several backends; every backend gets the same requests and the same drafts and
-reports the same fields. The requests, the policy step between the drafting policy pi_t and the verifying policy
+reports the same fields. ``--config CONFIG`` takes the model, the prompts and the sampling from a run config, and
+pi_t+1 from one real GRPO step of its trainer on pi_t's own samples and rewards. The requests, the policy step between the drafting policy pi_t and the verifying policy
 pi_t+1, and HF ``generate`` are described in :mod:`bubblespec.cli.bench_engine_requests`; the exactness table and
 the sampling share in :mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly
 the keys pi_t+1 then generates, as bubble drafting produces them; they come from the torch engine whatever the
@@ -40,6 +41,8 @@ from bubblespec.cli.bench_engine_requests import (
     RANDOM_MAX_NEW_TOKENS,
     RANDOM_PROMPT_LENGTHS,
     Workload,
+    config_workload,
+    grpo_step,
     hf_generate,
     hf_model,
     perturbed_weights,
@@ -61,7 +64,12 @@ class EngineBenchSettings:
     backends: tuple[str, ...] = ("torch",)
     """The engine backends to measure side by side (``--backend torch,vllm``)."""
     model_path: str | None = None
-    """A Hugging Face model folder; None: the shipped model on the arithmetic task's prompts."""
+    """A Hugging Face model folder; None: the shipped model on the arithmetic task's prompts (or the config's)."""
+    config_path: str | None = None
+    """A run config (``--config``): its model, its task's prompts and sampling, and one GRPO step of its trainer
+    from pi_t to pi_t+1 (:func:`~bubblespec.cli.bench_engine_requests.grpo_step`)."""
+    overrides: tuple[str, ...] = ()
+    """``--set`` overrides of the run config."""
     dtype: str = "float32"
     device: str = "cpu"
     """Device of the torch engine, HF generate and drafting; vLLM runs where its build runs."""
@@ -121,6 +129,8 @@ class EngineBenchSettings:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.weight_noise < 0:
             raise ConfigError(f"weight noise must be >= 0, got {self.weight_noise!r}")
+        if self.config_path is None and self.overrides:
+            raise ConfigError("--set overrides a run config: give one with --config")
 
     @property
     def max_batch_size(self) -> int:
@@ -165,15 +175,22 @@ def resolve(settings: EngineBenchSettings) -> EngineBenchSettings:
 
 
 def run_engine_bench(settings: EngineBenchSettings) -> dict:
-    shipped = settings.model_path is None
+    config = _run_config(settings)
+    shipped = settings.model_path is None and config is None
+    if config is not None:  # the config's model, as a folder
+        settings = replace(settings, model_path=_config_model_path(config))
     settings = resolve(settings)
     torch.set_num_threads(settings.threads)
     num_timed = max(settings.max_batch_size, settings.min_requests)
-    workload = _workload(settings, shipped, max(num_timed, settings.exactness_requests))
+    workload = _workload(settings, shipped, config, max(num_timed, settings.exactness_requests))
+    if config is not None:  # vLLM's context: the config's prompts and response limit
+        lengths = [len(r.prompt_token_ids) for r in workload.requests]
+        response = workload.requests[0].sampling.max_new_tokens
+        settings = replace(settings, prompt_lengths=(min(lengths), max(lengths)), max_new_tokens=response)
     timed = workload.requests[:num_timed]
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, workload, timed)
+    engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, config, workload, timed)
     seconds["policies, drafts and sampling share"] = time.perf_counter() - clock
 
     hf = hf_model(settings.model_path, settings.dtype, settings.device, new_state) if settings.hf_batch_sizes else None
@@ -196,11 +213,11 @@ def run_engine_bench(settings: EngineBenchSettings) -> dict:
     return report
 
 
-def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: Workload, timed: list):
+def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, config, workload: Workload, timed: list):
     """An engine of each backend holding pi_t+1, pi_t+1's weights, pi_t's responses to the timed requests (the
     drafts) and the report so far (settings, workload, policy update, keyed sampling's share)."""
     drafter = make_engine("torch", settings.model_path, settings.dtype, settings)  # pi_t
-    new_state, policy_update = _next_policy(settings, shipped, drafter)
+    new_state, policy_update = _next_policy(settings, shipped, config, drafter)
     drafts = drafter.generate(timed)
     report = _empty_report(settings, workload, policy_update)
     share_batch = 16 if 16 in settings.batch_sizes else settings.max_batch_size
@@ -218,7 +235,30 @@ def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, workload: 
     return engines, new_state, drafts, report
 
 
-def _workload(settings: EngineBenchSettings, shipped: bool, num_requests: int) -> Workload:
+def _run_config(settings: EngineBenchSettings):
+    """The run config of ``--config`` with its overrides, or None."""
+    if settings.config_path is None:
+        return None
+    from bubblespec.core.config import load_config
+
+    if settings.model_path is not None:
+        raise ConfigError("--config names the model (model.path, or the task's own); leave out --model")
+    return load_config(Path(settings.config_path), list(settings.overrides))
+
+
+def _config_model_path(config) -> str:
+    from bubblespec.run.assembly import close_tasks, make_task, model_path
+
+    task = make_task(config)
+    try:
+        return model_path(config, task)
+    finally:
+        close_tasks(task)
+
+
+def _workload(settings: EngineBenchSettings, shipped: bool, config, num_requests: int) -> Workload:
+    if config is not None:
+        return config_workload(config, num_requests)
     if shipped:
         return task_workload(num_requests, settings.seed)
     return random_workload(
@@ -226,8 +266,10 @@ def _workload(settings: EngineBenchSettings, shipped: bool, num_requests: int) -
     )
 
 
-def _next_policy(settings: EngineBenchSettings, shipped: bool, drafter) -> tuple[dict, dict]:
+def _next_policy(settings: EngineBenchSettings, shipped: bool, config, drafter) -> tuple[dict, dict]:
     """pi_t+1's weights (float32, Hugging Face names) and how they were made."""
+    if config is not None:
+        return grpo_step(config, drafter)
     if shipped:
         return policy_gradient_step(drafter, settings)
     from bubblespec.models.decoder import read_checkpoint

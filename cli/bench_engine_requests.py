@@ -7,8 +7,14 @@ without the EOS ids, lengths uniform in ``prompt_lengths`` (32-128 tokens unless
 ``max_new_tokens``; a random checkpoint almost never samples EOS, so responses run to the limit. Every request
 samples at temperature 1 with no top-k / top-p and has its own rollout key.
 
+With a run config (``--config``): its task's prompts of step 1 onwards, ``samples_per_prompt`` samples each, at the
+config's sampling (temperature, top-k, top-p, suppressed tokens, the task's response limit), on its model.
+
 The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
 
+- run config: one real GRPO step of the config's trainer (bubblespec's learner with its loss, optimizer and
+  learning rate) on pi_t's own samples of the task's step 0 and their rewards, as a run's first update makes it
+  (:func:`grpo_step`);
 - shipped model: one Adam step of a GRPO-style policy-gradient loss on pi_t's own samples of the task
   (:func:`policy_gradient_step`);
 - model folder: a random perturbation (:func:`perturbed_weights`): a random model has no task to learn, and a
@@ -70,10 +76,10 @@ def random_workload(
     model_path: str, num_requests: int, prompt_lengths: tuple[int, int], max_new_tokens: int, seed: int
 ) -> Workload:
     """Random prompts of lengths uniform in ``prompt_lengths`` over the model's vocabulary without EOS."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    vocab_size = int(config["vocab_size"])
-    eos = config.get("eos_token_id")
-    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    from bubblespec.run.assembly import eos_token_ids
+
+    vocab_size = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    eos_ids = sorted(eos_token_ids(model_path))
     low, high = prompt_lengths
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (num_requests,), generator=generator).tolist()
@@ -94,6 +100,72 @@ def random_workload(
     }
     eos_id = eos_ids[0] if eos_ids else -1
     return Workload(model_path, requests, eos_id, max(eos_id, 0), description)
+
+
+def config_workload(config, num_requests: int) -> Workload:
+    """A run config's task on its model: the prompts of step 1 (and later steps while more requests are needed),
+    ``samples_per_prompt`` each, sampled as the run samples them."""
+    from bubblespec.rollout.step import step_requests
+    from bubblespec.run.assembly import eos_token_ids, make_task, model_path, sampling_params
+
+    task = make_task(config)
+    try:
+        path = model_path(config, task)
+        sampling = sampling_params(config, task, path)
+        requests, step = [], 1
+        while len(requests) < num_requests:
+            requests += step_requests(task.batch(step), config.seed, step, config.task.samples_per_prompt, sampling)
+            step += 1
+        eos = sorted(set(sampling.stop_token_ids) | eos_token_ids(path))
+    finally:
+        task.close()
+    description = {
+        "prompts": f"task {config.task.name!r}, steps 1-{step - 1}, {config.task.samples_per_prompt} samples each",
+        "prompt_tokens_mean": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "suppressed_token_ids": list(sampling.suppressed_token_ids),
+    }
+    return Workload(path, requests[:num_requests], eos[0] if eos else -1, eos[0] if eos else 0, description)
+
+
+def grpo_step(config, drafter) -> tuple[dict, dict]:
+    """pi_t+1 from one GRPO step of the run config's trainer (:class:`bubblespec.rl.learner.GRPOLearner`: its loss,
+    optimizer and learning rate) on the drafting policy's own samples of the task's step 0, ``samples_per_prompt``
+    each, and their rewards: what a run's first update does. Returns the new weights by Hugging Face name and a
+    summary of the step."""
+    from bubblespec.rl.learner import LearnerSpec
+    from bubblespec.rl.train_batch import train_samples
+    from bubblespec.rollout.step import step_requests
+    from bubblespec.run.assembly import make_task, model_path, sampling_params
+
+    task = make_task(config)
+    try:
+        path = model_path(config, task)
+        sampling = sampling_params(config, task, path)
+        prompts = task.batch(0)
+        requests = step_requests(prompts, config.seed, 0, config.task.samples_per_prompt, sampling)
+        results = drafter.generate(requests)
+        by_uid = {prompt.uid: prompt for prompt in prompts}
+        rewards = task.score([by_uid[r.key.prompt_uid] for r in requests], [r.token_ids for r in results])
+    finally:
+        task.close()
+    learner = LearnerSpec.of_run(config, path, sampling).build()
+    before = {name: tensor.detach().clone() for name, tensor in learner.state_dict().items()}
+    metrics = learner.step(train_samples(requests, results, rewards, config.task.samples_per_prompt), at_step=0)
+    state = {name: tensor.detach().to(torch.float32) for name, tensor in learner.state_dict().items()}
+    change = max(((state[n] - before[n].float()).norm() / before[n].float().norm()).item() for n in before)
+    summary = {
+        "method": "one GRPO step of the config's trainer on the drafting policy's own samples of the task's step 0",
+        "learning_rate": config.trainer.optimizer.learning_rate,
+        "samples": len(requests),
+        "mean_reward": sum(rewards) / len(rewards),
+        "trained": not metrics.get("skipped"),
+        "loss": metrics.get("loss"),
+        "grad_norm": metrics.get("grad_norm"),
+        "max_relative_weight_change": change,
+    }
+    return state, summary
 
 
 def with_drafts(requests: list[GenerationRequest], drafts: list[GenerationResult], version: int = 0):

@@ -172,6 +172,23 @@ def test_quick_torch_run_on_a_model_folder_uses_random_prompts_and_a_perturbed_p
     assert report["keyed_sampling"]["vocab_size"] == 32_000
 
 
+@pytest.mark.slow
+def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo_step(tmp_path):
+    """--config: the config's task and sampling (its suppressed tokens too), pi_t+1 from one step of bubblespec's own
+    learner at the config's learning rate on pi_t's samples and rewards; --set reaches the config."""
+    config = ["--config", "examples/quickstart.yaml", "--set", "task.prompts_per_step=8", "--set", "eval_every=0"]
+    report = _run_quick(tmp_path, *config, "--exactness-requests", "8")
+    _check_rows(report, {"torch"}, {"16"})
+    update = report["policy_update"]
+    assert update["method"].startswith("one GRPO step of the config's trainer") and update["trained"]
+    assert update["samples"] == 64 and update["learning_rate"] == 1e-4 and update["max_relative_weight_change"] > 0
+    assert report["workload"]["suppressed_token_ids"] == [0, 1, 3]
+    assert report["workload"]["prompts"].startswith("task 'arithmetic', steps 1-")
+    assert report["exactness"]["torch"]["float64"]["differing"] == 0
+    result = runner.invoke(app, ["bench", "engine", *config, "--weight-noise", "0.01"])
+    assert result.exit_code != 0 and "leave out --weight-noise" in result.output
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields(tmp_path):

@@ -27,7 +27,7 @@ from bubblespec.observe.run_dir import RunDirectory
 from bubblespec.rl.advantages import compute_advantages
 from bubblespec.rl.learner import TrainSample
 from bubblespec.rl.rollout_schedules import RolloutSchedule, build_rollout_schedule
-from bubblespec.rl.train_batch import shaped_rewards
+from bubblespec.rl.train_batch import shaped_rewards, train_samples
 from bubblespec.rollout.service import RolloutService
 from bubblespec.rollout.step import RolloutOutcome, TrainingDrafting, bubble_use, rollout_digest
 
@@ -183,18 +183,7 @@ class Controller:
         requests = [request for group in trained for request in group.requests]
         results = [result for group in trained for result in group.results]  # prompt by prompt, sample by sample
         rewards, reward_parts = self._rewards(prompts, results)
-        samples = [
-            TrainSample(
-                tuple(req.prompt_token_ids),
-                tuple(res.token_ids),
-                i // cfg.task.samples_per_prompt,
-                reward,
-                engine_logprobs=tuple(res.logprobs),
-                truncated=res.finish_reason == "length",
-                max_response_tokens=req.sampling.max_new_tokens,
-            )
-            for i, (req, res, reward) in enumerate(zip(requests, results, rewards, strict=True))
-        ]
+        samples = train_samples(requests, results, rewards, cfg.task.samples_per_prompt)
         logged = self._logged_samples(step, prompts, results, rewards, reward_parts, samples)
         self.run_dir.append_samples(logged)
         if logged and cfg.show_sample_every and step % cfg.show_sample_every == 0:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bubblespec.core.config import TrainerConfig
+from bubblespec.core.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rl.advantages import Estimator, Scale, compute_advantages
 
 
@@ -26,6 +27,28 @@ class TrainSample:
     """The response reached its token limit instead of stopping."""
     max_response_tokens: int | None = None
     """The token limit it was sampled with (DAPO's overlong shaping, Dr. GRPO's constant)."""
+
+
+def train_samples(
+    requests: Sequence[GenerationRequest],
+    results: Sequence[GenerationResult],
+    rewards: Sequence[float],
+    group_size: int,
+) -> list[TrainSample]:
+    """The samples of a step's responses: ``results[i]`` answers ``requests[i]``, prompt by prompt, each prompt's
+    ``group_size`` samples in a row (one group each), with the engine's logprobs and its token limit."""
+    return [
+        TrainSample(
+            tuple(request.prompt_token_ids),
+            tuple(result.token_ids),
+            i // group_size,
+            reward,
+            engine_logprobs=tuple(result.logprobs),
+            truncated=result.finish_reason == "length",
+            max_response_tokens=request.sampling.max_new_tokens,
+        )
+        for i, (request, result, reward) in enumerate(zip(requests, results, rewards, strict=True))
+    ]
 
 
 def group_advantages(samples: Sequence[TrainSample], epsilon: float = 1e-6) -> list[float]:

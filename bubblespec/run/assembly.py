@@ -97,7 +97,7 @@ def sampling_params(config: RunConfig, task, path: str | None = None) -> Samplin
     suppressed = sampling.suppressed_token_ids
     suppressed = tuple(task.suppressed_token_ids if suppressed is None else suppressed)
     if path is not None and suppressed:
-        vocab_size, eos = read_vocab_size(path), _eos_token_ids(path)
+        vocab_size, eos = read_vocab_size(path), eos_token_ids(path)
         outside, ending = [t for t in suppressed if t >= vocab_size], [t for t in suppressed if t in eos]
         what = "rollout.sampling.suppressed_token_ids"
         if outside:
@@ -331,7 +331,7 @@ def read_vocab_size(path: str) -> int:
     return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
 
 
-def _eos_token_ids(path: str) -> set[int]:
+def eos_token_ids(path: str) -> set[int]:
     """The end-of-sequence ids of a model folder's config.json and generation_config.json."""
     import json
 
