@@ -11,9 +11,10 @@
 
 ``--backend torch,vllm`` runs several backends; every backend gets the same requests and the same drafts and
 reports the same fields. ``--config CONFIG`` takes the model, the prompts and the sampling from a run config, and
-pi_t+1 from one real GRPO step of its trainer on pi_t's own samples and rewards. The requests, the policy step between the drafting policy pi_t and the verifying policy
-pi_t+1, and HF ``generate`` are described in :mod:`bubblespec.cli.bench_engine_requests`; the exactness table and
-the sampling share in :mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly
+pi_t+1 from one real GRPO step of its trainer on pi_t's own samples and rewards. The requests, the policy step
+between the drafting policy pi_t and the verifying policy pi_t+1, and HF ``generate`` are described in
+:mod:`bubblespec.cli.bench_engine_requests`; the exactness table and the sampling share in
+:mod:`bubblespec.cli.bench_engine_measures`. Drafts are pi_t's keyed samples for exactly
 the keys pi_t+1 then generates, as bubble drafting produces them; they come from the torch engine whatever the
 backend (keyed sampling picks the same tokens on every backend).
 

@@ -153,6 +153,14 @@ def grpo_step(config, drafter) -> tuple[dict, dict]:
     learner = LearnerSpec.of_run(config, path, sampling).build()
     before = {name: tensor.detach().clone() for name, tensor in learner.state_dict().items()}
     metrics = learner.step(train_samples(requests, results, rewards, config.task.samples_per_prompt), at_step=0)
+    if metrics.get("skipped"):
+        from bubblespec.core.errors import ConfigError
+
+        raise ConfigError(
+            f"the GRPO step had no reward signal: in each of step 0's {len(prompts)} groups every sample scored the "
+            "same, so the policy did not change and the drafts would be its own; give the step more problems (--set "
+            "task.prompts_per_step=N) or easier ones"
+        )
     state = {name: tensor.detach().to(torch.float32) for name, tensor in learner.state_dict().items()}
     change = max(((state[n] - before[n].float()).norm() / before[n].float().norm()).item() for n in before)
     summary = {
@@ -160,7 +168,6 @@ def grpo_step(config, drafter) -> tuple[dict, dict]:
         "learning_rate": config.trainer.optimizer.learning_rate,
         "samples": len(requests),
         "mean_reward": sum(rewards) / len(rewards),
-        "trained": not metrics.get("skipped"),
         "loss": metrics.get("loss"),
         "grad_norm": metrics.get("grad_norm"),
         "max_relative_weight_change": change,

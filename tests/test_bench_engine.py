@@ -180,13 +180,27 @@ def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo
     report = _run_quick(tmp_path, *config, "--exactness-requests", "8")
     _check_rows(report, {"torch"}, {"16"})
     update = report["policy_update"]
-    assert update["method"].startswith("one GRPO step of the config's trainer") and update["trained"]
+    assert update["method"].startswith("one GRPO step of the config's trainer")
     assert update["samples"] == 64 and update["learning_rate"] == 1e-4 and update["max_relative_weight_change"] > 0
     assert report["workload"]["suppressed_token_ids"] == [0, 1, 3]
     assert report["workload"]["prompts"].startswith("task 'arithmetic', steps 1-")
     assert report["exactness"]["torch"]["float64"]["differing"] == 0
     result = runner.invoke(app, ["bench", "engine", *config, "--weight-noise", "0.01"])
     assert result.exit_code != 0 and "leave out --weight-noise" in result.output
+
+
+def test_a_grpo_step_without_reward_signal_is_a_clear_error_not_drafts_of_the_same_policy():
+    from bubblespec.cli.bench_engine_requests import grpo_step
+    from bubblespec.core.config import validate
+    from bubblespec.core.interfaces import GenerationResult, RequestStats
+
+    class SameAnswer:  # every sample the same response: every group's rewards are equal
+        def generate(self, requests):
+            return [GenerationResult(r.key, [5, 2], [-1.0, -1.0], "stop", RequestStats()) for r in requests]
+
+    config = validate({"task": {"prompts_per_step": 2, "samples_per_prompt": 2}})
+    with pytest.raises(ConfigError, match=r"no reward signal: in each of step 0's 2 groups every sample scored"):
+        grpo_step(config, SameAnswer())
 
 
 @pytest.mark.vllm
