@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -274,7 +275,7 @@ class GRPOLearner:
 
     def _skipped(self) -> dict[str, float]:
         with warnings.catch_warnings():  # torch warns when a schedule moves before any optimizer step: here it must
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"), UserWarning)
             self.scheduler.step()  # the schedule counts RL steps, with or without an update
         return dict(SKIPPED_STEP)
 
