@@ -59,8 +59,8 @@ def test_unknown_bench_target_is_a_clear_error():
         (["examples/quickstart.yaml", "--backend", "vllm", "--device", "cuda", "--methods", "sync", "--sources",
           "ngram", "--batch-sizes", "999"], "--backend is an option of `bench engine`, not of `bench CONFIG`"),
         (["engine", "--methods", "sync"], "--methods is an option of `bench peers-async`, not of `bench engine`"),
-        (["engine", "--set", "num_steps=2"], "--set is an option of `bench peers` and `bench peers-async` and "
-                                             "`bench CONFIG`, not of `bench engine`"),
+        (["engine", "--output-dir", "x"], "--output-dir is an option of `bench peers` and `bench peers-async` and "
+                                          "`bench CONFIG`, not of `bench engine`"),
         (["peers", "examples/quickstart.yaml", "--cut-tokens", "8"], "--cut-tokens is an option of `bench peers-as"),
         (["peers-async", "examples/quickstart.yaml", "--sources", "ngram"], "--sources is an option of `bench peers`,"),
         (["examples/quickstart.yaml", "--plot-dir", "x"], "--plot-dir is an option of `bench peers` and"),
@@ -71,6 +71,11 @@ def test_a_bench_option_of_another_mode_is_an_error_naming_its_mode(args, messag
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
     assert "which takes --json" in result.output or "which takes" in result.output
+
+
+def test_bench_engine_takes_set_only_with_a_run_config():
+    result = runner.invoke(app, ["bench", "engine", "--set", "num_steps=2"])
+    assert result.exit_code != 0 and "--set overrides a run config: give one with --config" in result.output
 
 
 def test_each_bench_sub_command_lists_only_its_own_options():
@@ -84,7 +89,7 @@ def test_each_bench_sub_command_lists_only_its_own_options():
     assert shown["engine"] == {
         "--json", "--threads", "--repeats", "--quick", "--no-quick", "--backend", "--model", "--dtype", "--device",
         "--batch-sizes", "--max-new-tokens", "--weight-noise", "--adaptive-draft-length", "--fixed-draft-length",
-        "--exactness-requests",
+        "--exactness-requests", "--config", "--set",
     }  # fmt: skip
     assert shown["run"] == {"--json", "--set", "--output-dir"}
     assert shown["peers"] == {"--json", "--set", "--output-dir", "--sources", "--plot-dir", "--plot-prefix"}
