@@ -56,7 +56,7 @@ from pydantic import Field, model_validator
 from bubblespec.backends.sglang_server import ALGORITHM, DRAFT, processor_payload, replay
 from bubblespec.core.config import EngineSettings, engine_config
 from bubblespec.core.errors import BubblespecError, ConfigError, ModelLoadError, RequestError
-from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, SamplingParams
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
 from bubblespec.verify.sequence import ProposalSettings, Sequence, record_top_k_verifications
 
 _LAUNCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -71,9 +71,7 @@ top-k and top-p only (SGLang's own penalties run in its sampler, outside the key
 
 
 def _refuse_unsupported_sampling(index: int, request: GenerationRequest) -> None:
-    params, default = request.sampling, SamplingParams()
-    used = [f"{name}={getattr(params, name)}" for name in UNSUPPORTED_SAMPLING
-            if getattr(params, name) != getattr(default, name)]  # fmt: skip
+    used = request.sampling.settings_of(UNSUPPORTED_SAMPLING)
     if used:
         raise RequestError(
             f"request {index} ({request.key}) sets {', '.join(used)}: the sglang backend samples with temperature, "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -99,6 +99,14 @@ class SamplingParams:
                 f"suppressed_token_ids {stopping} are also stop tokens: a response could never end on them; "
                 "suppress tokens that end nothing"
             )
+
+    def settings_of(self, names: Sequence[str]) -> list[str]:
+        """``name=value`` for each of ``names`` this sets to other than its default: what a backend that cannot apply
+        those settings (:attr:`Engine.unsupported_sampling`) refuses."""
+        return [f"{name}={getattr(self, name)}" for name in names if getattr(self, name) != _DEFAULT_FIELDS[name]]
+
+
+_DEFAULT_FIELDS = {f.name: f.default for f in fields(SamplingParams)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bubblespec.verify.sampling import mask_logits
+from bubblespec.verify.sampling import mask_logits, suppressed_rows
 
 
 def padded_tokens(sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -76,8 +76,7 @@ def response_logprobs(
     scores_BRV = logits_BRV.to(dtype) / temperature
     dropped_V = None  # the suppressed tokens, broadcast over rows: no [B, R, V] mask where no filter needs one
     if suppressed:
-        dropped_V = torch.zeros(logits_BRV.shape[-1], dtype=torch.bool, device=device)
-        dropped_V[torch.tensor(sorted(set(suppressed)), dtype=torch.int64, device=device)] = True
+        dropped_V = suppressed_rows(torch.tensor([list(suppressed)], device=device), logits_BRV.shape[-1])[0]
         _refuse_suppressed_targets(targets_BR, real_BR, dropped_V)
         scores_BRV = scores_BRV.masked_fill(dropped_V, float("-inf"))
     kept_BRV = None
