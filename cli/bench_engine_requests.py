@@ -76,7 +76,7 @@ def random_workload(
     model_path: str, num_requests: int, prompt_lengths: tuple[int, int], max_new_tokens: int, seed: int
 ) -> Workload:
     """Random prompts of lengths uniform in ``prompt_lengths`` over the model's vocabulary without EOS."""
-    from bubblespec.run.assembly import eos_token_ids
+    from bubblespec.core.model_folder import eos_token_ids
 
     vocab_size = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
     eos_ids = sorted(eos_token_ids(model_path))
@@ -105,8 +105,9 @@ def random_workload(
 def config_workload(config, num_requests: int) -> Workload:
     """A run config's task on its model: the prompts of step 1 (and later steps while more requests are needed),
     ``samples_per_prompt`` each, sampled as the run samples them."""
+    from bubblespec.core.model_folder import eos_token_ids
     from bubblespec.rollout.step import step_requests
-    from bubblespec.run.assembly import eos_token_ids, make_task, model_path, sampling_params
+    from bubblespec.run.assembly import make_task, model_path, sampling_params
 
     task = make_task(config)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from bubblespec.core import plugins
+from bubblespec.core import model_folder, plugins
 from bubblespec.core.config import EngineSettings, RunConfig, ServiceConfig, engine_config, format_validation_error
 from bubblespec.core.draft_sources import REQUEST_DRAFT, draft_chain
 from bubblespec.core.errors import ConfigError, ModelLoadError
@@ -97,7 +97,7 @@ def sampling_params(config: RunConfig, task, path: str | None = None) -> Samplin
     suppressed = sampling.suppressed_token_ids
     suppressed = tuple(task.suppressed_token_ids if suppressed is None else suppressed)
     if path is not None and suppressed:
-        vocab_size, eos = read_vocab_size(path), eos_token_ids(path)
+        vocab_size, eos = model_folder.vocab_size(path), model_folder.eos_token_ids(path)
         outside, ending = [t for t in suppressed if t >= vocab_size], [t for t in suppressed if t in eos]
         what = "rollout.sampling.suppressed_token_ids"
         if outside:
@@ -179,9 +179,7 @@ def load_backend(config: RunConfig | ServiceConfig):
 
 def check_sampling(backend, config: RunConfig | ServiceConfig, sampling: SamplingParams) -> None:
     """Refuses, before anything starts, sampling settings the backend declares it cannot apply."""
-    default = SamplingParams()
-    used = [f"{name}={getattr(sampling, name)}" for name in backend.unsupported_sampling
-            if getattr(sampling, name) != getattr(default, name)]  # fmt: skip
+    used = sampling.settings_of(backend.unsupported_sampling)
     if used:
         hint = ""
         if any(name.startswith("suppressed_token_ids") for name in used):
@@ -246,7 +244,7 @@ def rank_pool(
         from bubblespec.run.ray_cluster import serve_ranks
 
         with serve_ranks(config, path, backend, settings, extra_cpus, check) as ranks:
-            yield ranks, read_vocab_size(path)
+            yield ranks, model_folder.vocab_size(path)
         return
     engine = backend.from_pretrained(**settings)
     try:
@@ -323,21 +321,3 @@ def start_service(
             yield service
         finally:
             service.close()
-
-
-def read_vocab_size(path: str) -> int:
-    import json
-
-    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
-
-
-def eos_token_ids(path: str) -> set[int]:
-    """The end-of-sequence ids of a model folder's config.json and generation_config.json."""
-    import json
-
-    ids = set()
-    for name in ("config.json", "generation_config.json"):
-        file = Path(path) / name
-        eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    return ids

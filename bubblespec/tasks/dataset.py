@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import json
 import logging
 import random
 import re
@@ -34,6 +33,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from bubblespec.core.config import Section, format_validation_error
 from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import Prompt, Task
+from bubblespec.core.model_folder import context_length, eos_token_ids
 from bubblespec.tasks.rewards import RewardItem, RewardScorer, extract, parse_specs
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class RowsTask(Task):
         self.options = options
         self.seed, self.split = seed, split
         self.tokenizer = load_tokenizer(model_path)
-        self.context_length = _context_length(model_path)
+        self.context_length = context_length(model_path)
         self.stop_token_ids = _stop_token_ids(self.tokenizer, model_path, options.stop_tokens)
         pad = self.tokenizer.pad_token_id
         self.suppressed_token_ids = () if pad is None or pad in self.stop_token_ids else (int(pad),)
@@ -420,19 +420,10 @@ def load_tokenizer(model_path: str):
         ) from None
 
 
-def _context_length(model_path: str) -> int:
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 2**31)
-
-
 def _stop_token_ids(tokenizer, model_path: str, stop_tokens: Sequence[str]) -> tuple[int, ...]:
-    ids = set()
+    ids = eos_token_ids(model_path)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation = Path(model_path) / "generation_config.json"
-    if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
     vocab = tokenizer.get_vocab()
     for token in stop_tokens:
         if token not in vocab:
