@@ -49,14 +49,23 @@ def validate(
 
     from bubblespec.core.config import load_config
     from bubblespec.observe.task_summary import summarize_task
-    from bubblespec.run.assembly import checked_engine_settings, close_tasks, load_backend, make_tasks, model_path
+    from bubblespec.run.assembly import (
+        checked_engine_settings,
+        close_tasks,
+        load_backend,
+        make_tasks,
+        model_path,
+        sampling_params,
+    )
 
     config = load_config(config_path, overrides or [])
     tasks = make_tasks(config)
     try:
         summary = summarize_task(*tasks)
-        # the engine settings, as both clocks check them before a run starts
-        checked_engine_settings(config, model_path(config, tasks[0]), load_backend(config))
+        path = model_path(config, tasks[0])
+        # the engine settings and the sampling, as both clocks check them before a run starts
+        checked_engine_settings(config, path, load_backend(config))
+        sampling = sampling_params(config, tasks[0], path)
     finally:
         close_tasks(*tasks)
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
@@ -64,8 +73,20 @@ def validate(
         typer.echo(_training_drafting_line(config))
     typer.secho(f"\ntask {config.task.name!r}", bold=True)
     typer.echo("\n".join(summary.lines))
+    typer.echo(_sampling_line(config, sampling, path))
     for warning in summary.warnings:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+
+
+def _sampling_line(config, sampling, path: str) -> str:
+    """The tokens a response ends on (the model's end-of-sequence ids and the task's stop tokens) and those never
+    sampled, as the run resolves them (null in the config: the task's)."""
+    from bubblespec.core.model_folder import eos_token_ids
+
+    ending = sorted(set(sampling.stop_token_ids) | eos_token_ids(path))
+    whose = "the task's" if config.rollout.sampling.suppressed_token_ids is None else "rollout.sampling's"
+    suppressed = list(sampling.suppressed_token_ids) or "none"
+    return f"responses end on token ids {ending}; never sampled: {suppressed} ({whose})"
 
 
 def _training_drafting_line(config) -> str:

@@ -135,6 +135,11 @@ def test_validate_prints_the_resolved_config_or_every_error(tmp_path):
     assert result.exit_code == 0, result.output
     assert "num_ranks: 4" in result.output and "learning_rate: 0.001" in result.output
     assert "bubble_policy: coverage-first" in result.output  # defaults are filled in
+    # the sampling as the run resolves it: the config's null is the task's suppressed tokens, which it names
+    assert "suppressed_token_ids: null" in result.output
+    assert "responses end on token ids [2]; never sampled: [0, 1, 3] (the task's)" in result.output
+    result = runner.invoke(app, ["validate", str(good), "--set", "rollout.sampling.suppressed_token_ids=[2]"])
+    assert result.exit_code == 2 and "suppressed_token_ids [2] are the model's end-of-sequence tokens" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  num_ranks: zero\n  backend: nope\nunknown_section: 1\n")
     result = runner.invoke(app, ["validate", str(bad)])
