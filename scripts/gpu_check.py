@@ -226,22 +226,13 @@ def learner_step(sizes: Sizes, scratch: Path, done: dict) -> dict:
     """One GRPO step of the small checkpoint on the device and on the CPU, from the same samples."""
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.core.config import TrainerConfig
-    from bubblespec.rl.learner import GRPOLearner, TrainSample
+    from bubblespec.rl.learner import GRPOLearner
+    from bubblespec.rl.train_batch import train_samples
 
     newer, _ = _policy_pair(scratch)
     requests = _requests(sizes, 32_000, seed=1)[:8]
     results = TorchEngine.from_pretrained(str(newer), dtype="float32").generate(requests)
-    samples = [
-        TrainSample(
-            r.prompt_token_ids,
-            tuple(res.token_ids),
-            i // 2,
-            float(i % 2),
-            engine_logprobs=tuple(res.logprobs),
-            max_response_tokens=sizes.engine_tokens,
-        )  # fmt: skip
-        for i, (r, res) in enumerate(zip(requests, results, strict=True))
-    ]
+    samples = train_samples(requests, results, [float(i % 2) for i in range(len(requests))], group_size=2)
     weights, metrics = {}, {}
     for device in dict.fromkeys(("cpu", sizes.device)):
         config = TrainerConfig(device=device, optimizer={"learning_rate": 1e-3})
