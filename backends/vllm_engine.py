@@ -61,6 +61,7 @@ from bubblespec.backends.vllm_glue import (
     check_private_names,
     check_vllm_version,
     install_verifier,
+    refresh_tied_head,
     runs_on_cpu,
 )
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
@@ -249,6 +250,7 @@ class VLLMEngine(Engine):
         self._wake()
         weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(refresh_tied_head)
         self.llm.reset_prefix_cache()
         self._policy_version = version
 

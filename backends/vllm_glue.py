@@ -10,7 +10,8 @@ The names, all of vLLM 0.32 (:data:`TESTED_VLLM_VERSION`):
 - ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``: ``_sample(logits, spec_decode_metadata)`` (replaced),
   ``input_batch`` (``req_ids``, ``num_reqs``), ``discard_request_mask`` (``.np``), ``drafter`` (built by
   ``create_custom_proposer(vllm_config)`` and called as ``propose(sampled_token_ids, num_tokens_no_spec,
-  token_ids_cpu, slot_mappings=...)``), ``reload_weights(weights_iterator=...)``;
+  token_ids_cpu, slot_mappings=...)``), ``reload_weights(weights_iterator=...)``, ``model`` (``lm_head``,
+  ``model.embed_tokens``, a layer's ``quant_method.process_weights_after_loading``);
 - ``vllm.v1.outputs.SamplerOutput(sampled_token_ids, logprobs_tensors)`` and
   ``vllm.v1.spec_decode.metadata.SpecDecodeMetadata`` (``draft_token_ids``, ``num_draft_tokens``);
 - the engine core the engine steps itself: ``LLM.llm_engine``, ``LLMEngine.engine_core`` (``add_request``,
@@ -185,6 +186,26 @@ class RequestDrafts:
         return self.verifier.propose(sampled_token_ids)
 
 
+def refresh_tied_head(worker) -> bool:
+    """Runs in vLLM's worker (``collective_rpc``) after a weight reload; True where it refreshed the output head.
+
+    A tied output head (``lm_head`` sharing ``embed_tokens``' weight, as in SmolLM2, Llama 3.2 and small Qwen2.5) is
+    sent no weights of its own, so vLLM 0.32's reload never runs its post-load step. On the CPU that step packs the
+    weight for the matrix product (``dispatch_cpu_unquantized_gemm``): the head went on computing logits with the old
+    packed weights while the embedding had the new ones (5 of 8 SmolLM2 responses changed when only the embedding
+    was updated). Running the step again repacks it; on a GPU it reads the weight itself and this changes nothing."""
+    model = getattr(worker, "worker", worker).model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", False):
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
 def install_verifier(worker, sequences: dict[str, VLLMSequence], proposal: ProposalSettings) -> None:
     """Runs in vLLM's worker (``collective_rpc``): wraps the model runner's ``_sample`` and binds the proposer."""
     runner = getattr(worker, "worker", worker).model_runner
@@ -255,6 +276,12 @@ def private_name_problems() -> list[str]:
     need(
         reload is not None and "weights_iterator" in _parameters(reload),
         "GPUModelRunner.reload_weights(weights_iterator)",
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    need(
+        "layer" in _parameters(getattr(UnquantizedEmbeddingMethod, "process_weights_after_loading", lambda: None)),
+        "UnquantizedEmbeddingMethod.process_weights_after_loading(layer) (a tied output head is refreshed by it)",
     )
     batch = gpu_input_batch.InputBatch
     need(isinstance(getattr(batch, "req_ids", None), property), "InputBatch.req_ids (a property)")

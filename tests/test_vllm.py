@@ -269,6 +269,31 @@ def chat_model(tmp_path_factory):
     return folder
 
 
+def test_an_update_of_a_tied_embedding_reaches_the_output_head(chat_model):
+    """A tied output head (this Qwen2's, SmolLM2's) is sent no weights of its own in a reload; vLLM's CPU head kept
+    computing with its old packed weights (SmolLM2: 5 of 8 responses changed). After an update of the embedding alone
+    vLLM samples what the torch engine samples with the same weights."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from bubblespec.backends.vllm_engine import VLLMEngine
+    from bubblespec.testing.conformance import _checkpoint_weights
+
+    weights = _checkpoint_weights(chat_model)
+    assert "lm_head.weight" not in weights  # tied to model.embed_tokens.weight
+    embedding = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"] * 1.5}
+    requests = _requests(num_prompts=4, samples=2, max_new_tokens=24)
+    vllm_engine = VLLMEngine.from_pretrained(str(chat_model), max_batch_size=8, **KV_CACHE)
+    torch_engine = TorchEngine.from_pretrained(str(chat_model), dtype="float32")
+    try:
+        before = [r.token_ids for r in vllm_engine.generate(requests)]
+        vllm_engine.update_weights(embedding, version=1)
+        torch_engine.update_weights(embedding, version=1)
+        expected = [r.token_ids for r in torch_engine.generate(requests)]
+        assert expected != before, "the update changed nothing"
+        assert [r.token_ids for r in vllm_engine.generate(requests)] == expected
+    finally:
+        vllm_engine.close()
+
+
 @pytest.mark.ray
 def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model, tmp_path):
     """examples/math.yaml on the chat model with vLLM ranks on Ray Serve (wall clock, speculation on, drafting while
