@@ -83,13 +83,20 @@ SETTINGS = [
 ]
 
 
+SPLITS = [{"micro_batch_size": 1}, {"micro_batch_tokens": 40}, {"micro_batch_tokens": 64, "micro_batch_size": 3}]
+"""Micro-batches of one sample each (no padding at all), and packed longest first by padded tokens: with prompts of
+3 tokens, 40 packs two samples per pass, and 64 three where ``micro_batch_size`` stops a fourth."""
+
+
 @pytest.mark.parametrize("lengths", [(12, 6, 9, 3), (12, 12, 12, 12)], ids=["padded", "equal"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "defaults")
-def test_padding_changes_nothing_with_sampling_filters(model_path, settings, lengths):
-    """Two steps with top-k 5 over 32,000 tokens: the padded batch trains exactly as micro-batches of one sample
-    each (no padding at all), every number finite, the trainer's logprobs the engine's."""
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_padding_changes_nothing_with_sampling_filters(model_path, settings, lengths, split):
+    """Two steps with top-k 5 over 32,000 tokens: the padded batch trains exactly as micro-batches (of one sample
+    each, or packed longest first by ``micro_batch_tokens``), every number finite, the trainer's logprobs the
+    engine's."""
     samples = _engine_samples(model_path, lengths)
-    padded, unpadded = _learner(model_path, settings), _learner(model_path, settings | {"micro_batch_size": 1})
+    padded, unpadded = _learner(model_path, settings), _learner(model_path, settings | split)
     for step in range(2):
         metrics, alone = padded.step(samples), unpadded.step(samples)
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0

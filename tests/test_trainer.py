@@ -11,6 +11,7 @@ import torch
 
 from bubblespec.core.config import TrainerConfig
 from bubblespec.rl.learner import GRPOLearner, TrainSample, group_advantages
+from bubblespec.rl.train_batch import micro_batches
 
 from .conftest import write_checkpoint
 from .workers import run_workers
@@ -212,6 +213,24 @@ def test_the_transformers_learner_scores_and_trains_like_the_built_in_one(qwen2_
     initial = engine.model.state_dict()
     assert any(not torch.equal(after[n], initial[n]) for n in before)  # the step trained the weights
     engine.update_weights(after, version=1)
+
+
+@pytest.mark.parametrize(
+    ("size", "tokens", "passes"),
+    [
+        (None, None, [[0, 1, 2, 3, 4, 5]]),  # all at once, in order: what a run without either setting did before
+        (4, None, [[0, 1, 2, 3], [4, 5]]),
+        (None, 100, [[3], [1, 4], [2, 5, 0]]),  # 60 alone (2 x 60 > 100); 40 + 30; then 3 x 20 <= 100
+        (None, 50, [[3], [1], [4], [2, 5], [0]]),  # 60 is over the bound: a pass alone
+        (2, 100, [[3], [1, 4], [2, 5], [0]]),
+    ],
+)
+def test_micro_batches_are_packed_longest_first_up_to_their_padded_tokens(size, tokens, passes):
+    lengths = [10, 40, 20, 60, 30, 20]
+    assert micro_batches(range(6), lengths, size, tokens) == passes
+    for batch in micro_batches(range(6), lengths, size, tokens):
+        assert len(batch) == 1 or len(batch) * max(lengths[r] for r in batch) <= (tokens or float("inf"))
+    assert micro_batches([4, 1], lengths, None, 100) == [[1, 4]]  # a worker's share: only its rows
 
 
 def test_micro_batches_and_gradient_checkpointing_leave_the_gradient_unchanged(model_path, qwen2_path):

@@ -453,6 +453,11 @@ class TrainerConfig(Section):
     """Samples per optimizer step (several optimizer steps per RL step); empty: the whole batch, one step."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Samples per forward/backward pass, gradients accumulated over a step's micro-batches; empty: all at once."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Padded tokens per forward/backward pass (its samples times the longest prompt + response among them): the
+    samples are taken longest first and packed up to this many, so that long and short responses do not share a
+    padded pass (verl's dynamic batch size); a sample longer than it is a pass alone. With ``micro_batch_size``,
+    both bound a pass; empty: no token bound, the samples in their order."""
     num_workers: int = Field(1, ge=1)
     """Ray Train workers (data-parallel; gloo on CPU, nccl on GPU)."""
     device: Literal["cpu", "cuda"] = "cpu"

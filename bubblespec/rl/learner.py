@@ -16,8 +16,9 @@ One RL step (:meth:`GRPOLearner.step`)::
                 log-probabilities (and the frozen reference model's), once, without gradient; the engine-trainer
                 logprob agreement is measured here too, before any update
     updates     ppo_epochs x mini-batches of mini_batch_size samples, one optimizer step each, gradients accumulated
-                over micro-batches of micro_batch_size; a loss or gradient that is not finite is an error
-                (:class:`~bubblespec.core.errors.NonFiniteError`) and no optimizer step is taken with it
+                over micro-batches (micro_batch_size samples, micro_batch_tokens padded tokens); a loss or gradient
+                that is not finite is an error (:class:`~bubblespec.core.errors.NonFiniteError`) and no optimizer
+                step is taken with it
     schedule    the learning rate moves once per RL step (warmup_steps and decay_steps count RL steps)
 
 The learner is plain torch and knows nothing of Ray: the controller runs it in-process (virtual clock, tests) or
@@ -52,6 +53,7 @@ from bubblespec.rl.train_batch import (  # the batch's types and steps, importab
     check_samples,
     filter_groups,
     group_advantages,
+    micro_batches,
     sample_advantages,
     shaped_rewards,
 )
@@ -349,10 +351,8 @@ class GRPOLearner:
         before = _Before({}, {})
         if needs_old or measure or self.reference is not None:
             current: dict[int, torch.Tensor] = {}
-            size = config.micro_batch_size or max(len(owned), 1)
             with torch.no_grad():
-                for start in range(0, len(owned), size):
-                    rows = list(owned[start : start + size])
+                for rows in self._micro_batches(samples, owned):
                     if needs_old or measure:
                         current |= self._logprobs_of(self.model, samples, rows)
                     if self.reference is not None:
@@ -378,6 +378,11 @@ class GRPOLearner:
                 old = self._engine_logprobs(samples[i])
             penalties[i] = kl_divergence(old, ref, self.config.kl.estimator).sum()
         return penalties
+
+    def _micro_batches(self, samples: Sequence[TrainSample], rows: Sequence[int]) -> list[list[int]]:
+        """``rows`` in forward/backward passes: :func:`~bubblespec.rl.train_batch.micro_batches`."""
+        lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
+        return micro_batches(rows, lengths, self.config.micro_batch_size, self.config.micro_batch_tokens)
 
     def _lengths(self, samples: Sequence[TrainSample], indices) -> list[int]:
         """Trained response tokens per sample: 0 for a truncated one under ``mask_truncated``."""
@@ -413,10 +418,8 @@ class GRPOLearner:
                 raise ValueError("seq-mean-token-sum-norm needs trainer.loss.norm_tokens or the samples' token limit")
         self._copy_master_to_model()
         self.optimizer.zero_grad(set_to_none=False)
-        size = config.micro_batch_size or max(len(share), 1)
         totals = self._no_statistics()
-        for start in range(0, len(share), size):  # gradients accumulate over micro-batches
-            rows = share[start : start + size]
+        for rows in self._micro_batches(samples, share):  # gradients accumulate over micro-batches
             stats = self._backward(samples, rows, advantages, before, normaliser, token_normaliser, norm_tokens,
                                    measure_engine_agreement, where)  # fmt: skip
             for name, value in stats.items():

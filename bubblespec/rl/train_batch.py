@@ -109,3 +109,27 @@ def filter_groups(samples: Sequence[TrainSample], rewards: Sequence[float], max_
     kept = set(informative[:max_groups] if max_groups is not None else informative)
     rows = [i for i, sample in enumerate(samples) if sample.group in kept]
     return [samples[i] for i in rows], [rewards[i] for i in rows], len(kept), len(members) - len(kept)
+
+
+def micro_batches(rows: Sequence[int], lengths: Sequence[int], size: int | None, tokens: int | None) -> list[list[int]]:
+    """``rows`` (indices into ``lengths``, each sample's prompt + response tokens) in the forward/backward passes of
+    ``trainer.micro_batch_size`` (``size``) and ``trainer.micro_batch_tokens`` (``tokens``): without a token bound,
+    ``size`` rows at a time in their order (all at once without either); with one, the rows longest first (ties in
+    their order), each pass as many as fit ``tokens`` padded tokens (rows x the longest) and ``size``, at least one.
+
+    >>> micro_batches([0, 1, 2, 3], [10, 40, 12, 38], None, 80)
+    [[1, 3], [2, 0]]
+    """
+    rows = list(rows)
+    if tokens is None:
+        step = size or max(len(rows), 1)
+        return [rows[start : start + step] for start in range(0, len(rows), step)]
+    batches: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: -lengths[r]):
+        batch = batches[-1] if batches else None
+        # longest first: a batch's first row is its longest
+        if batch is not None and (size is None or len(batch) < size) and (len(batch) + 1) * lengths[batch[0]] <= tokens:
+            batch.append(row)
+        else:
+            batches.append([row])
+    return batches
