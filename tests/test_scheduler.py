@@ -344,3 +344,46 @@ def test_drafting_while_training_hands_chunks_only_to_the_ranks_it_may_use():
     outcome = pool.stop_drafting(train_seconds=7.0)
     assert outcome.ranks[0].draft_requests > 0 and outcome.timelines[0]
     assert all(r.draft_requests == 0 and not t for r, t in zip(outcome.ranks[1:], outcome.timelines[1:], strict=True))
+
+
+def test_a_chunk_is_a_share_of_the_keys_left_per_rank_that_may_take_one():
+    plan = DraftPlan(_requests({f"1/k{i}": 1 for i in range(5)} | {"2/a": 1, "2/b": 1}), num_ranks=2, max_batch_size=8)
+    assert [r.key.prompt_uid for r in plan.take()] == ["k0", "k1", "k2", "k3"]  # half of seven, rounded up
+    assert [r.key.prompt_uid for r in plan.take(takers=1)] == ["k4", "a", "b"] and not plan
+    capped = DraftPlan(_requests({f"1/k{i}": 1 for i in range(5)}), num_ranks=1, max_batch_size=2)
+    assert [len(capped.take()) for _ in range(3)] == [2, 2, 1]
+
+
+@pytest.mark.parametrize(("num_ranks", "drafting_ranks", "chunk"), [(2, None, 12), (3, None, 6), (3, 1, 12)])
+def test_in_a_rollout_the_rank_that_finishes_last_is_not_counted_among_those_that_take_chunks(
+    num_ranks, drafting_ranks, chunk
+):
+    """Two ranks: the first to finish takes every key (the other is the barrier); three: half each, for the two
+    that may finish first; one rank that drafts: every key."""
+    shards = [_requests({f"0/r{rank}": 1}) for rank in range(num_ranks)]
+    plan = DraftPlan(_requests(PLAN_LENGTHS), num_ranks=num_ranks, max_batch_size=64)
+    scheduler = PhaseScheduler(num_ranks, plan, policy_version=1, shards=shards, drafting_ranks=drafting_ranks)
+    scheduler.start()
+    engine = ScriptedEngine({f"0/r{rank}": 1 for rank in range(num_ranks)})
+    (command,) = scheduler.shard_done(0, 1.0, engine.generate(shards[0]), 1)
+    assert isinstance(command, DraftChunk) and len(command.requests) == chunk
+
+
+def test_drafting_while_training_goes_on_first_with_the_keys_a_late_rollout_pass_left_unfinished():
+    """Ray Serve's driver: rank 1 finishes its shard first and drafts a batch of keys, step 1's, in the bubble; the
+    barrier cuts it off (a late pass). Rank 0, the one rank drafting while the trainer trains, starts once that pass
+    has returned, with step 1's unfinished keys, not step 2's, as the virtual clock does."""
+    lengths = {f"1/k{i}": 10 for i in range(3)} | {"2/a": 4}
+    ranks = SimulatedRanks(ScriptedEngine({"0/long": 5, "0/short": 1} | lengths), 2)
+    pool = ServeRankPool(ranks.handles)
+    pool.clock = ranks.clock
+    activity: list = []
+    pool.on_activity = lambda *event: activity.append(event)
+    plan = DraftPlan(_requests(lengths), num_ranks=2, max_batch_size=3)
+    pool.rollout([_requests({"0/long": 5}), _requests({"0/short": 1})], plan)
+    pool.start_drafting(plan, ranks=1)
+    pool.stop_drafting(train_seconds=1.0)
+    pool.settle()
+    drafting = [(rank, detail) for rank, what, detail in activity if what == "draft"]
+    assert drafting[0] == (1, "3 keys of step 1 in the bubble")  # as many keys as a batch holds: two ranks
+    assert drafting[1] == (0, "3 keys of step 1 while training (3 going on from a draft)")

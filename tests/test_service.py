@@ -153,16 +153,39 @@ def test_a_run_drafts_while_training_as_decided(tmp_path):
     drafted = {}
     for setting in ("auto", True):
         config = validate({
-            "name": str(setting), "output_dir": str(tmp_path), "num_steps": 2,
+            "name": str(setting), "output_dir": str(tmp_path), "num_steps": 3,
             "task": {"prompts_per_step": 4, "samples_per_prompt": 2}, "rollout": {"num_ranks": 2},
             "clock": {"kind": "virtual", "profile": "h100-7b"}, "metrics": {"enabled": False},
-            "speculation": {"draft_during_training": setting},
+            "speculation": {"draft_during_training": setting, "lookahead_steps": 2},
         })  # fmt: skip
         steps = []
         run(config, on_step=steps.append)
         drafted[setting] = [s.training_timelines is not None for s in steps]
-    # the last step drafts nothing while it trains: no step comes after it
-    assert drafted == {"auto": [False, False], True: [True, False]}
+    # Step 0's bubble drafts step 1's keys, and step 2's are left for its training; the last step drafts nothing
+    # while it trains: no step comes after it.
+    assert drafted["auto"] == [False, False, False]
+    assert drafted[True][0] and not drafted[True][-1]
+
+
+def test_keys_a_late_bubble_chunk_held_are_drafted_while_training(tmp_path):
+    """Two ranks on the virtual clock with collatz responses: the first rank to finish takes every key of the next
+    step a moment before the barrier, and the barrier cuts that chunk off before its first pass (a late chunk with
+    no draft). Its keys go back to the plan, and the ranks draft them while the trainer trains."""
+    from bubblespec.run.launch import run
+
+    config = validate({
+        "name": "late", "output_dir": str(tmp_path), "num_steps": 2, "model": {"dtype": "float64"},
+        "task": {"name": "collatz", "prompts_per_step": 4, "samples_per_prompt": 2,
+                 "options": {"max_digits": 4, "max_response_tokens": 256}},
+        "rollout": {"num_ranks": 2}, "clock": {"kind": "virtual", "profile": "h100-7b"},
+        "metrics": {"enabled": False}, "speculation": {"draft_during_training": True},
+    })  # fmt: skip
+    steps = []
+    run(config, on_step=steps.append)
+    first = steps[0]
+    assert not any(rank.draft_requests for rank in first.ranks)  # the bubble's chunk made no draft
+    assert first.training_timelines and any(timeline for timeline in first.training_timelines)
+    assert steps[1].draft_coverage > 0
 
 
 def test_gpus_per_worker_defaults_to_one_on_cuda_and_bad_draft_store_options_are_named():

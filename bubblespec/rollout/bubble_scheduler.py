@@ -17,7 +17,8 @@ decisions.
 
 Rules, for a reader who wants them in one place:
 
-- The first idle rank takes the next chunk (:meth:`DraftPlan.take`: an equal share of what is left per rank).
+- The first idle rank takes the next chunk (:meth:`DraftPlan.take`: an equal share of the keys left per rank that
+  may still take one, the rank that finishes a rollout last excepted).
 - No chunk is handed out at or after the barrier (rollout) or the stop (training); calls that return together are
   taken shards first, so a rank that falls idle exactly at the barrier stays idle.
 - The phase ends at the barrier (rollout) or the stop (training): the step goes on at once. A drafting call still
@@ -194,7 +195,7 @@ class PhaseScheduler:
         if self._outcome is not None:  # a late chunk: its drafts join the outcome taken at the stop, and the keys it
             self.late_drafts += made  # left unfinished go back to the plan for the next phase that drafts from it
             self._outcome.drafts[:] = self._all_drafts()
-            self.plan.requeue(made)
+            self.plan.requeue(made, [r.key for r in results])
         return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
 
     def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:
@@ -226,12 +227,26 @@ class PhaseScheduler:
                 if busy_until < end and rank not in self._drafting:
                     timeline.append(("idle", busy_until, end))
         self._outcome = RolloutOutcome(
-            list(self.results.values()), self._all_drafts(), self.records, end, barrier, self.timelines
+            list(self.results.values()),
+            self._all_drafts(),
+            self.records,
+            end,
+            barrier,
+            self.timelines,
+            late_chunks=len(self._drafting),
         )
         return self._outcome
 
     def _all_drafts(self) -> list[Draft]:
         return [draft for chunk in self._chunks for draft in chunk]
+
+    @property
+    def _takers(self) -> int:
+        """The ranks that may take a chunk in this phase: those that draft, less the one that finishes its shard
+        last in a rollout (the barrier: it never drafts)."""
+        if not self.is_rollout:
+            return max(self.drafting_ranks, 1)
+        return max(1, min(self.drafting_ranks, self.num_ranks - 1))
 
     @property
     def _stop_time(self) -> float:
@@ -247,7 +262,7 @@ class PhaseScheduler:
             if not self.is_rollout:
                 self.on_activity(rank, "idle", "")
             return []
-        chunk = self.plan.take()
+        chunk = self.plan.take(self._takers)
         self.on_activity(rank, "draft", _chunk_detail(chunk, when))
         self._drafting[rank] = (now, len(self._chunks))
         self._chunks.append([])

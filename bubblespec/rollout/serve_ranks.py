@@ -399,8 +399,18 @@ class ServeRankPool:
 
         now = 0.0
         try:
+            if until is not None and self._late:
+                # The rollout's drafting passes that ran past its barrier end within a forward pass; the keys they
+                # left unfinished go back to the plan first, so that this phase goes on with them (as on the
+                # virtual clock) rather than with a later step's. The trainer does not wait for this.
+                await asyncio.gather(*self._late, return_exceptions=True)
             await run(scheduler.start())
             while not scheduler.ended:
+                if trainer_done is not None and trainer_done.done() and scheduler.stopped_at is None:
+                    # the trainer finished before this phase waited at all (it waited for late passes first)
+                    now = self.clock() - started
+                    await run(scheduler.stop(now))
+                    continue
                 waiting = set(running) if trainer_done is None or trainer_done.done() else {*running, trainer_done}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 now = self.clock() - started

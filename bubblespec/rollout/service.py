@@ -96,7 +96,7 @@ class RolloutService:
         it); 0: none."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
-        self._plan = DraftPlan([])
+        self._plan, self._late_chunks = DraftPlan([]), 0
         self._warned_unpeekable = False
         self._drafting = self._released = False
         self._outcome: RolloutOutcome | None = None
@@ -194,7 +194,7 @@ class RolloutService:
             self._store(outcome.drafts)
             self.store.drop_steps_before(step + 1)  # this step's drafts are used up
             plan.requeue(outcome.drafts)  # drafts the barrier cut off go on while the trainer runs
-        self._plan = plan
+        self._plan, self._late_chunks = plan, outcome.late_chunks  # the keys late chunks leave go back to the plan
         self._outcome, self._outcome_step, self._judged = outcome, step, False
         by_key = {result.key: result for result in outcome.results}
         outcome.results = [by_key[r.key] for r in requests]
@@ -210,7 +210,7 @@ class RolloutService:
         if self.colocated:
             self.ranks.release()
             self._released = True
-        elif self.speculation.uses_bubble and self.draft_during_training and self._plan:
+        elif self.speculation.uses_bubble and self.draft_during_training and (self._plan or self._late_chunks):
             self.ranks.start_drafting(self._plan, self.draft_during_training)
             self._drafting = True
 
@@ -280,7 +280,7 @@ class RolloutService:
 
     def close(self) -> None:
         """Stops drafting; the ranks themselves belong to whoever started them (a Ray session, this process)."""
-        self._plan = DraftPlan([])
+        self._plan, self._late_chunks = DraftPlan([]), 0
 
     def _static_drafts(self, keys: list) -> dict:
         """Each key's draft from the first static source (``speculation.draft_sources`` order) that has one."""

@@ -150,6 +150,9 @@ class RolloutOutcome:
     late_wait_seconds: float = 0.0
     """Seconds the step waited after this phase for its late drafting passes, before a weight sync could start
     (part of that sync's seconds; the rank pool's ``settle``)."""
+    late_chunks: int = 0
+    """Drafting calls still running when the phase ended (late chunks): the keys they leave unfinished go back to
+    the plan when they return."""
 
     @property
     def seconds_saved(self) -> float | None:
@@ -203,8 +206,11 @@ class TrainingDrafting:
 class DraftPlan:
     """The keys of later steps to draft, in bubble-policy order, handed out in chunks to idle ranks.
 
-    A chunk is an equal share of what is left per rank (at most ``max_batch_size`` keys): the first rank to
-    fall idle does not take every key, and a rank that finishes its chunk early still finds work.
+    A chunk is an equal share of the keys left per rank that may still take one (at most ``max_batch_size``
+    keys): the first rank to fall idle does not take every key, and a rank that finishes its chunk early still finds
+    work. A chunk holds its rank until its keys are drafted or the phase stops, so where no other rank will take
+    one (the one rank drafting while the trainer trains; in a rollout of two ranks, the rank that finishes first:
+    the other one is the barrier) the chunk is every key left, up to ``max_batch_size``.
 
     A request may carry an unfinished draft of its own key: the drafting rank then verifies that draft (one
     forward pass per ``max_draft_tokens_per_step`` tokens with the policy that made it) and goes on from its
@@ -217,20 +223,23 @@ class DraftPlan:
         self.num_ranks = num_ranks
         self.max_batch_size = max_batch_size
 
-    def requeue(self, drafts: Sequence[Draft]) -> None:
+    def requeue(self, drafts: Sequence[Draft], keys: Sequence[RolloutKey] = ()) -> None:
         """Puts the keys of unfinished ``drafts`` back at the front of what is left, each with its draft, so
-        that the next phase that drafts from this plan (drafting during training) continues them."""
+        that the next phase that drafts from this plan (drafting during training) continues them; and those of
+        ``keys`` (a chunk's) that made no draft at all (stopped before its first pass) as they were handed out."""
         handed_out = {r.key: r for r in self._requests[: self._next]}
+        drafted = {d.key for d in drafts}
         again = [
             GenerationRequest(handed_out[d.key].prompt_token_ids, d.key, handed_out[d.key].sampling, d)
             for d in drafts
             if not d.finished and d.key in handed_out
-        ]
+        ] + [handed_out[key] for key in keys if key not in drafted and key in handed_out]
         self._requests[self._next : self._next] = again
 
-    def take(self) -> list[GenerationRequest]:
+    def take(self, takers: int | None = None) -> list[GenerationRequest]:
+        """The next chunk: a ``takers``-th (default: ``num_ranks``) of the keys left."""
         remaining = len(self._requests) - self._next
-        size = max(1, min(self.max_batch_size, -(-remaining // self.num_ranks)))
+        size = max(1, min(self.max_batch_size, -(-remaining // (takers or self.num_ranks))))
         chunk = self._requests[self._next : self._next + size]
         self._next += len(chunk)
         return chunk
