@@ -176,7 +176,7 @@ def test_quick_torch_run_on_a_model_folder_uses_random_prompts_and_a_perturbed_p
 def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo_step(tmp_path):
     """--config: the config's task and sampling (its suppressed tokens too), pi_t+1 from one step of bubblespec's own
     learner at the config's learning rate on pi_t's samples and rewards; --set reaches the config."""
-    config = ["--config", "examples/quickstart.yaml", "--set", "task.prompts_per_step=8", "--set", "eval_every=0"]
+    config = ["--config", "examples/arithmetic.yaml", "--set", "task.prompts_per_step=8", "--set", "eval_every=0"]
     report = _run_quick(tmp_path, *config, "--exactness-requests", "8")
     _check_rows(report, {"torch"}, {"16"})
     update = report["policy_update"]

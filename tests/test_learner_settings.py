@@ -194,7 +194,7 @@ def test_non_finite_logits_are_an_engine_error_that_says_so(model_path):
 
 
 def test_the_end_to_end_run_with_sampling_filters_trains_finite_steps(tmp_path):
-    """The quickstart's task on the virtual clock with trainer.sampling_filters and top-k 5: two steps, finite."""
+    """The arithmetic task on the virtual clock with trainer.sampling_filters and top-k 5: two steps, finite."""
     from bubblespec.core.config import validate
     from bubblespec.observe.run_dir import RunDirectory
     from bubblespec.run.launch import run

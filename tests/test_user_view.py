@@ -241,7 +241,7 @@ def test_the_estimated_rollout_without_drafts_is_the_rollout_of_a_run_without_th
     the rollout the same run with speculation off measured (the same responses: verification is exact)."""
     records = {}
     for enabled in (True, False):
-        config = load_config(EXAMPLES / "quickstart.yaml", [
+        config = load_config(EXAMPLES / "arithmetic.yaml", [
             f"name=on-{enabled}", f"output_dir={tmp_path}", "clock.kind=virtual", "num_steps=3", "eval_every=0",
             "metrics.enabled=false", f"speculation.enabled={str(enabled).lower()}", "rollout.max_batch_size=16",
             "speculation.draft_during_training=true",

@@ -123,14 +123,14 @@ def test_drafts_from_a_policy_one_step_older_cut_decode_steps_and_change_nothing
     assert torch.isfinite(torch.tensor([lp for r in drafted for lp in r.logprobs])).all()
 
 
-def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
+def test_the_arithmetic_example_runs_on_the_vllm_backend(tmp_path):
     """rollout.backend: vllm through the whole loop (virtual clock: ranks in this process)."""
     from bubblespec.core.config import load_config
     from bubblespec.observe.run_dir import RunDirectory
     from bubblespec.run.launch import run
 
     config = load_config(
-        "examples/quickstart.yaml",
+        "examples/arithmetic.yaml",
         [
             "rollout.backend=vllm",
             f"rollout.engine_options.cpu_kv_cache_gib={KV_CACHE['cpu_kv_cache_gib']}",
@@ -138,7 +138,7 @@ def test_the_quickstart_runs_on_the_vllm_backend(tmp_path):
             "num_steps=3",
             "eval_every=0",
             "metrics.enabled=false",
-            # The quickstart's bubbles leave drafts of a token or two, and vLLM's prefill, which samples a
+            # The arithmetic example's bubbles leave drafts of a token or two, and vLLM's prefill, which samples a
             # response's first token, takes no draft: drafts made while the trainer runs are whole responses.
             "speculation.draft_during_training=true",
             f"output_dir={tmp_path}",
@@ -418,7 +418,7 @@ def test_colocated_vllm_ranks_are_refused_on_the_cpu(tmp_path):
     from bubblespec.run.assembly import checked_engine_settings, load_backend
     from bubblespec.tasks import ArithmeticTask
 
-    config = load_config("examples/quickstart.yaml", ["rollout.backend=vllm", "ray.colocated=true",
+    config = load_config("examples/arithmetic.yaml", ["rollout.backend=vllm", "ray.colocated=true",
                                                      f"output_dir={tmp_path}"])  # fmt: skip
     with pytest.raises(ConfigError, match="ray.colocated: a colocated vLLM rank frees .* CUDA only"):
         checked_engine_settings(config, str(ArithmeticTask.model_path()), load_backend(config))
