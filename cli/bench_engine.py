@@ -86,7 +86,7 @@ class EngineBenchSettings:
     weight_noise: float = 1e-3
     """Relative RMS change of every weight tensor from pi_t to pi_t+1 on a model folder."""
     learning_rate: float = 1e-4
-    """Adam learning rate of the policy step on the shipped model: the quickstart's."""
+    """Adam learning rate of the policy step on the shipped model: the main job's."""
     policy_step_prompts: int = 16
     policy_step_samples: int = 4
     max_draft_tokens_per_step: int = 16

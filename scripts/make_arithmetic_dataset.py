@@ -1,6 +1,6 @@
 """Writes the shipped task's problems as a table of prompt and answer: the data of examples/dataset.yaml.
 
-The same problems as the quickstart's (additions of up to five digits, the task's geometric tail of sizes), as
+The same problems as examples/arithmetic.yaml's (additions of up to five digits, the task's geometric tail of sizes), as
 JSONL rows ``{"prompt": "4821+93=", "answer": "4914"}``: a dataset the shipped model can learn from through the
 dataset task. Deterministic; from the repository root:
 

@@ -8,9 +8,9 @@ Teacher forcing on reference responses (loss on response tokens and ``<eos>`` on
 about ten minutes on one CPU thread. Training is deliberately short: the model should solve only part of the
 task, so that reinforcement learning has something to learn. Label smoothing (0.05) leaves the model less
 sharp than it could be: its greedy answers (about 60% right on the held-out prompts) are better than its
-temperature-1 samples (about 30%), which is the gap GRPO closes visibly in the quickstart. The shipped model is
-this script's output with its default flags; the run is meant to be a pure function of ``--seed`` and the other
-flags (thread count included).
+temperature-1 samples (about 30%), which is the gap GRPO closes visibly in examples/arithmetic.yaml. The shipped
+model is this script's output with its default flags; the run is meant to be a pure function of ``--seed`` and the
+other flags (thread count included).
 At the end it prints greedy and temperature-1 accuracy on 256 unseen prompts (``ArithmeticTask(seed=12345)``)
 and the length distribution of the reference responses. Needs ``transformers`` (a dev dependency).
 

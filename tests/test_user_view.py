@@ -206,6 +206,42 @@ def test_the_verdict_splits_what_speculation_did_and_names_the_cause_that_domina
         paid.startswith("speculation saved 0.20 wall-clock seconds")
         and "waited 0.03 s for drafting passes in flight" in paid
     )
+    assert "beside the trainer" not in paid  # no rank drafted while the trainer trained
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({}, True),  # the wall clock on one machine: the ranks draft on the trainer's CPU cores
+        ({"rollout": {"gpus_per_rank": 1}}, False),
+        ({"clock": {"kind": "virtual"}}, False),
+        ({"speculation": {"enabled": True, "draft_during_training": False}}, False),
+    ],
+)
+def test_the_verdict_names_drafting_beside_the_trainer_on_its_cores(settings, said):
+    """The fourth part of what speculation did: drafting while the trainer trains, on hardware it uses, which the
+    run's estimate cannot see; the summary says for how long and where it is measured."""
+    from bubblespec.core.config import validate
+    from bubblespec.observe.records import PhaseSeconds
+    from bubblespec.observe.summary import summarize
+
+    config = validate({"speculation": {"enabled": True, "draft_during_training": 1}} | settings)
+    steps = [
+        step_record(
+            step,
+            generated_tokens=100,
+            decode_steps=50,
+            rollout_seconds_saved=0.1,
+            phase_seconds=PhaseSeconds(rollout=1.0, train=2.0, weight_sync=0.0),
+            training_timelines=[[("draft", 0.0, 2.0)], []] if step < 2 else None,
+        )  # fmt: skip
+        for step in range(3)
+    ]
+    summary = summarize(config, steps, wall_seconds=9.0)
+    assert summary["train_seconds"] == 6.0 and summary["drafting_beside_training_seconds"] == 4.0
+    verdict = summary["speculation_effect"]
+    assert ("ranks drafted beside the trainer, on CPU cores it uses, for 4.00 s of its 6.00 s" in verdict) is said
+    assert ("train + sync with speculation off against on" in verdict) is said
 
 
 def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():

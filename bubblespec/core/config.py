@@ -633,6 +633,15 @@ class ServiceConfig(Section):
             return ranks, "auto: the ranks run on nodes of their own (ray.rollout_nodes, ray.trainer_nodes)"
         return 0, "auto: the ranks run on CPU cores the trainer may use; set it true where they have their own"
 
+    @property
+    def drafting_shares_trainer_hardware(self) -> bool:
+        """Whether ranks drafting while the trainer trains run on hardware the trainer uses (CPU cores of the same
+        machine, on the wall clock): a cost to the trainer that a run cannot see from its own records."""
+        separate_nodes = bool(self.ray.rollout_nodes and self.ray.trainer_nodes) and (
+            self.ray.rollout_nodes != self.ray.trainer_nodes
+        )
+        return self.clock.kind == "wall" and self.rollout.gpus_per_rank == 0 and not separate_nodes
+
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:
         """The service's sections of a run config."""

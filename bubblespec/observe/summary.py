@@ -20,16 +20,14 @@ def eval_means_by_name(summary: dict) -> dict[str, dict]:
 def speculation_verdict(summary: dict) -> str:
     """Did speculation help in this run? One sentence from the summary: what the drafts saved in decode passes net
     of verification, what waiting for drafting passes in flight cost, and, when it did not pay, the cause that
-    dominated and the setting that addresses it; the steps ``speculation.enabled: auto`` paused drafting in."""
+    dominated and the setting that addresses it; how long ranks drafted beside the trainer on hardware it uses (a
+    cost the run cannot see); the steps ``speculation.enabled: auto`` paused drafting in."""
     if not summary.get("speculation"):
         return "speculation was off in this run (speculation.enabled: false)"
     paused = summary.get("drafting_paused_steps", 0)
-    return _verdict(summary) + (
-        f"; speculation.enabled: auto paused drafting in {paused} of {summary['num_steps']} steps, where it had not "
-        "paid (true drafts in every step)"
-        if paused
-        else ""
-    )
+    steps = summary["num_steps"]
+    pauses = f"; speculation.enabled: auto paused drafting in {paused} of {steps} steps, where it had not paid"
+    return _verdict(summary) + _beside_training(summary) + (f"{pauses} (true drafts in every step)" if paused else "")
 
 
 def _verdict(summary: dict) -> str:
@@ -73,6 +71,19 @@ def _verdict(summary: dict) -> str:
     )
 
 
+def _beside_training(summary: dict) -> str:
+    """The fourth part of what speculation did, which the run's estimate leaves out: drafting beside the trainer
+    on hardware it uses."""
+    beside = summary.get("drafting_beside_training_seconds", 0.0)
+    if not beside or not summary.get("drafting_shares_trainer_hardware"):
+        return ""
+    return (
+        f"; ranks drafted beside the trainer, on CPU cores it uses, for {beside:.2f} s of its "
+        f"{summary.get('train_seconds', 0.0):.2f} s of training, which slows it by what this run cannot see "
+        "(`bubblespec bench CONFIG` measures it: train + sync with speculation off against on)"
+    )
+
+
 def bubble_utilization(steps: list[StepRecord], num_steps: int) -> float:
     """The run's :func:`~bubblespec.rollout.step.bubble_use`: every rank of every step but the run's last."""
     return bubble_use(r for s in steps if s.step < num_steps - 1 for r in s.ranks)
@@ -111,6 +122,11 @@ def summarize(config: RunConfig, steps: list[StepRecord], wall_seconds: float) -
         "draft_coverage_mean": sum(s.draft_coverage for s in steps) / len(steps),
         "bubble_utilization": bubble_utilization(steps, config.num_steps),
         "rollout_seconds": rollout,
+        "train_seconds": sum(s.phase_seconds.train for s in steps),
+        "drafting_beside_training_seconds": sum(
+            s.phase_seconds.train for s in steps if s.training_timelines and any(s.training_timelines)
+        ),
+        "drafting_shares_trainer_hardware": bool(drafting) and config.drafting_shares_trainer_hardware,
         "rollout_seconds_saved": saved,
         "barrier_wait_seconds": wait,
         "drafting_paused_steps": sum(s.drafting_paused for s in steps),
