@@ -26,9 +26,7 @@ The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -77,8 +75,9 @@ def random_workload(
 ) -> Workload:
     """Random prompts of lengths uniform in ``prompt_lengths`` over the model's vocabulary without EOS."""
     from bubblespec.core.model_folder import eos_token_ids
+    from bubblespec.core.model_folder import vocab_size as folder_vocab_size
 
-    vocab_size = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    vocab_size = folder_vocab_size(model_path)
     eos_ids = sorted(eos_token_ids(model_path))
     low, high = prompt_lengths
     generator = torch.Generator().manual_seed(seed)

@@ -438,7 +438,9 @@ def engine_speed(sizes: Sizes, scratch: Path, done: dict) -> dict:
     folder = write_preset_checkpoint(scratch / "qwen25-05b", "qwen2.5-0.5b", dtype="bfloat16", seed=0,
                                      **sizes.speed_preset)  # fmt: skip
     newer, _ = perturbed_weights(_checkpoint_weights(folder), 1e-4, seed=0)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    from bubblespec.core.model_folder import vocab_size
+
+    vocab = vocab_size(folder)
     rows = []
     for batch in sizes.speed_batches:
         requests = _requests(sizes, vocab, seed=batch, max_new_tokens=sizes.speed_tokens)[:batch]
