@@ -629,7 +629,7 @@ class ServiceConfig(Section):
             return 0, "auto: on the virtual clock set it true to simulate ranks with hardware of their own"
         if self.rollout.gpus_per_rank > 0:
             return ranks, "auto: the ranks reserve GPUs of their own (rollout.gpus_per_rank, ray.colocated false)"
-        if self.ray.rollout_nodes and self.ray.trainer_nodes and self.ray.rollout_nodes != self.ray.trainer_nodes:
+        if self._ranks_on_nodes_of_their_own:
             return ranks, "auto: the ranks run on nodes of their own (ray.rollout_nodes, ray.trainer_nodes)"
         return 0, "auto: the ranks run on CPU cores the trainer may use; set it true where they have their own"
 
@@ -637,10 +637,12 @@ class ServiceConfig(Section):
     def drafting_shares_trainer_hardware(self) -> bool:
         """Whether ranks drafting while the trainer trains run on hardware the trainer uses (CPU cores of the same
         machine, on the wall clock): a cost to the trainer that a run cannot see from its own records."""
-        separate_nodes = bool(self.ray.rollout_nodes and self.ray.trainer_nodes) and (
-            self.ray.rollout_nodes != self.ray.trainer_nodes
-        )
-        return self.clock.kind == "wall" and self.rollout.gpus_per_rank == 0 and not separate_nodes
+        return self.clock.kind == "wall" and self.rollout.gpus_per_rank == 0 and not self._ranks_on_nodes_of_their_own
+
+    @property
+    def _ranks_on_nodes_of_their_own(self) -> bool:
+        ray = self.ray
+        return bool(ray.rollout_nodes and ray.trainer_nodes) and ray.rollout_nodes != ray.trainer_nodes
 
     @classmethod
     def of_run(cls, config: RunConfig) -> ServiceConfig:

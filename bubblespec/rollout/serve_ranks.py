@@ -406,12 +406,10 @@ class ServeRankPool:
                 await asyncio.gather(*self._late, return_exceptions=True)
             await run(scheduler.start())
             while not scheduler.ended:
-                if trainer_done is not None and trainer_done.done() and scheduler.stopped_at is None:
-                    # the trainer finished before this phase waited at all (it waited for late passes first)
-                    now = self.clock() - started
-                    await run(scheduler.stop(now))
-                    continue
-                waiting = set(running) if trainer_done is None or trainer_done.done() else {*running, trainer_done}
+                # the trainer's end is waited for until the phase has stopped for it, also when it came before this
+                # phase first waited (the phase waited for late passes first)
+                stopped = trainer_done is None or scheduler.stopped_at is not None
+                waiting = set(running) if stopped else {*running, trainer_done}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 now = self.clock() - started
                 if trainer_done in done:
