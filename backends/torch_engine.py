@@ -23,8 +23,9 @@ from pydantic import field_validator
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
-from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint, read_model_config
+from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, TokenTree, read_checkpoint, read_model_config
 from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings
+from bubblespec.verify.tree import DraftTree
 
 
 class TorchEngineConfig(EngineSettings, DraftChainSettings):
@@ -60,6 +61,8 @@ class TorchEngine(Engine):
     config_class = TorchEngineConfig
     supports_draft_chain = True
     """Runs dynamic draft sources (``ngram``, ``group``, plugins) itself: see ``TorchEngineConfig.draft_chain``."""
+    supports_draft_trees = True
+    """Verifies ``draft_candidates`` candidates per sequence and pass as a token tree (:meth:`_tree_step`)."""
 
     def __init__(self, config: TorchEngineConfig) -> None:
         self.config = config
@@ -159,7 +162,7 @@ class TorchEngine(Engine):
         num_slots = min(len(sequences), self.config.max_batch_size)
         # Every row of a pass is padded to the longest chunk (a new sequence's prompt + its draft), so a sequence
         # near the end of its response writes padding up to that far past its own length.
-        longest_chunk = max(len(s.pending) for s in sequences) + self.config.max_draft_tokens_per_step
+        longest_chunk = max(len(s.pending) for s in sequences) + self._proposal.tree_budget
         positions = max(len(s.pending) + s.max_new_tokens for s in sequences) + longest_chunk
         cache = self._cache
         if cache is None or cache.keys.shape[1] < num_slots or cache.max_positions < positions:
@@ -170,6 +173,8 @@ class TorchEngine(Engine):
     def _step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass over every active sequence: each feeds its pending tokens and its draft chunk, and
         is sampled at its last pending token and at every draft token."""
+        if self._proposal.draft_candidates > 1:
+            return self._tree_step(active, cache, on_forward)
         batch = len(active)
         drafts = [s.propose(self._proposal) for s in active]
         chunks = [s.pending + d for s, d in zip(active, drafts, strict=True)]
@@ -194,20 +199,89 @@ class TorchEngine(Engine):
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
 
-    def _sample(self, active: list[_Slot], logits: torch.Tensor, drafts: list[list[int]]):
+    def _tree_step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
+        """One forward pass in which every sequence verifies its candidates as a token tree
+        (:mod:`bubblespec.verify.tree`): the tree's nodes follow the pending tokens, stored at the next cache
+        positions in node order, each at its depth's position in the sequence and seeing only its ancestors. The
+        first candidate's nodes are stored where they stand, so with one candidate this is :meth:`_step`'s pass;
+        the accepted path's keys and values are moved to their positions afterwards."""
+        batch = len(active)
+        trees = [DraftTree.of(s.propose_candidates(self._proposal), self._proposal.tree_budget) for s in active]
+        chunks = [s.pending + t.tokens for s, t in zip(active, trees, strict=True)]
+        length = max(len(c) for c in chunks)
+        width = max(len(t) for t in trees) + 1
+        tokens = torch.zeros(batch, length, dtype=torch.int64)
+        depths = torch.arange(length)[None, :].repeat(batch, 1)  # a chunk index's position past the cache
+        visible = torch.ones(length, length, dtype=torch.bool).tril()[None].repeat(batch, 1, 1)
+        for row, (sequence, tree, chunk) in enumerate(zip(active, trees, chunks, strict=True)):
+            tokens[row, : len(chunk)] = torch.tensor(chunk)
+            fed = len(sequence.pending)
+            for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths, strict=True)):
+                index = fed + node
+                depths[row, index] = fed - 1 + depth
+                visible[row, index, fed:index] = False
+                ancestors = fed + torch.tensor(tree.path(parent)) if parent >= 0 else torch.tensor([], dtype=torch.long)
+                visible[row, index, ancestors] = True
+        cache_lengths = torch.tensor([s.cache_length for s in active])
+        positions = cache_lengths[:, None] + torch.arange(length)
+        first_sampled = torch.tensor([len(s.pending) - 1 for s in active])
+        select = (first_sampled[:, None] + torch.arange(width)).clamp(max=length - 1)
+        token_tree = TokenTree((cache_lengths[:, None] + depths).to(self.device), visible.to(self.device))
+        logits = self.model.forward(
+            tokens.to(self.device), positions.to(self.device), cache, select.to(self.device), token_tree
+        )
+        self.num_forward_passes += 1
+        if on_forward is not None:
+            attended = [
+                len(s.pending) * s.cache_length + len(s.pending) * (len(s.pending) + 1) // 2
+                + sum(s.cache_length + len(s.pending) + d for d in t.depths)
+                for s, t in zip(active, trees, strict=True)
+            ]  # fmt: skip
+            on_forward(_forward_pass(active, chunks, width * self.vocab_size, attended))
+        # One sample per scored position, each with its own path before it (the repetition penalty sees it).
+        rows = [(row, sequence, index) for row, sequence in enumerate(active) for index in range(len(trees[row]) + 1)]
+        paths = [trees[row].path_tokens(index - 1) if index else [] for row, _, index in rows]
+        sampled, logprobs = self._sample(
+            [sequence for _, sequence, _ in rows],
+            logits[[row for row, _, _ in rows], [index for _, _, index in rows]][:, None],
+            paths,
+            [len(path) for path in paths],
+        )
+        first = 0
+        for slot, (sequence, tree) in enumerate(zip(active, trees, strict=True)):
+            scored = len(tree) + 1
+            samples = [row[0] for row in sampled[first : first + scored]]
+            row_logprobs = [row[0] for row in logprobs[first : first + scored]]
+            first += scored
+            fed = len(sequence.pending)
+            path = sequence.record_tree(tree, samples, row_logprobs, self._proposal)
+            moved = [(fed + node, fed + j) for j, node in enumerate(path) if node != j]
+            if moved:
+                base = sequence.cache_length
+                cache.move_positions(slot, [base + src for src, _ in moved], [base + dst for _, dst in moved])
+            sequence.cache_length += fed + len(path)
+            sequence.pending = sequence.tokens[-1:]
+
+    def _sample(self, active: list[_Slot], logits: torch.Tensor, drafts: list[list[int]], offsets=None):
         """Keyed samples [B][W] and their logprobs at every selected position, as lists."""
         # one_hot: stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other
         stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
-        return keyed_samples(logits, active, drafts, stream=stream)
+        return keyed_samples(logits, active, drafts, offsets, stream=stream)
 
 
-def _forward_pass(active: list[_Slot], chunks: list[list[int]], logits_per_row: int) -> ForwardPass:
+def _forward_pass(
+    active: list[_Slot], chunks: list[list[int]], logits_per_row: int, attended: list[int] | None = None
+) -> ForwardPass:
+    """What a pass computed; ``attended``: per sequence, the (query, key) pairs its chunk attended (default: a
+    causal chunk after its cache)."""
     fed = [len(chunk) for chunk in chunks]
     starts = [s.cache_length for s in active]
+    if attended is None:
+        attended = [n * start + n * (n + 1) // 2 for start, n in zip(starts, fed, strict=True)]
     return ForwardPass(
         num_sequences=len(active),
         num_tokens=sum(fed),
         context_tokens=sum(start + n for start, n in zip(starts, fed, strict=True)),
-        attention_pairs=sum(n * start + n * (n + 1) // 2 for start, n in zip(starts, fed, strict=True)),
+        attention_pairs=sum(attended),
         sampled_logits=len(active) * logits_per_row,
     )

@@ -286,6 +286,19 @@ def test_engine_side_draft_sources_need_a_backend_that_runs_them(tmp_path):
     assert load_backend(vllm).supports_draft_chain  # vLLM runs them in its proposer
 
 
+def test_draft_trees_need_a_backend_that_runs_draft_chains(tmp_path):
+    from bubblespec.run.assembly import load_backend
+
+    speculation = {"enabled": True, "draft_candidates": 3}
+    sglang = _config(tmp_path, "sglang", speculation=speculation, rollout={"backend": "sglang"})
+    with pytest.raises(ConfigError, match="draft_candidates 3: rollout.backend 'sglang' verifies only the request"):
+        load_backend(sglang)
+    vllm = _config(tmp_path, "vllm", speculation=speculation, rollout={"backend": "vllm"})
+    assert not load_backend(vllm).supports_draft_trees  # it verifies the first candidate (a warning says so)
+    torch_config = _config(tmp_path, "torch", speculation=speculation)
+    assert load_backend(torch_config).supports_draft_trees
+
+
 @pytest.mark.parametrize(
     "changes",
     [

@@ -159,6 +159,12 @@ class SpeculationConfig(Section):
     draft_source_options: dict[str, dict[str, Any]] = {}
     """Constructor arguments of sources by name, e.g. ``{ngram: {max_n: 4, min_n: 2, num_tokens: 8}}`` (the
     ``bubble`` source takes none: it reads the draft store)."""
+    draft_candidates: int = Field(1, ge=1, le=16)
+    """Candidate continuations each sequence verifies per forward pass. 1: the first source in
+    ``draft_sources`` order that proposes (a chain). More: the proposals of several sources (the request's draft,
+    each sibling's for ``group``, ``ngram``'s), verified at once as a token tree of at most this many times
+    ``rollout.max_draft_tokens_per_step`` tokens, so the longest agreeing one wins wherever the first has left
+    the new policy. The torch backend builds trees; vllm and sglang verify the first candidate only."""
 
     @field_validator("draft_store")
     @classmethod
@@ -894,6 +900,10 @@ class DraftChainSettings(BaseModel):
     sequence takes the first non-empty proposal (see :mod:`bubblespec.core.draft_sources`)."""
     draft_source_options: dict[str, dict] = {}
     """Keyword arguments of each dynamic source's constructor, by source name."""
+    draft_candidates: int = Field(1, ge=1)
+    """Candidate continuations a sequence verifies per forward pass (``speculation.draft_candidates``): 1 takes the
+    chain's first proposal; more verify several at once as a token tree where the engine can
+    (``supports_draft_trees``), and the first elsewhere."""
 
 
 def engine_config(backend: str, model: type[BaseModel], settings: dict[str, Any]) -> BaseModel:

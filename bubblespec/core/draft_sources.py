@@ -103,6 +103,11 @@ class DynamicDraftSource(DraftSource):
         """Up to ``limit`` token ids to propose after ``context.tokens``; [] for none."""
         raise NotImplementedError
 
+    def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
+        """Every proposal the source has, best first, for an engine that verifies several candidates at once
+        (``speculation.draft_candidates``); by default the one :meth:`propose` gives."""
+        return [self.propose(context, limit)]
+
 
 class NoDrafts(DraftSource):
     """Proposes nothing: plain decoding."""
@@ -151,14 +156,17 @@ class GroupProposer(DynamicDraftSource):
         self.max_n, self.min_n, self.match_tokens = max_n, min_n, match_tokens
 
     def propose(self, context: ProposalContext, limit: int) -> list[int]:
+        proposals = self.propose_all(context, limit)
+        return proposals[0] if proposals else []
+
+    def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
+        """Each sibling's proposal, longest first (siblings in sample order among equals)."""
         tokens = context.tokens
-        best: list[int] = []
+        proposals = []
         for sibling in context.siblings:
             aligned = self._aligned(tokens, sibling, limit)
-            proposal = aligned or lookup_continuation(tokens, sibling, self.max_n, self.min_n, limit)
-            if len(proposal) > len(best):
-                best = proposal
-        return best
+            proposals.append(aligned or lookup_continuation(tokens, sibling, self.max_n, self.min_n, limit))
+        return sorted((p for p in proposals if p), key=len, reverse=True)
 
     def _aligned(self, tokens: Sequence[int], sibling: Sequence[int], limit: int) -> list[int]:
         position = len(tokens)

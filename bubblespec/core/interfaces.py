@@ -253,6 +253,9 @@ class Engine:
     supports_draft_chain: ClassVar[bool] = False
     """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
     ``draft_source_options`` settings)."""
+    supports_draft_trees: ClassVar[bool] = False
+    """Whether the engine verifies several candidates per sequence and forward pass as a token tree
+    (``draft_candidates`` > 1); an engine without it verifies the first candidate only."""
     unsupported_sampling: ClassVar[tuple[str, ...]] = ()
     """:class:`SamplingParams` fields the engine refuses where they are not at their defaults (a ``RequestError``
     naming them) rather than applies; a run refuses them before anything starts."""

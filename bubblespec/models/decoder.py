@@ -306,6 +306,22 @@ def check_weight_names(given: Sequence[str], expected: Sequence[str], strict: bo
             raise ModelLoadError(f"checkpoint is missing weights {missing[:5]} ({len(missing)} in all)")
 
 
+@dataclass(frozen=True)
+class TokenTree:
+    """A forward pass's chunks as token trees (:meth:`DecoderModel.forward`): candidate continuations of each
+    sequence share their common prefixes, and a token sees only the tokens on its own path.
+
+    A chunk's tokens are stored at consecutive cache positions as usual (so a rejected branch needs no undo); a
+    tree token stands at the position its depth gives it in the sequence, which may be before where it is stored.
+    The engine moves the keys and values of the accepted path to their positions afterwards
+    (:meth:`KVCache.move_positions`)."""
+
+    positions_BT: torch.Tensor
+    """The position of each chunk token in its sequence (RoPE, windows)."""
+    visible_BTT: torch.Tensor
+    """Bool [B, T, T]: whether chunk token t (a query) sees chunk token u (a key): itself and its ancestors."""
+
+
 class KVCache:
     """Keys and values by (layer, slot, head, absolute position). Slots ``[0, num_active)`` are in use."""
 
@@ -324,6 +340,11 @@ class KVCache:
     def move_slot(self, source: int, target: int) -> None:
         self.keys[:, target] = self.keys[:, source]
         self.values[:, target] = self.values[:, source]
+
+    def move_positions(self, slot: int, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copies the keys and values at positions ``sources`` of ``slot`` to ``targets`` (all read first)."""
+        self.keys[:, slot, :, list(targets)] = self.keys[:, slot, :, list(sources)]
+        self.values[:, slot, :, list(targets)] = self.values[:, slot, :, list(sources)]
 
 
 class DecoderModel:
@@ -403,6 +424,7 @@ class DecoderModel:
         positions_BT: torch.Tensor,
         cache: KVCache | None = None,
         select_BW: torch.Tensor | None = None,
+        tree: TokenTree | None = None,
     ) -> torch.Tensor:
         """Logits [B, W, V] at chunk indices ``select_BW`` (all indices when None).
 
@@ -410,11 +432,15 @@ class DecoderModel:
         everything cached before them. Without one (training), each row is a whole sequence from position 0,
         right-padded, attending causally within itself. A layer with a sliding window ``w`` lets the query at
         position ``p`` attend positions ``(p - w, p]`` only.
+
+        ``tree`` (with a cache): the chunk holds token trees (several candidate continuations verified at once);
+        ``positions_BT`` are then where each token's keys and values are stored, and the tree gives the positions
+        its tokens take in their sequence and which of the chunk's tokens each one sees (see :class:`TokenTree`).
         """
         w, cfg = self.weights, self.config
         batch, length = tokens_BT.shape
-        cos_BT1D, sin_BT1D = self._rope(positions_BT)
-        masks = {window: self._mask(positions_BT, cache, window) for window in {None, *cfg.sliding_windows}}
+        cos_BT1D, sin_BT1D = self._rope(positions_BT if tree is None else tree.positions_BT)
+        masks = {window: self._mask(positions_BT, cache, window, tree) for window in {None, *cfg.sliding_windows}}
         slots_BT = None if cache is None else torch.arange(batch, device=self.device)[:, None].expand(batch, length)
         qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         hidden_BTH = F.embedding(tokens_BT, w["model.embed_tokens.weight"])
@@ -448,7 +474,7 @@ class DecoderModel:
         return F.linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
 
     def _mask(
-        self, positions_BT: torch.Tensor, cache: KVCache | None, window: int | None
+        self, positions_BT: torch.Tensor, cache: KVCache | None, window: int | None, tree: TokenTree | None = None
     ) -> tuple[int, torch.Tensor | None]:
         """The first key position a query of this forward pass can see, and the boolean attention mask over
         key positions ``[start, ...)``: ``key <= query`` and, with a window, ``key > query - window``.
@@ -458,7 +484,8 @@ class DecoderModel:
         :data:`KEY_ALIGNMENT`: a window also skips the cache positions no query of the batch can see, from a multiple
         of :data:`KEY_BLOCK` on. Both roundings keep a row's attention from depending on the other rows of the pass:
         masked keys add exact zeros, but where the span ends and where the key blocks start changes the order in
-        which the visible ones are summed."""
+        which the visible ones are summed. With a ``tree``, a query sees the cache before the chunk and, within the
+        chunk, what :attr:`TokenTree.visible_BTT` says; windows count by the tree's positions."""
         if cache is None:
             if window is None:
                 return 0, None
@@ -470,6 +497,17 @@ class DecoderModel:
         keys_11S = torch.arange(start, span, device=self.device)[None, None, :]
         queries_BT1 = positions_BT[:, :, None]
         visible_BTS = keys_11S <= queries_BT1
+        if tree is not None:
+            # The chunk's own keys: those the tree lets each query see (their stored positions need not be in order).
+            chunk_keys_BTT = (positions_BT - start)[:, None, :].expand(-1, positions_BT.shape[1], -1)
+            visible_BTS = visible_BTS & (keys_11S < positions_BT.min(dim=1).values[:, None, None])
+            visible_BTS = visible_BTS.scatter(2, chunk_keys_BTT, tree.visible_BTT)
+            queries_BT1 = tree.positions_BT[:, :, None]
+            keys_BTS = torch.arange(start, span, device=self.device)[None, None, :].expand_as(visible_BTS)
+            keys_BTS = keys_BTS.scatter(2, chunk_keys_BTT, tree.positions_BT[:, None, :].expand_as(chunk_keys_BTT))
+            if window is not None:
+                visible_BTS = visible_BTS & (keys_BTS > queries_BT1 - window)
+            return start, visible_BTS[:, None]
         if window is not None:
             visible_BTS = visible_BTS & (keys_11S > queries_BT1 - window)
         return start, visible_BTS[:, None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.clocks import PROFILES
 from bubblespec.rollout.service import Peek, RolloutService
 from bubblespec.rollout.virtual_ranks import VirtualRankPool
+
+logger = logging.getLogger(__name__)
 
 
 def model_path(config: RunConfig, task) -> str:
@@ -126,8 +129,11 @@ def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0)
     speculation = config.speculation
     chain = draft_chain(speculation.draft_sources) if speculation.enabled else ()
     dynamic = {}
-    if any(name != REQUEST_DRAFT for name in chain):  # only then: other backends need not know the setting
+    if any(name != REQUEST_DRAFT for name in chain) or speculation.draft_candidates > 1:
+        # only then: other backends need not know these settings
         dynamic = {"draft_chain": chain, "draft_source_options": speculation.draft_source_options}
+        if speculation.draft_candidates > 1:
+            dynamic["draft_candidates"] = speculation.draft_candidates
     return (
         {
             "model_path": path,
@@ -173,6 +179,19 @@ def load_backend(config: RunConfig | ServiceConfig):
             f"speculation.draft_sources {dynamic} run inside the engine, and rollout.backend "
             f"{config.rollout.backend!r} cannot run them; use a backend that can ({', '.join(able)}) or only the "
             "sources the controller attaches (bubble, history)"
+        )
+    if speculation.enabled and speculation.draft_candidates > 1 and not backend.supports_draft_chain:
+        raise ConfigError(
+            f"speculation.draft_candidates {speculation.draft_candidates}: rollout.backend "
+            f"{config.rollout.backend!r} verifies only the request's draft; use 1 with it, or the torch backend "
+            "(token trees)"
+        )
+    if speculation.enabled and speculation.draft_candidates > 1 and not backend.supports_draft_trees:
+        logger.warning(
+            "speculation.draft_candidates %d: rollout.backend %r verifies the first candidate of each pass only "
+            "(no token trees)",
+            speculation.draft_candidates,
+            config.rollout.backend,
         )
     return backend
 

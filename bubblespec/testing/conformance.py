@@ -547,6 +547,29 @@ class RealVocabularyConformance:
             actual = _by_key(self._timed(engine, requests, f"{setting}, the engine under test"))
             compare(expected, actual, self.tolerance(), self.reference_allowance(len(requests)), setting)
 
+    def test_candidates_verified_together_never_change_outputs(self, model_path, older_samples):
+        """Several candidates per sequence and pass (``draft_candidates``: the request's draft, each sibling's
+        response, prompt lookup), at every sampling setting, beside the older policy's drafts and random ones:
+        plain decoding's outputs. An engine that builds token trees verifies them together; one that does not
+        verifies the first."""
+        engine_class = plugins.load("backends", self.backend)
+        if not engine_class.supports_draft_chain:
+            pytest.skip(f"the {self.backend} backend runs no dynamic draft sources, so it has one candidate a pass")
+        settings = self.engine_settings | {"draft_chain": ("request", "group", "ngram"), "draft_candidates": 3}
+        engine = engine_class.from_pretrained(**run_settings(model_path, self.dtype, settings))
+        rng = random.Random(6)
+        try:
+            for setting in self.sampling_settings:
+                requests = self.make_requests(setting)
+                plain = _by_key(self._timed(engine, requests, f"{setting}, no drafts"))
+                variants = self._draft_variants(requests, older_samples[setting], plain, rng, engine.vocab_size)
+                for name in ("older policy", "random"):
+                    drafted = [_with_draft(r, variants[name][r.key]) for r in requests]
+                    drafted = self._timed(engine, drafted, f"{setting}, {name}, candidates")
+                    self._assert_same(plain, _by_key(drafted), f"{setting}, candidates beside drafts: {name}")
+        finally:
+            engine.close()
+
     def _draft_variants(self, requests, older: dict, plain: dict, rng: random.Random, vocab: int) -> dict:
         """Draft tokens by key for each kind of draft a run can produce."""
         keys = [r.key for r in requests]

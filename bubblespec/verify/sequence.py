@@ -27,6 +27,7 @@ from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import FinishReason, GenerationRequest, GenerationResult, RequestStats
 from bubblespec.verify import sampling
 from bubblespec.verify.drafts import check_request, realign, stop_token_ids
+from bubblespec.verify.tree import DraftTree
 from bubblespec.verify.verification import accepted_length, decide_keyed_samples
 
 Alignment = Literal["position", "suffix"]
@@ -42,6 +43,15 @@ class ProposalSettings:
     draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
     proposers: Mapping[str, object] = field(default_factory=dict)
     """Dynamic draft sources by name (see :func:`load_proposers`)."""
+    draft_candidates: int = 1
+    """Candidate continuations a sequence verifies per forward pass (:meth:`Sequence.propose_candidates`): 1
+    takes the chain's first proposal; more verify several as one token tree (:mod:`bubblespec.verify.tree`),
+    at most ``draft_candidates * max_draft_tokens_per_step`` tree tokens."""
+
+    @property
+    def tree_budget(self) -> int:
+        """Draft tokens a sequence may verify per forward pass, every candidate together."""
+        return self.draft_candidates * self.max_draft_tokens_per_step
 
     @classmethod
     def of(cls, config) -> ProposalSettings:
@@ -54,6 +64,7 @@ class ProposalSettings:
             draft_alignment=config.draft_alignment,
             draft_chain=config.draft_chain,
             proposers=load_proposers(config.draft_chain, config.draft_source_options),
+            draft_candidates=config.draft_candidates,
         )
 
 
@@ -114,14 +125,18 @@ class Sequence:
 
     # -- proposing -----------------------------------------------------------------------------------------------
 
-    def propose(self, settings: ProposalSettings) -> list[int]:
-        """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain, leaving
-        room for the sampled token that always follows them. Empty for a plain decode step."""
+    def _proposal_length(self, settings: ProposalSettings) -> int:
+        """Tokens one proposal may hold: room is left for the sampled token that always follows them."""
         limit = settings.max_draft_tokens_per_step
         if self.proposal_limit is not None:
             limit = min(limit, self.proposal_limit)
-        limit = min(limit, self.room - 1)
-        if limit <= 0 or self.decode_next:
+        return 0 if self.decode_next else min(limit, self.room - 1)
+
+    def propose(self, settings: ProposalSettings) -> list[int]:
+        """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain, leaving
+        room for the sampled token that always follows them. Empty for a plain decode step."""
+        limit = self._proposal_length(settings)
+        if limit <= 0:
             return []
         chain = settings.draft_chain
         if chain == (REQUEST_DRAFT,):
@@ -137,6 +152,31 @@ class Sequence:
                 return chunk
         self.proposed_by = REQUEST_DRAFT  # nothing else proposes: the diverged draft, by position
         return self._draft_chunk(limit) if REQUEST_DRAFT in chain else []
+
+    def propose_candidates(self, settings: ProposalSettings) -> list[tuple[str, list[int]]]:
+        """Up to ``settings.draft_candidates`` distinct (source, tokens) proposals in the chain's priority order,
+        to verify together as a token tree: the request's draft (re-aligned as :meth:`propose` does, and by
+        position where it has diverged, last), then every dynamic source's (each of a source's proposals, e.g.
+        one per sibling). Empty for a plain decode step."""
+        limit = self._proposal_length(settings)
+        if limit <= 0:
+            return []
+        found: list[tuple[str, list[int]]] = []
+        for name in settings.draft_chain:
+            if name == REQUEST_DRAFT:
+                proposals = [self._aligned_draft_chunk(limit)]
+            else:
+                proposer = settings.proposers[name]
+                proposals = proposer.propose_all(self._context(), limit)
+            for proposal in proposals:
+                proposal = list(proposal)[:limit]
+                if proposal and all(proposal != tokens for _, tokens in found):
+                    found.append((name, proposal))
+        if REQUEST_DRAFT in settings.draft_chain and self.diverged:
+            by_position = self._draft_chunk(limit)
+            if by_position and all(by_position != tokens for _, tokens in found):
+                found.append((REQUEST_DRAFT, by_position))
+        return found[: settings.draft_candidates]
 
     def _draft_chunk(self, limit: int) -> list[int]:
         draft = self.request.draft
@@ -166,9 +206,15 @@ class Sequence:
     # -- recording -----------------------------------------------------------------------------------------------
 
     def record(
-        self, draft: Seq[int], samples: Seq[int | None], logprobs: Seq[float], settings: ProposalSettings
+        self,
+        draft: Seq[int],
+        samples: Seq[int | None],
+        logprobs: Seq[float],
+        settings: ProposalSettings,
+        verified: int | None = None,
     ) -> int:
         """Applies one forward pass that scored ``draft`` (possibly empty); returns the draft tokens accepted.
+        ``verified``: the draft tokens the pass scored, counted as proposed (a token tree's; default ``len(draft)``).
 
         samples / logprobs: at least ``len(draft) + 1`` entries (more are ignored); ``samples[j]`` is the keyed
         sample at the position of ``draft[j]``, ``samples[len(draft)]`` the one after the draft; ``None`` where
@@ -196,7 +242,7 @@ class Sequence:
             self.stats.prefill_tokens = len(self.request.prompt_token_ids)
         self.stats.decode_steps += 1
         if draft:
-            self._count_verify_step(proposed, accepted, kept, undecided)
+            self._count_verify_step(proposed if verified is None else verified, accepted, kept, undecided)
             if settings.adaptive_draft_length and proposed:
                 # Propose what the last verify step accepted, plus one; double after a full acceptance. Where a
                 # forward pass costs in proportion to its tokens (CPUs, compute-bound GPUs) this stops paying
@@ -206,6 +252,26 @@ class Sequence:
         if self.proposed_by == REQUEST_DRAFT and ((draft and accepted < len(draft) and not undecided) or resolved):
             self._after_request_draft_step(settings.draft_alignment)
         return accepted
+
+    def record_tree(
+        self, tree: DraftTree, samples: Seq[int], logprobs: Seq[float], settings: ProposalSettings
+    ) -> list[int]:
+        """Applies one forward pass that scored ``tree`` (``samples[0]`` / ``logprobs[0]`` after the sequence's
+        last token, ``[1 + i]`` after node ``i``); returns the accepted path (nodes). The step is recorded as the
+        candidate that holds the path, with every tree token counted as proposed."""
+        if not tree.candidates:  # a plain decode step
+            self.record((), samples[:1], logprobs[:1], settings)
+            return []
+        path = tree.accept(samples)
+        source, draft = tree.chosen(path)
+        along = [samples[0], *(samples[1 + node] for node in path)]
+        along_logprobs = [logprobs[0], *(logprobs[1 + node] for node in path)]
+        padding = len(draft) - len(path)  # the candidate's tokens past the path were rejected: any sample will do
+        self.proposed_by = source
+        self.record(draft, [*along, *[-1] * padding], [*along_logprobs, *[0.0] * padding], settings, len(tree))
+        if source != REQUEST_DRAFT and self.request.draft is not None and not self.diverged:
+            self._after_request_draft_step(settings.draft_alignment)  # the request's draft may have been passed by
+        return path
 
     def _count_verify_step(self, proposed: int, accepted: int, kept: int, undecided: bool) -> None:
         """Stats of a step that verified draft tokens (``proposed`` == 0: it went on with held scores)."""

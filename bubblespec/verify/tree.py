@@ -1,0 +1,94 @@
+"""Several candidate continuations of one sequence, verified in one forward pass as a token tree.
+
+Keyed sampling decides every position from the verifying policy's logits and the key alone, so a candidate token
+is accepted exactly when it equals the keyed sample at its position. Candidates that share a prefix share its
+tokens (a trie); a pass scores every node, and the accepted path is found by walking from the root along the
+child whose token is the keyed sample at each node. The path and the sample after it (the bonus token) are what
+plain decoding would have produced: which candidates were proposed changes how many tokens a pass yields, never
+which ones (docs/design.md §3).
+
+Nodes are numbered in the order the candidates are inserted, highest priority first, so the first candidate's
+tokens are nodes ``0, 1, ...`` at depths ``1, 2, ...``: with one candidate the tree is the linear draft chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftTree:
+    """The candidates of one sequence for one forward pass, merged into a trie of at most ``budget`` nodes."""
+
+    candidates: list[tuple[str, list[int]]]
+    """(source, tokens) in priority order, each cut to the nodes the budget left it."""
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    """Per node: its parent node, -1 for a child of the root (the sequence's last token)."""
+    depths: list[int] = field(default_factory=list)
+    """Per node: 1 for a child of the root."""
+    owners: list[int] = field(default_factory=list)
+    """Per node: the first candidate through it."""
+    _children: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, candidates: Sequence[tuple[str, Sequence[int]]], budget: int) -> DraftTree:
+        """The trie of ``candidates`` (priority order); a candidate that would pass the ``budget`` of new nodes
+        is cut there, and those after it are dropped once the budget is spent."""
+        tree = cls([])
+        for source, tokens in candidates:
+            node, taken = -1, []
+            for token in tokens:
+                child = tree._children.get((node, token))
+                if child is None:
+                    if len(tree.tokens) >= budget:
+                        break
+                    child = tree._add(node, token, len(tree.candidates))
+                node = child
+                taken.append(token)
+            if taken and all(taken != kept for _, kept in tree.candidates):
+                tree.candidates.append((source, taken))
+        return tree
+
+    def _add(self, parent: int, token: int, owner: int) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.owners.append(owner)
+        self._children[(parent, token)] = node
+        return node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node``."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [self.tokens[n] for n in self.path(node)]
+
+    def ancestors_or_self(self, node: int) -> list[int]:
+        return self.path(node)
+
+    def accept(self, samples: Sequence[int]) -> list[int]:
+        """The accepted path (nodes) given the keyed samples: ``samples[0]`` after the sequence's last token,
+        ``samples[1 + i]`` after node ``i``. The sample after the path's last node is the bonus token."""
+        path, node = [], -1
+        while True:
+            child = self._children.get((node, samples[0 if node < 0 else 1 + node]))
+            if child is None:
+                return path
+            path.append(child)
+            node = child
+
+    def chosen(self, path: Sequence[int]) -> tuple[str, list[int]]:
+        """The candidate that holds the accepted ``path`` (the first in priority order; the first candidate where
+        the path is empty)."""
+        return self.candidates[self.owners[path[-1]] if path else 0]
