@@ -137,6 +137,7 @@ class TorchEngine(Engine):
             if stop is not None and stop.is_set():
                 for sequence in active + waiting:
                     results[sequence.index] = sequence.result("preempted")
+                    self._proposal.observe(sequence)
                 break
             while waiting and len(active) < cache.keys.shape[1]:
                 active.append(waiting.pop())
@@ -146,6 +147,7 @@ class TorchEngine(Engine):
                 if sequence.finish is None:
                     continue
                 results[sequence.index] = sequence.result()
+                self._proposal.observe(sequence)
                 last = len(active) - 1
                 if slot != last:  # keep active sequences in slots [0, len(active))
                     cache.move_slot(last, slot)

@@ -312,6 +312,8 @@ class VLLMEngine(Engine):
                 self._core.abort_requests(list(live))
             for request_id in live:
                 self._sequences.pop(request_id, None)
+        for sequence in sequences:  # at the call's end: a source that learns from responses sees them for the next
+            self._proposal.observe(sequence)
         return [s.result() for s in sequences]
 
     def _same_threads(self) -> None:

@@ -1,4 +1,4 @@
-"""Draft sources: what ngram, group and history propose, and that no source changes an engine's output."""
+"""Draft sources: what ngram, group, suffix and history propose, and that no source changes an engine's output."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from bubblespec.core.draft_sources import (
     HistoryDrafts,
     NGramProposer,
     ProposalContext,
+    SuffixProposer,
     draft_chain,
     lookup_continuation,
 )
@@ -55,6 +56,37 @@ def test_group_proposes_a_siblings_tokens_at_the_same_positions_or_realigned():
     assert group.propose(_context([7, 7, 7], siblings=[ahead]), limit=8) == []
 
 
+def test_group_proposes_every_siblings_continuation_longest_first():
+    group = GroupProposer(max_n=4, min_n=2, match_tokens=2)
+    siblings = [[1, 2, 3, 4], [1, 2, 3, 7, 8], [5, 5], [1, 2, 3, 4]]
+    assert group.propose_all(_context([1, 2, 3], siblings=siblings), limit=8) == [[7, 8], [4], [4]]
+
+
+def test_suffix_proposes_the_continuations_of_the_longest_matches_in_earlier_responses():
+    suffix = SuffixProposer(min_n=2, max_n=4, num_tokens=3, max_candidates=2)
+    assert suffix.propose(_context([1, 2, 3]), limit=8) == []  # nothing seen yet
+    suffix.observe(_context([9, 2, 3, 5, 5, 5]))  # (2, 3) then 5 5 5; matches our last 2 tokens
+    suffix.observe(_context([7, 1, 2, 3, 6, 6, 6]))  # (1, 2, 3) then 6 6 6: matches 3 tokens, ranked first
+    suffix.observe(_context([8, 8, 2, 3, 4]))  # the latest, but a 2-token match
+    assert suffix.propose_all(_context([0, 1, 2, 3]), limit=8) == [[6, 6, 6], [4]]
+    assert suffix.propose(_context([0, 1, 2, 3]), limit=2) == [6, 6]
+    assert suffix.propose(_context([4, 4]), limit=8) == []
+    with pytest.raises(ValueError, match="min_n"):
+        SuffixProposer(min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="max_candidates"):
+        SuffixProposer(max_candidates=0)
+
+
+def test_suffix_forgets_its_oldest_responses_past_its_token_cap():
+    suffix = SuffixProposer(min_n=2, max_n=4, num_tokens=4, max_tokens=10)
+    suffix.observe(_context([1, 2, 3, 4, 5, 6]))
+    assert suffix.propose(_context([1, 2]), limit=8) == [3, 4, 5, 6]
+    suffix.observe(_context([7, 8, 9, 7, 8, 1]))  # 12 tokens held: the first response goes
+    assert suffix.propose(_context([1, 2]), limit=8) == []
+    assert suffix.propose(_context([7, 8]), limit=8) == [1]  # the latest of two places, both of one length
+    assert (1, 2) not in suffix._places
+
+
 def _result(key, tokens) -> GenerationResult:
     return GenerationResult(key, list(tokens), [0.0] * len(tokens), "stop", RequestStats())
 
@@ -78,7 +110,9 @@ def test_draft_chain_puts_the_request_draft_where_the_first_static_source_is():
     assert draft_chain(["none"]) == ()
 
 
-@pytest.mark.parametrize("chain", [("ngram",), ("group",), ("request", "group", "ngram"), ("ngram", "request")])
+@pytest.mark.parametrize(
+    "chain", [("ngram",), ("group",), ("suffix",), ("request", "group", "ngram"), ("ngram", "request", "suffix")]
+)
 def test_dynamic_sources_change_no_engine_output(tmp_path, chain):
     """float64, random weights: every chain gives plain decoding's tokens and logprobs, with and without a
     foreign request draft."""
@@ -156,3 +190,20 @@ def test_a_dynamic_source_takes_over_when_the_request_draft_runs_out(tmp_path):
     assert alone.token_ids == chained.token_ids == plain.token_ids
     assert alone.stats.draft_tokens_proposed == 10  # the draft alone: its 10 tokens, then plain decoding
     assert chained.stats.draft_tokens_proposed > 10 and chained.stats.verify_steps > alone.stats.verify_steps
+
+
+def test_suffix_learns_from_the_responses_an_engine_made_before(tmp_path):
+    """The torch engine shows every response that ends to the sources: a second call of the same keys finds them
+    (a later step's responses that merge into earlier ones are the case that pays in a run) and passes far fewer
+    times, with the same tokens."""
+    from bubblespec.backends.torch_engine import TorchEngine
+    from tests.conftest import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model", seed=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    requests = [GenerationRequest((1, 5 + i, 6), RolloutKey(0, 1, f"p{i}", 0), params) for i in range(3)]
+    engine = TorchEngine.from_pretrained(str(path), dtype="float64", draft_chain=("suffix",))
+    first = engine.generate(requests)
+    again = engine.generate(requests)
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert sum(r.stats.decode_steps for r in again) < 0.5 * sum(r.stats.decode_steps for r in first)

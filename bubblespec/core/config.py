@@ -154,17 +154,20 @@ class SpeculationConfig(Section):
     """Where drafts come from, in priority order (entry point group ``bubblespec.draft_sources``): ``bubble``
     (drafts of the next step made in the bubble), ``history`` (the last response to the same prompt, from an
     earlier epoch), ``group`` (sibling samples of the same prompt on the same rank), ``ngram`` (prompt lookup),
+    ``suffix`` (continuations of the response's latest tokens in the responses and drafts its rank made before),
     or ``none``. A request carries the draft of the first static source (bubble, history) that has one; dynamic
-    sources (group, ngram) propose whenever that draft has nothing to propose (none, used up, diverged)."""
+    sources (group, ngram, suffix) propose whenever that draft has nothing to propose (none, used up, diverged), or
+    beside it with ``draft_candidates`` > 1."""
     draft_source_options: dict[str, dict[str, Any]] = {}
     """Constructor arguments of sources by name, e.g. ``{ngram: {max_n: 4, min_n: 2, num_tokens: 8}}`` (the
     ``bubble`` source takes none: it reads the draft store)."""
     draft_candidates: int = Field(1, ge=1, le=16)
-    """Candidate continuations each sequence verifies per forward pass. 1: the first source in
-    ``draft_sources`` order that proposes (a chain). More: the proposals of several sources (the request's draft,
-    each sibling's for ``group``, ``ngram``'s), verified at once as a token tree of at most this many times
-    ``rollout.max_draft_tokens_per_step`` tokens, so the longest agreeing one wins wherever the first has left
-    the new policy. The torch backend builds trees; vllm and sglang verify the first candidate only."""
+    """Candidate continuations each sequence verifies per forward pass. 1: the first source in ``draft_sources``
+    order that proposes (a chain). More: the proposals of several sources (the request's draft, each sibling's for
+    ``group``, ``suffix``'s best matches, ``ngram``'s), verified at once as a token tree of at most this many times
+    ``rollout.max_draft_tokens_per_step`` tokens, so the longest agreeing one wins wherever the first has left the
+    new policy. The torch backend builds trees; vllm verifies the first candidate only, and sglang (no dynamic
+    sources) refuses more than one."""
 
     @field_validator("draft_store")
     @classmethod

@@ -10,8 +10,10 @@ Two kinds, each a base class that declares what a source of its kind implements:
   wins.
 * **dynamic** sources (:class:`DynamicDraftSource`) propose tokens inside the engine, per sequence and per forward
   pass, whenever the request's own draft has nothing to propose (none, used up, or diverged with no
-  re-alignment): ``ngram`` (prompt lookup, as in vLLM and SGLang) and ``group`` (siblings of the same prompt in the
-  same engine call, Seer style). They see a :class:`ProposalContext` and return token ids.
+  re-alignment): ``ngram`` (prompt lookup, as in vLLM and SGLang), ``group`` (siblings of the same prompt in the
+  same engine call, Seer style) and ``suffix`` (every response the engine produced before, SuffixDecoding style).
+  They see a :class:`ProposalContext` and return token ids; with ``speculation.draft_candidates`` > 1 an engine
+  verifies several proposals at once (each source's :meth:`DynamicDraftSource.propose_all`).
 
 ``none`` proposes nothing: plain decoding with speculation's bookkeeping. Sources are plugins (entry point
 group ``bubblespec.draft_sources``); ``speculation.draft_sources`` names them in priority order and
@@ -108,6 +110,10 @@ class DynamicDraftSource(DraftSource):
         (``speculation.draft_candidates``); by default the one :meth:`propose` gives."""
         return [self.propose(context, limit)]
 
+    def observe(self, context: ProposalContext) -> None:
+        """A response this engine finished or stopped (``context.tokens``), for a source that learns from them;
+        engines call it as responses end (drafting calls' included)."""
+
 
 class NoDrafts(DraftSource):
     """Proposes nothing: plain decoding."""
@@ -176,6 +182,93 @@ class GroupProposer(DynamicDraftSource):
         if list(sibling[position - recent : position]) != list(tokens[position - recent :]):
             return []
         return list(sibling[position : position + limit])
+
+
+class SuffixProposer(DynamicDraftSource):
+    """SuffixDecoding / DAS style: the continuations of the response's latest tokens wherever they occur in the
+    responses this engine has already produced, in this run's earlier steps and calls (its rollouts and the drafts
+    it made in bubbles) and in this call (those finished before). Trajectories that merge (a reasoning step many
+    responses take, a Collatz number reached from several starts) continue as they did before.
+
+    Occurrences of the last ``min_n`` tokens are ranked by how far the match reaches back (up to ``max_n``
+    tokens), then by recency; the distinct continuations of the best ``max_candidates`` are the proposals (several
+    for an engine that verifies candidates together). The index holds at most ``max_tokens`` response tokens (the
+    oldest responses go first) and the latest ``max_occurrences`` places of each ``min_n``-gram."""
+
+    def __init__(
+        self,
+        min_n: int = 4,
+        max_n: int = 32,
+        num_tokens: int = 32,
+        max_candidates: int = 4,
+        max_occurrences: int = 16,
+        max_tokens: int = 1_000_000,
+    ) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"suffix needs 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
+        for name, value in [("num_tokens", num_tokens), ("max_candidates", max_candidates),
+                            ("max_occurrences", max_occurrences), ("max_tokens", max_tokens)]:  # fmt: skip
+            if value < 1:
+                raise ValueError(f"suffix {name} must be >= 1, got {value!r}")
+        self.min_n, self.max_n, self.num_tokens = min_n, max_n, num_tokens
+        self.max_candidates, self.max_occurrences, self.max_tokens = max_candidates, max_occurrences, max_tokens
+        self._responses: dict[int, tuple[int, ...]] = {}
+        self._next_id = 0
+        self._num_tokens = 0
+        self._places: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        """n-gram -> (response id, index one past it), oldest first."""
+
+    def observe(self, context: ProposalContext) -> None:
+        tokens = tuple(context.tokens)
+        if len(tokens) <= self.min_n:
+            return
+        response = self._next_id
+        self._next_id += 1
+        self._responses[response] = tokens
+        self._num_tokens += len(tokens)
+        n = self.min_n
+        for end in range(n, len(tokens)):  # an n-gram at the very end has no continuation
+            places = self._places.setdefault(tokens[end - n : end], [])
+            places.append((response, end))
+            if len(places) > self.max_occurrences:
+                del places[0]
+        while self._num_tokens > self.max_tokens and len(self._responses) > 1:
+            oldest = next(iter(self._responses))
+            evicted = self._responses.pop(oldest)
+            self._num_tokens -= len(evicted)
+            for end in range(n, len(evicted)):
+                gram = evicted[end - n : end]
+                kept = [place for place in self._places.get(gram, ()) if place[0] != oldest]
+                if kept:
+                    self._places[gram] = kept
+                else:
+                    self._places.pop(gram, None)
+
+    def propose(self, context: ProposalContext, limit: int) -> list[int]:
+        proposals = self.propose_all(context, limit)
+        return proposals[0] if proposals else []
+
+    def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
+        tokens = context.tokens
+        if len(tokens) < self.min_n:
+            return []
+        places = self._places.get(tuple(tokens[len(tokens) - self.min_n :]), ())
+        ranked = []
+        for order, (response, end) in enumerate(places):
+            seen = self._responses.get(response)
+            if seen is None:  # evicted
+                continue
+            reach = self.min_n
+            while reach < min(self.max_n, end, len(tokens)) and seen[end - reach - 1] == tokens[-reach - 1]:
+                reach += 1
+            ranked.append((reach, order, seen[end : end + min(limit, self.num_tokens)]))
+        proposals: list[list[int]] = []
+        for _, _, continuation in sorted(ranked, reverse=True):
+            if continuation and list(continuation) not in proposals:
+                proposals.append(list(continuation))
+                if len(proposals) == self.max_candidates:
+                    break
+        return proposals
 
 
 class HistoryDrafts(StaticDraftSource):

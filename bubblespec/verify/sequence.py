@@ -48,6 +48,13 @@ class ProposalSettings:
     takes the chain's first proposal; more verify several as one token tree (:mod:`bubblespec.verify.tree`),
     at most ``draft_candidates * max_draft_tokens_per_step`` tree tokens."""
 
+    def observe(self, sequence: Sequence) -> None:
+        """Shows a response that ended (finished, or stopped with tokens) to the dynamic sources that learn from
+        responses (:meth:`~bubblespec.core.draft_sources.DynamicDraftSource.observe`)."""
+        if sequence.tokens:
+            for proposer in self.proposers.values():
+                proposer.observe(sequence._context())
+
     @property
     def tree_budget(self) -> int:
         """Draft tokens a sequence may verify per forward pass, every candidate together."""
