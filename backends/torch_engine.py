@@ -108,6 +108,9 @@ class TorchEngine(Engine):
             self.model.load_weights(state_dict)
         self._policy_version = version
 
+    def select_rank(self, rank: int) -> None:
+        self._proposal.select_rank(rank)
+
     def release(self) -> None:
         self._cache = None
 

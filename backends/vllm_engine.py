@@ -254,6 +254,9 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()
         self._policy_version = version
 
+    def select_rank(self, rank: int) -> None:
+        self._proposal.select_rank(rank)
+
     def release(self) -> None:
         """Colocated (``colocated``, CUDA): vLLM's sleep mode at level 1 moves the weights to host memory and frees
         them and the KV cache on the GPU. Otherwise drops the prefix cache only (the KV cache stays allocated)."""

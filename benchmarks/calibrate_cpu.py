@@ -8,7 +8,10 @@ Prints the constants to put in ``_cpu_tiny()`` and how well the fits explain the
 the bytes that keyed sampling's tensor operations read and write per logit, the basis of the GPU profiles'
 sampling term (each operation a pass over memory, as in eager execution).
 
-    python benchmarks/calibrate_cpu.py [--sampling-only]
+    python benchmarks/calibrate_cpu.py [--sampling-only | --trees]
+
+``--trees`` times token-tree passes (several candidates verified at once) of the collatz model against what the
+profile charges them, without fitting anything: a check that trees are not cheaper in the model than on the CPU.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.core.config import TrainerConfig
-from bubblespec.models.decoder import KVCache
+from bubblespec.core.interfaces import ForwardPass
+from bubblespec.models.decoder import KVCache, TokenTree
 from bubblespec.rl.learner import GRPOLearner, TrainSample
+from bubblespec.rollout.clocks import PROFILES
 from bubblespec.tasks import ArithmeticTask
+from bubblespec.tasks.collatz import CollatzTask
 from bubblespec.verify import sampling
 
 
@@ -40,6 +46,54 @@ def time_forward(engine: TorchEngine, batch: int, tokens: int, context: int, rep
             engine.model.forward(token_ids, positions, cache, select)
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def time_tree_forward(
+    engine: TorchEngine, batch: int, candidates: int, length: int, context: int, repeats: int = 7
+) -> tuple[float, int, int]:
+    """A token-tree pass (the torch engine's ``_tree_step``): each row feeds its last token and ``candidates``
+    branches of ``length`` tokens that part at the first token, after ``context`` cached positions. Returns the
+    median seconds, the fed tokens and the attended (query, key) pairs, as the engine reports them."""
+    nodes = candidates * length
+    fed = 1 + nodes
+    cache = KVCache(engine.model_config, batch, context + fed, engine.model.dtype, "cpu")
+    token_ids = torch.randint(3, engine.vocab_size, (batch, fed))
+    positions = (context + torch.arange(fed)).repeat(batch, 1)
+    depths = torch.tensor([0] + [1 + i % length for i in range(nodes)])
+    visible = torch.zeros(fed, fed, dtype=torch.bool)
+    visible[:, 0] = True
+    for index in range(1, fed):
+        branch_start = 1 + (index - 1) // length * length
+        visible[index, branch_start : index + 1] = True
+    tree = TokenTree((context + depths).repeat(batch, 1), visible[None].repeat(batch, 1, 1))
+    select = torch.arange(fed).repeat(batch, 1)
+    samples = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.model.forward(token_ids, positions, cache, select, tree)
+            samples.append(time.perf_counter() - start)
+    pairs = batch * ((context + 1) + sum(context + 1 + int(d) for d in depths[1:]))
+    return statistics.median(samples), batch * fed, pairs
+
+
+def check_trees(profile_name: str = "cpu-tiny") -> None:
+    """Token-tree passes timed against what the virtual clock charges them (its ``forward_seconds`` of the pass's
+    tokens and attended pairs): trees of 1-64 tokens at contexts of 16-1,024, batches of 1 and 8."""
+    profile = PROFILES[profile_name]
+    engine = TorchEngine.from_pretrained(str(CollatzTask.model_path()))
+    ratios = []
+    print(f"trees against the {profile_name} profile: measured / charged")
+    for batch in (1, 8):
+        for candidates, length in ((1, 1), (1, 16), (4, 4), (4, 16)):
+            for context in (16, 256, 1024):
+                seconds, tokens, pairs = time_tree_forward(engine, batch, candidates, length, context)
+                charged = profile.forward_seconds(ForwardPass(batch, tokens, batch * (context + tokens), pairs))
+                ratios.append(seconds / charged)
+                print(f"  batch {batch}, {candidates} x {length} tokens, context {context}: {seconds * 1e3:.2f} ms "
+                      f"measured, {charged * 1e3:.2f} ms charged ({seconds / charged:.2f})")  # fmt: skip
+    errors = [abs(r - 1) for r in ratios]
+    print(f"  median relative error {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(ratios)} shapes")
 
 
 def fit(rows: list[list[float]], targets: list[float]) -> list[float]:
@@ -106,8 +160,12 @@ def sampling_bytes_per_logit(vocab: int = 151936, num_rows: int = 16) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Fits the cpu-tiny cost profile of the virtual clock.")
     parser.add_argument("--sampling-only", action="store_true", help="only the sampling term and its byte count")
+    parser.add_argument("--trees", action="store_true", help="only token-tree passes against the cpu-tiny profile")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.trees:
+        check_trees()
+        return
     calibrate_sampling()
     print(f"sampling: {sampling_bytes_per_logit():.0f} bytes read and written per logit (V = 151936)")
     if args.sampling_only:

@@ -195,7 +195,7 @@ def test_a_dynamic_source_takes_over_when_the_request_draft_runs_out(tmp_path):
 def test_suffix_learns_from_the_responses_an_engine_made_before(tmp_path):
     """The torch engine shows every response that ends to the sources: a second call of the same keys finds them
     (a later step's responses that merge into earlier ones are the case that pays in a run) and passes far fewer
-    times, with the same tokens."""
+    times, with the same tokens; on the same rank only."""
     from bubblespec.backends.torch_engine import TorchEngine
     from tests.conftest import write_checkpoint
 
@@ -204,6 +204,10 @@ def test_suffix_learns_from_the_responses_an_engine_made_before(tmp_path):
     requests = [GenerationRequest((1, 5 + i, 6), RolloutKey(0, 1, f"p{i}", 0), params) for i in range(3)]
     engine = TorchEngine.from_pretrained(str(path), dtype="float64", draft_chain=("suffix",))
     first = engine.generate(requests)
+    engine.select_rank(1)  # the virtual clock's one engine serving another rank: that rank has seen nothing
+    other_rank = engine.generate(requests)
+    engine.select_rank(0)
     again = engine.generate(requests)
-    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert [r.token_ids for r in again] == [r.token_ids for r in other_rank] == [r.token_ids for r in first]
     assert sum(r.stats.decode_steps for r in again) < 0.5 * sum(r.stats.decode_steps for r in first)
+    assert sum(r.stats.decode_steps for r in other_rank) == sum(r.stats.decode_steps for r in first)

@@ -275,6 +275,11 @@ class Engine:
     its ``max_new_tokens``. None: the engine does not say (a schedule that cuts responses then cannot tell a response
     the context ended from one its budget cut where the two limits are equal)."""
 
+    def select_rank(self, rank: int) -> None:
+        """The virtual clock's one engine serves every data-parallel rank in turn and calls this before each of
+        rank ``rank``'s calls, so that what an engine keeps per rank (the memory of a draft source that learns from
+        responses, ``suffix``) is that rank's alone. A rank's own engine is never told; the default keeps nothing."""
+
     def release(self) -> None:
         """Free memory held for generation (KV cache) while weights stay loaded; the default frees nothing."""
 

@@ -74,6 +74,7 @@ class VirtualRankPool:
         return []
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self.engine.select_rank(0)
         return self.engine.generate(requests)
 
     def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
@@ -124,6 +125,7 @@ class VirtualRankPool:
                     assert command.at == stop_at, f"the scheduler stopped at {command.at}, the pool at {stop_at}"
                     continue
                 timeline = timelines[command.rank]
+                self.engine.select_rank(command.rank)  # a draft source's memory is its own rank's
                 if isinstance(command, Generate):
                     results = self.engine.generate(list(command.requests), on_forward=timeline)
                     saved = seconds_saved(command.requests, results, timeline.now, self.max_batch_size,

@@ -43,6 +43,10 @@ class ProposalSettings:
     draft_chain: tuple[str, ...] = (REQUEST_DRAFT,)
     proposers: Mapping[str, object] = field(default_factory=dict)
     """Dynamic draft sources by name (see :func:`load_proposers`)."""
+    source_options: Mapping[str, dict] = field(default_factory=dict)
+    """The dynamic sources' constructor arguments, to build another rank's (:meth:`select_rank`)."""
+    _by_rank: dict[int, dict[str, object]] = field(default_factory=dict, repr=False, compare=False)
+    _rank: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)
     draft_candidates: int = 1
     """Candidate continuations a sequence verifies per forward pass (:meth:`Sequence.propose_candidates`): 1
     takes the chain's first proposal; more verify several as one token tree (:mod:`bubblespec.verify.tree`),
@@ -71,8 +75,21 @@ class ProposalSettings:
             draft_alignment=config.draft_alignment,
             draft_chain=config.draft_chain,
             proposers=load_proposers(config.draft_chain, config.draft_source_options),
+            source_options=config.draft_source_options,
             draft_candidates=config.draft_candidates,
         )
+
+    def select_rank(self, rank: int) -> None:
+        """From now on the dynamic sources of data-parallel rank ``rank`` (new ones for a rank not seen before),
+        swapped into :attr:`proposers` in place so that every holder of these settings sees them
+        (:meth:`~bubblespec.core.interfaces.Engine.select_rank`)."""
+        if not self.proposers or rank == self._rank[0]:
+            return
+        self._by_rank[self._rank[0]] = dict(self.proposers)
+        chosen = self._by_rank.get(rank) or load_proposers(self.draft_chain, self.source_options)
+        self.proposers.clear()  # type: ignore[attr-defined]  # the dict of :meth:`of`
+        self.proposers.update(chosen)  # type: ignore[attr-defined]
+        self._rank[0] = rank
 
 
 @dataclass
