@@ -238,8 +238,8 @@ def peers(
         list[str] | None,
         typer.Option(
             "--sources",
-            help="A draft-source variant, e.g. bubble+group+ngram, or bubble:one-hot for one-hot verification; "
-            "repeat it.",
+            help="A draft-source variant, e.g. bubble+group+ngram, bubble+suffix+ngram*4 for four candidates "
+            "verified together (token trees), or bubble:one-hot for one-hot verification; repeat it.",
         ),
     ] = None,
     plot_dir: PlotDir = None,

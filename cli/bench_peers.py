@@ -15,6 +15,9 @@ streams, added when a one-hot variant is asked for), whose rollouts it must equa
 Reductions and throughput are per generated token (for variants with identical tokens the normalisation changes
 nothing). Variants without a suffix run coupled whatever the config says.
 
+A variant may end its sources with ``*N`` (``bubble+suffix+ngram*4``): ``speculation.draft_candidates: N``, up to N
+proposals of a pass verified together as a token tree (the torch backend); without it the config's setting holds.
+
 Variants that use ``group`` run with ``prompt-grouped`` sharding (every sample of a prompt on one rank, as Seer
 deploys it: siblings can only propose for each other inside one engine); the others keep the config's.
 """
@@ -50,9 +53,10 @@ _SUFFIX_OF = {verification: suffix for suffix, verification in VERIFICATION_SUFF
 
 def parse_variant(text: str) -> tuple[list[str], str]:
     """``"bubble+group+ngram"`` -> ``(["bubble", "group", "ngram"], "coupled")``; ``"bubble:one-hot"`` ->
-    ``(["bubble"], "one_hot")``. Suffixes are checked here, source names with the config."""
+    ``(["bubble"], "one_hot")``. Suffixes are checked here, source names with the config; a count of candidates
+    (``*4``) is :func:`candidates_of`'s."""
     names, colon, suffix = text.partition(":")
-    sources = [name.strip() for name in names.split("+") if name.strip()]
+    sources = [name.strip() for name in names.partition("*")[0].split("+") if name.strip()]
     if not colon:
         return sources, "coupled"
     if suffix.strip() not in VERIFICATION_SUFFIXES:
@@ -64,10 +68,30 @@ def parse_variant(text: str) -> tuple[list[str], str]:
     return sources, VERIFICATION_SUFFIXES[suffix.strip()]
 
 
+def candidates_of(text: str) -> int | None:
+    """The ``speculation.draft_candidates`` a variant names after its sources (``"bubble+suffix*4"`` -> 4, verified
+    as token trees); None where it names none (the config's setting)."""
+    names = text.partition(":")[0]
+    if "*" not in names:
+        return None
+    count = names.partition("*")[2].strip()
+    if not count.isdigit() or int(count) < 1:
+        raise ConfigError(
+            f"variant {text!r}: after '*' comes the number of candidates verified together (1 or more), as in "
+            "'bubble+suffix+ngram*4'"
+        )
+    return int(count)
+
+
 def canonical_variant(text: str) -> str:
     """The variant's name in reports: ``"bubble + ngram:one-hot"`` -> ``"bubble+ngram:one-hot"``."""
     sources, verification = parse_variant(text)
-    return "+".join(sources) + (f":{_SUFFIX_OF[verification]}" if verification in _SUFFIX_OF else "")
+    candidates = candidates_of(text)
+    return (
+        "+".join(sources)
+        + (f"*{candidates}" if candidates is not None else "")
+        + (f":{_SUFFIX_OF[verification]}" if verification in _SUFFIX_OF else "")
+    )
 
 
 def baseline_of(variant: str) -> str:
@@ -96,6 +120,8 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
     sources, verification = parse_variant(variant)
     options = {k: v for k, v in config.speculation.draft_source_options.items() if k in sources}
     update = {"enabled": True, "draft_sources": sources, "draft_source_options": options}
+    if candidates_of(variant) is not None:
+        update["draft_candidates"] = candidates_of(variant)
     if "group" in sources:
         update["sharding_policy"] = "prompt-grouped"
     speculation = config.speculation.model_dump() | update
@@ -103,7 +129,8 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
     data = config.model_dump() | {
         "speculation": speculation,
         "rollout": config.rollout.model_dump() | {"verification": verification},
-        "name": f"{config.name}-{'.'.join(sources)}{suffix}",
+        "name": f"{config.name}-{'.'.join(sources)}{suffix}"
+        + (f"-x{candidates_of(variant)}" if "*" in variant else ""),
         "output_dir": str(output_dir),
     }
     return RunConfig.model_validate(data)  # validates the source names too

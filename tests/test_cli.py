@@ -253,12 +253,13 @@ def test_bench_peers_runs_every_source_on_the_same_keys(tmp_path):
     args = ["bench", "peers", "examples/bench-peers.yaml", "--json", str(out), "--plot-dir", str(tmp_path)]
     small = ["num_steps=3", "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.dataset_size=4"]
     small += ["rollout.num_ranks=2", "rollout.sampling.max_new_tokens=40"]
-    sources = ["--sources", "ngram", "--sources", "history+group"]
+    sources = ["--sources", "ngram", "--sources", "history+group", "--sources", "bubble+suffix+ngram * 3"]
     result = runner.invoke(app, args + sources + [arg for s in small for arg in ("--set", s)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert report["variants"] == ["none", "ngram", "history+group"] and report["identical_rollouts"] is True
-    assert [len(report["per_step"][v]) for v in report["variants"]] == [3, 3, 3]
+    assert report["variants"] == ["none", "ngram", "history+group", "bubble+suffix+ngram*3"]
+    assert report["identical_rollouts"] is True  # token trees of three candidates too
+    assert [len(report["per_step"][v]) for v in report["variants"]] == [3, 3, 3, 3]
     assert report["steady_state"]["history+group"]["draft_coverage"] == 1.0  # prompts repeat every step
     assert report["steady_state"]["ngram"]["decode_step_reduction"] > 0
     assert (tmp_path / "peers-decode-steps.png").is_file() and (tmp_path / "peers-throughput.png").is_file()
@@ -292,7 +293,9 @@ def test_bench_peers_compares_one_hot_bubble_with_one_hot_plain_decoding(tmp_pat
 def test_bench_peers_refuses_unknown_sources_before_running():
     result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble+oracle"])
     assert result.exit_code == 2
-    assert "unknown draft source 'oracle'; available: bubble, group, history, ngram, none" in result.output
+    assert "unknown draft source 'oracle'; available: bubble, group, history, ngram, none, suffix" in result.output
+    result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble*many"])
+    assert result.exit_code == 2 and "after '*' comes the number of candidates" in result.output
     result = runner.invoke(app, ["bench", "peers", "examples/bench-peers.yaml", "--sources", "bubble:onehot"])
     assert result.exit_code == 2
     assert "unknown verification suffix 'onehot' in variant 'bubble:onehot'; allowed: 'one-hot'" in result.output

@@ -185,7 +185,10 @@ def test_draft_sources_change_no_rollout(tmp_path, sources):
 @pytest.mark.parametrize(
     ("sources", "message"),
     [
-        (["bubble", "telepathy"], "unknown draft source 'telepathy'; available: bubble, group, history, ngram, none"),
+        (
+            ["bubble", "telepathy"],
+            "unknown draft source 'telepathy'; available: bubble, group, history, ngram, none, suffix",
+        ),
         (["ngram", "bubble", "ngram"], "'ngram' named more than once"),
         (["none", "ngram"], "'none' cannot be combined"),
         ([], "at least one draft source"),
