@@ -24,7 +24,7 @@ from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_co
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, TokenTree, read_checkpoint, read_model_config
-from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings
+from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings, tree_budgets
 from bubblespec.verify.tree import DraftTree
 
 
@@ -211,7 +211,8 @@ class TorchEngine(Engine):
         first candidate's nodes are stored where they stand, so with one candidate this is :meth:`_step`'s pass;
         the accepted path's keys and values are moved to their positions afterwards."""
         batch = len(active)
-        trees = [DraftTree.of(s.propose_candidates(self._proposal), self._proposal.tree_budget) for s in active]
+        budgets = tree_budgets(active, self._proposal)
+        trees = [DraftTree.of(s.propose_candidates(self._proposal), b) for s, b in zip(active, budgets, strict=True)]
         chunks = [s.pending + t.tokens for s, t in zip(active, trees, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(t) for t in trees) + 1

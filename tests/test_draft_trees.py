@@ -105,7 +105,8 @@ def test_any_candidates_give_plain_decodings_tokens_and_the_right_one_is_taken_w
     """32,000-token vocabulary, responses long enough to pass the windows of 8 (the tree's positions decide what a
     window sees); the repetition penalty depends on each node's own path. Whichever place the right candidate
     has in the tree, every pass takes it whole, so a response of L tokens takes about L / 8 passes (9 per pass
-    at most); where the budget drops it, plain decoding's count."""
+    at most); where the budget drops it, plain decoding's count. Each request runs alone (batch 1: the tail of a
+    step, where a sequence gets the whole tree budget)."""
     path = str(checkpoints[family])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling)
     rng = random.Random(0)
@@ -122,7 +123,7 @@ def test_any_candidates_give_plain_decodings_tokens_and_the_right_one_is_taken_w
     passes = []
     for kind in KINDS:
         monkeypatch.setattr(Sequence, "propose_candidates", _oracle(kind, plain, random.Random(1), 32_000))
-        out = engine.generate(requests)
+        out = [result for request in requests for result in engine.generate([request])]  # each alone: a whole tree
         assert {r.key: r.token_ids for r in out} == plain, kind
         for result in out:
             assert result.logprobs == pytest.approx(logprobs[result.key], abs=1e-4), kind
@@ -132,6 +133,25 @@ def test_any_candidates_give_plain_decodings_tokens_and_the_right_one_is_taken_w
             assert steps <= sum(-(-40 // 9) + 1 for _ in requests), f"{kind}: {steps} decode steps"
             assert all(r.stats.draft_tokens_accepted > 30 for r in out), kind
     assert passes[KINDS.index("exceed the budget")] > 3 * passes[KINDS.index("first is right")]
+
+
+def test_the_tree_budget_goes_to_the_sequence_predicted_longest():
+    from bubblespec.verify.sequence import ProposalSettings, tree_budgets
+
+    params = SamplingParams(max_new_tokens=100)
+
+    def sequence(draft_length: int, tokens: int) -> Sequence:
+        key = RolloutKey(0, 1, f"p{draft_length}-{tokens}", 0)
+        draft = Draft(key, tuple(range(3, 3 + draft_length)), 0) if draft_length else None
+        made = Sequence.admit(0, GenerationRequest((1, 2), key, params, draft), 64, 256, [2])
+        made.tokens = [5] * tokens
+        return made
+
+    batch = [sequence(10, 3), sequence(0, 40), sequence(30, 5)]
+    settings = ProposalSettings(max_draft_tokens_per_step=8, draft_candidates=4)
+    assert tree_budgets(batch, settings) == [8, 32, 8]  # 40 tokens so far beats a 30-token draft
+    assert tree_budgets(batch[::2], settings) == [8, 32]
+    assert tree_budgets(batch, ProposalSettings(max_draft_tokens_per_step=8)) == [8, 8, 8]
 
 
 def test_a_tree_pass_is_charged_for_its_tokens_and_their_attention(checkpoints, monkeypatch):

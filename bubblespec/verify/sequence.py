@@ -50,7 +50,8 @@ class ProposalSettings:
     draft_candidates: int = 1
     """Candidate continuations a sequence verifies per forward pass (:meth:`Sequence.propose_candidates`): 1
     takes the chain's first proposal; more verify several as one token tree (:mod:`bubblespec.verify.tree`),
-    at most ``draft_candidates * max_draft_tokens_per_step`` tree tokens."""
+    at most ``draft_candidates * max_draft_tokens_per_step`` tree tokens for the sequence predicted longest and one
+    proposal's worth for the others (:func:`tree_budgets`)."""
 
     def observe(self, sequence: Sequence) -> None:
         """Shows a response that ended (finished, or stopped with tokens) to the dynamic sources that learn from
@@ -387,6 +388,25 @@ def keyed_samples(
         _padded([p.suppressed_token_ids for p in params]) if any(p.suppressed_token_ids for p in params) else None,
     )
     return tokens_BT.tolist(), logprobs_BT.tolist()
+
+
+def tree_budgets(sequences: Seq[Sequence], settings: ProposalSettings) -> list[int]:
+    """Tree tokens each sequence may verify in one pass: one proposal's worth (``max_draft_tokens_per_step``) each,
+    and the rest of one sequence's tree (``(draft_candidates - 1) * max_draft_tokens_per_step``) to the sequence
+    predicted to be the longest: the longer of its request draft (an older policy's response to its key) and its
+    response so far. A verified token costs compute, so a pass in a large batch verifies little more than a chain
+    would, and the longest response, which decides when the step ends, gets the tree (at batch 1: all of it)."""
+    chunk = settings.max_draft_tokens_per_step
+    budgets = [chunk] * len(sequences)
+    if sequences and settings.draft_candidates > 1:
+
+        def predicted(sequence: Sequence) -> int:
+            draft = sequence.request.draft
+            return max(len(sequence.tokens), 0 if draft is None else len(draft.token_ids))
+
+        longest = max(range(len(sequences)), key=lambda i: predicted(sequences[i]))
+        budgets[longest] = settings.tree_budget
+    return budgets
 
 
 def _padded(rows: Seq[Seq[int]]) -> torch.Tensor:
