@@ -225,9 +225,9 @@ class TorchEngine(Engine):
             for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths, strict=True)):
                 index = fed + node
                 depths[row, index] = fed - 1 + depth
-                visible[row, index, fed:index] = False
-                ancestors = fed + torch.tensor(tree.path(parent)) if parent >= 0 else torch.tensor([], dtype=torch.long)
-                visible[row, index, ancestors] = True
+                # what its parent sees (the pending tokens for a child of the root), and itself
+                visible[row, index] = visible[row, fed - 1 if parent < 0 else fed + parent]
+                visible[row, index, index] = True
         cache_lengths = torch.tensor([s.cache_length for s in active])
         positions = cache_lengths[:, None] + torch.arange(length)
         first_sampled = torch.tensor([len(s.pending) - 1 for s in active])

@@ -74,9 +74,6 @@ class DraftTree:
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[n] for n in self.path(node)]
 
-    def ancestors_or_self(self, node: int) -> list[int]:
-        return self.path(node)
-
     def accept(self, samples: Sequence[int]) -> list[int]:
         """The accepted path (nodes) given the keyed samples: ``samples[0]`` after the sequence's last token,
         ``samples[1 + i]`` after node ``i``. The sample after the path's last node is the bonus token."""
