@@ -166,8 +166,8 @@ class SpeculationConfig(Section):
     order that proposes (a chain). More: the proposals of several sources (the request's draft, each sibling's for
     ``group``, ``suffix``'s best matches, ``ngram``'s), verified at once as a token tree of at most this many times
     ``rollout.max_draft_tokens_per_step`` tokens for the sequence of a pass predicted longest (the others verify one
-    proposal), so the longest agreeing one wins wherever the first has left the new policy. The torch backend builds trees; vllm verifies the first candidate only, and sglang (no dynamic
-    sources) refuses more than one."""
+    proposal), so the longest agreeing one wins wherever the first has left the new policy. The torch backend
+    builds trees; vllm verifies the first candidate only, and sglang (no dynamic sources) refuses more than one."""
 
     @field_validator("draft_store")
     @classmethod
