@@ -120,19 +120,50 @@ def test_any_candidates_give_plain_decodings_tokens_and_the_right_one_is_taken_w
     plain = {r.key: r.token_ids for r in plain_engine.generate(requests)}
     logprobs = {r.key: r.logprobs for r in plain_engine.generate(requests)}
     engine = TorchEngine.from_pretrained(path, dtype=dtype, draft_candidates=3, max_draft_tokens_per_step=8)
+    tolerance = 1e-9 if dtype == "float64" else 1e-4
     passes = []
     for kind in KINDS:
         monkeypatch.setattr(Sequence, "propose_candidates", _oracle(kind, plain, random.Random(1), 32_000))
+        # together: one row has the whole tree, the others 8 tokens, which cut the candidates after the first
+        together = engine.generate(requests)
+        assert {r.key: r.token_ids for r in together} == plain, f"{kind}, batched"
         out = [result for request in requests for result in engine.generate([request])]  # each alone: a whole tree
         assert {r.key: r.token_ids for r in out} == plain, kind
-        for result in out:
-            assert result.logprobs == pytest.approx(logprobs[result.key], abs=1e-4), kind
+        for result in [*out, *together]:
+            assert result.logprobs == pytest.approx(logprobs[result.key], abs=tolerance), kind
         steps = sum(r.stats.decode_steps for r in out)
         passes.append(steps)
         if kind != "exceed the budget":
             assert steps <= sum(-(-40 // 9) + 1 for _ in requests), f"{kind}: {steps} decode steps"
             assert all(r.stats.draft_tokens_accepted > 30 for r in out), kind
     assert passes[KINDS.index("exceed the budget")] > 3 * passes[KINDS.index("first is right")]
+
+
+def test_candidates_come_in_chain_order_distinct_the_diverged_draft_by_position_last():
+    from bubblespec.core.draft_sources import ProposalContext
+    from bubblespec.verify.sequence import ProposalSettings
+
+    class Fixed:
+        def __init__(self, *proposals):
+            self.proposals = [list(p) for p in proposals]
+
+        def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
+            return self.proposals
+
+    key = RolloutKey(0, 1, "p", 0)
+    draft = Draft(key, (7, 8, 9, 10, 11, 12), 0)
+    sequence = Sequence.admit(0, GenerationRequest((1, 2), key, SamplingParams(max_new_tokens=50), draft), 64, 256, [2])
+    sequence.tokens = [7]
+    proposers = {"a": Fixed([8, 9, 10, 11], [5]), "b": Fixed([5], [], [6, 6])}
+    settings = ProposalSettings(3, draft_chain=("request", "a", "b"), proposers=proposers, draft_candidates=4)
+    # the request's draft at its position; a's first, cut to 3, is the same; [5] only once; b's [6, 6]
+    assert sequence.propose_candidates(settings) == [("request", [8, 9, 10]), ("a", [5]), ("b", [6, 6])]
+    proposers["a"] = Fixed([9, 9], [5])
+    sequence.diverged = True  # and the last tokens re-align nowhere: the draft by position comes last
+    expected = [("a", [9, 9]), ("a", [5]), ("b", [6, 6]), ("request", [8, 9, 10])]
+    assert sequence.propose_candidates(settings) == expected
+    two = ProposalSettings(3, draft_chain=("request", "a", "b"), proposers=proposers, draft_candidates=2)
+    assert sequence.propose_candidates(two) == expected[:2]
 
 
 def test_the_tree_budget_goes_to_the_sequence_predicted_longest():

@@ -387,3 +387,39 @@ def test_drafting_while_training_goes_on_first_with_the_keys_a_late_rollout_pass
     drafting = [(rank, detail) for rank, what, detail in activity if what == "draft"]
     assert drafting[0] == (1, "3 keys of step 1 in the bubble")  # as many keys as a batch holds: two ranks
     assert drafting[1] == (0, "3 keys of step 1 while training (3 going on from a draft)")
+
+
+def test_the_virtual_clocks_one_engine_is_told_which_rank_each_call_is_for():
+    """A draft source's memory must be its own rank's (Engine.select_rank): every shard, drafting chunk and
+    held-out share is preceded by its rank."""
+
+    class RankAware(ScriptedEngine):
+        def __init__(self, lengths) -> None:
+            super().__init__(lengths)
+            self.rank, self.calls = 0, []
+
+        def select_rank(self, rank: int) -> None:
+            self.rank = rank
+
+        def generate(self, requests, stop=None, on_forward=None):
+            self.calls.append((self.rank, sorted(r.key.prompt_uid for r in requests)))
+            return super().generate(requests, stop, on_forward)
+
+    engine = RankAware(SHARD_LENGTHS | PLAN_LENGTHS)
+    pool = VirtualRankPool(engine, NUM_RANKS, ONE_SECOND_A_PASS)
+    shards = _shards()
+    pool.rollout(shards, _plan())
+    pool.settle()
+    for rank, shard in enumerate(shards):
+        assert (rank, sorted(r.key.prompt_uid for r in shard)) in engine.calls
+    drafted = [
+        call
+        for call in engine.calls
+        if call not in [(i, sorted(r.key.prompt_uid for r in s)) for i, s in enumerate(shards)]
+    ]
+    assert drafted and {rank for rank, _ in drafted} <= set(range(NUM_RANKS))
+    engine.calls.clear()
+    held_out = [r for shard in shards for r in shard]
+    assert [r.key for r in pool.evaluate(held_out)] == [r.key for r in held_out]
+    assert [rank for rank, _ in engine.calls] == list(range(NUM_RANKS))
+    assert sorted(uid for _, uids in engine.calls for uid in uids) == sorted(r.key.prompt_uid for r in held_out)

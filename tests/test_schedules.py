@@ -208,6 +208,10 @@ def test_the_step_line_says_what_a_schedule_did():
         ({"schedule": {"kind": "sync", "cut_tokens": 4}}, "are for kinds partial"),
         ({"schedule": {"kind": "sync", "max_staleness": 2}}, "is for kind 'async'"),
         ({"schedule": {"kind": "nearly-async"}}, "schedule.kind"),
+        (
+            {"schedule": {"kind": "async"}, "speculation": {"enabled": True, "draft_sources": ["bubble", "suffix"]}},
+            "'suffix' with schedule.kind 'async'",
+        ),
     ],
 )
 def test_a_wrong_schedule_is_a_config_error_that_says_what_is_allowed(tmp_path, changes, message):

@@ -693,6 +693,12 @@ class RunConfig(ServiceConfig):
             )
         if self.schedule.kind == "async" and self.ray.colocated:
             raise ValueError("schedule.kind 'async' generates while the trainer trains: it needs ray.colocated false")
+        if self.schedule.kind == "async" and self.speculation.enabled and "suffix" in self.speculation.draft_sources:
+            raise ValueError(
+                "speculation.draft_sources 'suffix' with schedule.kind 'async': async picks the generating policy by "
+                "how long steps take, and suffix's memory is not in checkpoints, so a resumed run could train on "
+                "other samples; use another source with async"
+            )
         if self.trainer.dapo.filter_groups and self.task.samples_per_prompt < 2:
             raise ValueError(
                 "trainer.dapo.filter_groups keeps groups whose rewards differ: it needs task.samples_per_prompt >= 2 "

@@ -74,8 +74,12 @@ class VirtualRankPool:
         return []
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        self.engine.select_rank(0)
-        return self.engine.generate(requests)
+        """Each rank generates every ``num_ranks``-th request, as the Ray Serve ranks do."""
+        results = {}
+        for rank in range(min(self.num_ranks, len(requests))):
+            self.engine.select_rank(rank)
+            results |= {r.key: r for r in self.engine.generate(requests[rank :: self.num_ranks])}
+        return [results[r.key] for r in requests]
 
     def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
         scheduler = PhaseScheduler(self.num_ranks, plan, self.engine.policy_version, shards, self.on_activity)

@@ -129,7 +129,7 @@ def engine_settings(config: RunConfig | ServiceConfig, path: str, rank: int = 0)
     speculation = config.speculation
     chain = draft_chain(speculation.draft_sources) if speculation.enabled else ()
     dynamic = {}
-    if any(name != REQUEST_DRAFT for name in chain) or speculation.draft_candidates > 1:
+    if any(name != REQUEST_DRAFT for name in chain) or (chain and speculation.draft_candidates > 1):
         # only then: other backends need not know these settings
         dynamic = {"draft_chain": chain, "draft_source_options": speculation.draft_source_options}
         if speculation.draft_candidates > 1:
@@ -180,13 +180,14 @@ def load_backend(config: RunConfig | ServiceConfig):
             f"{config.rollout.backend!r} cannot run them; use a backend that can ({', '.join(able)}) or only the "
             "sources the controller attaches (bubble, history)"
         )
-    if speculation.enabled and speculation.draft_candidates > 1 and not backend.supports_draft_chain:
+    trees = speculation.enabled and speculation.draft_candidates > 1 and bool(draft_chain(speculation.draft_sources))
+    if trees and not backend.supports_draft_chain:
         raise ConfigError(
             f"speculation.draft_candidates {speculation.draft_candidates}: rollout.backend "
             f"{config.rollout.backend!r} verifies only the request's draft; use 1 with it, or the torch backend "
             "(token trees)"
         )
-    if speculation.enabled and speculation.draft_candidates > 1 and not backend.supports_draft_trees:
+    if trees and not backend.supports_draft_trees:
         logger.warning(
             "speculation.draft_candidates %d: rollout.backend %r verifies the first candidate of each pass only "
             "(no token trees)",
