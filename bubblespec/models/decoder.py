@@ -502,11 +502,10 @@ class DecoderModel:
             chunk_keys_BTT = (positions_BT - start)[:, None, :].expand(-1, positions_BT.shape[1], -1)
             visible_BTS = visible_BTS & (keys_11S < positions_BT.min(dim=1).values[:, None, None])
             visible_BTS = visible_BTS.scatter(2, chunk_keys_BTT, tree.visible_BTT)
-            queries_BT1 = tree.positions_BT[:, :, None]
-            keys_BTS = torch.arange(start, span, device=self.device)[None, None, :].expand_as(visible_BTS)
-            keys_BTS = keys_BTS.scatter(2, chunk_keys_BTT, tree.positions_BT[:, None, :].expand_as(chunk_keys_BTT))
-            if window is not None:
-                visible_BTS = visible_BTS & (keys_BTS > queries_BT1 - window)
+            if window is not None:  # by the keys' and queries' positions in their sequences
+                keys_BTS = torch.arange(start, span, device=self.device)[None, None, :].expand_as(visible_BTS)
+                keys_BTS = keys_BTS.scatter(2, chunk_keys_BTT, tree.positions_BT[:, None, :].expand_as(chunk_keys_BTT))
+                visible_BTS = visible_BTS & (keys_BTS > tree.positions_BT[:, :, None] - window)
             return start, visible_BTS[:, None]
         if window is not None:
             visible_BTS = visible_BTS & (keys_11S > queries_BT1 - window)
