@@ -284,10 +284,14 @@ def _forward_pass(
     starts = [s.cache_length for s in active]
     if attended is None:
         attended = [n * start + n * (n + 1) // 2 for start, n in zip(starts, fed, strict=True)]
+    contexts = [start + n for start, n in zip(starts, fed, strict=True)]
+    padded = len(active) * max(fed)  # every row is padded to the longest chunk and attends the longest context
     return ForwardPass(
         num_sequences=len(active),
         num_tokens=sum(fed),
-        context_tokens=sum(start + n for start, n in zip(starts, fed, strict=True)),
+        context_tokens=sum(contexts),
         attention_pairs=sum(attended),
         sampled_logits=len(active) * logits_per_row,
+        padded_tokens=padded,
+        padded_attention_pairs=padded * max(contexts),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,10 @@ from typer.testing import CliRunner
 
 from bubblespec.cli.main import app
 from bubblespec.core.config import load_config
-from bubblespec.core.interfaces import ForwardPass, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, ForwardPass, GenerationRequest, RolloutKey, SamplingParams
 from bubblespec.observe.run_dir import RunDirectory
 from bubblespec.rl.loop import step_line
-from bubblespec.rollout.speculation_effect import fit_pass_cost, plain_decode_passes
+from bubblespec.rollout.speculation_effect import PassCostFit, fit_pass_cost, plain_decode_passes, seconds_saved
 from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
 from bubblespec.testing.random_checkpoints import write_chat_model
@@ -246,7 +247,7 @@ def test_the_verdict_names_drafting_beside_the_trainer_on_its_cores(settings, sa
 
 def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():
     """Token for token the same forward passes the built-in engine runs without drafts, with a batch limit that
-    makes requests wait for a slot."""
+    makes requests wait for a slot: its padded batches (prompts of several lengths join) too."""
     from backends.torch_engine import TorchEngine
 
     task = ArithmeticTask(seed=0, prompts_per_step=12)
@@ -255,20 +256,67 @@ def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():
                 for p in task.batch(0)]  # fmt: skip
     passes: list[ForwardPass] = []
     results = engine.generate(requests, on_forward=passes.append)
-    replay = plain_decode_passes(
-        [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results], 5, engine.vocab_size
-    )
-    assert list(replay) == passes
+    lengths = [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results]
+    assert list(plain_decode_passes(*lengths, 5, engine.vocab_size, padded=True)) == passes
+    unpadded = plain_decode_passes(*lengths, 5, engine.vocab_size)  # an engine that does not pad
+    assert list(unpadded) == [replace(f, padded_tokens=0, padded_attention_pairs=0) for f in passes]
+
+
+def test_a_shard_s_saving_is_exact_when_its_passes_cost_what_a_padded_batch_computes():
+    """The wall clock's estimate, with pass times that a padded CPU engine's cost gives (a constant, and every padded
+    position and attention pair): fitted on drafted passes alone, it prices the replayed plain passes exactly (fitted
+    to the sequence count and the context read instead, it was 2.8% low here)."""
+    from backends.torch_engine import TorchEngine
+
+    task = ArithmeticTask(seed=0, prompts_per_step=12)
+    requests = [GenerationRequest(tuple(p.token_ids), RolloutKey(0, 0, p.uid, 0), SamplingParams(max_new_tokens=40))
+                for p in task.batch(0)]  # fmt: skip
+    plain, drafted = [], []
+    plain_engine = TorchEngine.from_pretrained(str(SHIPPED_MODEL), max_batch_size=5)
+    results = plain_engine.generate(requests, on_forward=plain.append)
+    with_drafts = [replace(r, draft=Draft(r.key, tuple(result.token_ids[: i % 4 * 4]), 0))
+                   for i, (r, result) in enumerate(zip(requests, results, strict=True))]  # fmt: skip
+    engine = TorchEngine.from_pretrained(str(SHIPPED_MODEL), max_batch_size=5, max_draft_tokens_per_step=6)
+    outputs = engine.generate(with_drafts, on_forward=drafted.append)
+    assert [r.token_ids for r in outputs] == [r.token_ids for r in results]
+
+    def seconds(forward: ForwardPass) -> float:
+        return 2e-3 + 3e-5 * forward.padded_tokens + 2e-8 * forward.padded_attention_pairs
+
+    assert drafted != plain and any(f.padded_tokens > f.num_tokens for f in drafted)
+    truth = sum(seconds(f) for f in plain)
+    timed = [(f, seconds(f)) for f in drafted]
+    ran = sum(s for _, s in timed)
+    saved = seconds_saved(with_drafts, results, ran, 5, engine.vocab_size, fit_pass_cost(timed), padded=True)
+    assert ran + saved == pytest.approx(truth, rel=1e-6)
+
+
+def test_a_call_with_few_passes_is_fitted_with_its_rank_s_latest_earlier_passes():
+    passes = [ForwardPass(n, n, 50 * n, 50 * n, sampled_logits=n * 100) for n in (1, 2, 4, 8, 16, 32)]
+    truth = [(f, 1e-3 + 2e-5 * f.num_tokens) for f in passes]
+    fit = PassCostFit(min_passes=4)
+    fit(truth[:5])
+    alone, topped_up = fit_pass_cost(truth[5:]), fit(truth[5:])  # one pass: it alone shows no slope
+    assert alone(passes[0]) != pytest.approx(truth[0][1], rel=0.5)
+    assert topped_up(passes[0]) == pytest.approx(truth[0][1], rel=1e-6)
+    assert fit._earlier == truth[2:]  # the latest min_passes, for the next call
 
 
 def test_the_pass_cost_fit_recovers_a_linear_cost_and_drops_negative_terms():
-    passes = [ForwardPass(n, n * t, 50 * n + 7 * t, 0, sampled_logits=n * t * 100) for n in (1, 4, 16) for t in (1, 5)]
-    truth = [(f, 1e-3 + 2e-5 * f.num_tokens + 1e-7 * f.context_tokens) for f in passes]
+    passes = [
+        ForwardPass(n, n * t, 50 * n + 7 * t, 50 * n * t + 3 * t * t, sampled_logits=n * t * 100,
+                    padded_tokens=n * (t + pad), padded_attention_pairs=n * (t + pad) * (57 + pad))
+        for n in (1, 4, 16) for t in (1, 5) for pad in (0, 3)
+    ]  # fmt: skip
+    truth = [(f, 1e-3 + 2e-5 * f.num_tokens + 1e-7 * f.computed_attention_pairs) for f in passes]
     cost = fit_pass_cost(truth)
     for forward, seconds in truth:
         assert cost(forward) == pytest.approx(seconds, rel=1e-6)
-    probe = ForwardPass(8, 8, 400, 0, sampled_logits=800)
-    assert cost(probe) >= 0
+    # the sequence count is not a feature: what a drafted pass spends per sequence does not reach plain passes
+    one, eight = ForwardPass(1, 8, 400, 400, sampled_logits=800), ForwardPass(8, 8, 400, 400, sampled_logits=800)
+    assert cost(one) == cost(eight)
+    falling = [(f, 1e-2 - 1e-9 * f.sampled_logits) for f in passes]  # a negative weight is left out, not fitted
+    assert all(cost >= 0 for cost in (fit_pass_cost(falling)(f) for f in passes))
 
 
 @pytest.mark.slow

@@ -195,6 +195,23 @@ class ForwardPass:
     """(query, context position) pairs attended, summed over sequences."""
     sampled_logits: int = 0
     """Logits sampled from after the pass: rows x positions x vocabulary (0 where an engine does not say)."""
+    padded_tokens: int = 0
+    """Positions computed, padding included, where the engine pads its batch to the longest chunk (rows x that
+    chunk's length); 0 where it does not pad (then :attr:`computed_tokens` is :attr:`num_tokens`)."""
+    padded_attention_pairs: int = 0
+    """(query, key) pairs computed, padding and masked pairs included, where the engine pads (every row's padded
+    chunk over the longest context); 0 where it does not pad."""
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions the pass computed: :attr:`padded_tokens` where the engine pads, else :attr:`num_tokens`."""
+        return self.padded_tokens or self.num_tokens
+
+    @property
+    def computed_attention_pairs(self) -> int:
+        """Attention pairs the pass computed: :attr:`padded_attention_pairs` where the engine pads, else
+        :attr:`attention_pairs`."""
+        return self.padded_attention_pairs or self.attention_pairs
 
 
 @runtime_checkable

@@ -34,7 +34,7 @@ from bubblespec.rollout.bubble_scheduler import (
     StopDrafting,
     ignore_activity,
 )
-from bubblespec.rollout.speculation_effect import TimedPasses, fit_pass_cost, seconds_saved
+from bubblespec.rollout.speculation_effect import PassCostFit, TimedPasses, seconds_saved
 from bubblespec.rollout.step import DraftPlan, RolloutOutcome
 from bubblespec.rollout.weights import PackedWeights
 
@@ -61,6 +61,7 @@ class RankReplica:
         self.stopped_step = -1
         self.version = 0
         self.releases = 0
+        self._pass_cost = PassCostFit()
         self._engine_lock = threading.Lock()
         """One engine call at a time: Serve runs this replica's methods in a thread pool, and a late drafting pass
         may still run when new weights or the next call arrive."""
@@ -79,9 +80,10 @@ class RankReplica:
         passes = TimedPasses()
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
         results = self._engine_call(self.engine.generate, requests, on_forward=passes, stop=hold)
-        cost = fit_pass_cost(passes.passes)
+        cost = self._pass_cost(passes.passes)
         ran = sum(cost(forward) for forward, _ in passes.passes)
-        saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost)
+        padded = any(forward.padded_tokens for forward, _ in passes.passes)
+        saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost, padded)
         return results, len(passes.passes), saved
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:

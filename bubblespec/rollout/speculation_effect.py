@@ -8,7 +8,8 @@ charges every replayed pass with a cost model of its own passes:
 - on the virtual clock, the clock's cost profile (the replay is what a run without drafts would have been charged,
   up to the engine's own scheduling);
 - on the wall clock, a least-squares fit of the rank's measured pass times in this shard to the passes' sizes
-  (sequences, tokens fed, context read, logits sampled), with non-negative coefficients (:func:`fit_pass_cost`).
+  (tokens fed, positions and attention pairs computed with the engine's padding, logits sampled), with non-negative
+  coefficients (:func:`fit_pass_cost`); the replay pads as the engine does.
 
 A rank's ``seconds_saved_by_drafts`` is the cost of the replay's passes minus the cost of those it ran (both under the
 same cost, so that a warm-up or a stall common to both cancels): negative when verifying drafts cost more than it
@@ -24,35 +25,55 @@ from collections.abc import Callable, Iterator, Sequence
 from bubblespec.core.interfaces import ForwardPass, GenerationRequest, GenerationResult
 
 PassCost = Callable[[ForwardPass], float]
-FEATURES = ("num_sequences", "num_tokens", "context_tokens", "sampled_logits")
+FEATURES = ("num_tokens", "computed_tokens", "computed_attention_pairs", "sampled_logits")
+"""What a pass's wall seconds are fitted to. Not the sequence count: a drafted pass spends time per sequence that a
+plain one does not (proposing, verifying each draft token), and a fit that learns it from drafted passes would charge
+it to every pass of the plain replay (measured: an estimate 54% too high on the collatz task with the ``suffix``
+source, 10% with these features; BENCHMARKS.md)."""
 
 
 def plain_decode_passes(
-    prompt_lengths: Sequence[int], response_lengths: Sequence[int], max_batch_size: int, vocab_size: int
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    max_batch_size: int,
+    vocab_size: int,
+    padded: bool = False,
 ) -> Iterator[ForwardPass]:
     """The forward passes of decoding these requests without drafts: requests join in order as slots free up, a
-    new one feeds its prompt and every other one its last token, each pass samples one token per sequence."""
+    new one feeds its prompt and every other one its last token, each pass samples one token per sequence.
+    ``padded``: as an engine that pads its batch computes them (:attr:`ForwardPass.padded_tokens`)."""
     waiting = list(zip(prompt_lengths, response_lengths, strict=True))[::-1]
-    finishing: list[tuple[int, int]] = []  # (the pass after which it is done, its cache length then)
+    finishing: list[tuple[int, int, int]] = []  # (the pass after which it is done, its cache length then, its id)
+    joined: dict[int, int] = {}  # id -> its prompt length less the pass it joined in: its context is that + passes
     decoding, cache, passes = 0, 0, 0  # sequences past their first pass, their cache lengths summed; passes run
+    admitted = 0
     while waiting or finishing:
         new = []
         while waiting and len(finishing) < max_batch_size:
             prompt, response = waiting.pop()
             new.append(prompt)
-            heapq.heappush(finishing, (passes + max(response, 1), prompt + max(response, 1) - 1))
+            joined[admitted] = prompt - passes
+            heapq.heappush(finishing, (passes + max(response, 1), prompt + max(response, 1) - 1, admitted))
+            admitted += 1
+        rows = decoding + len(new)
+        padded_tokens = rows * max(new, default=1) if padded else 0
+        longest = max(joined[i] for _, _, i in finishing) + passes if padded else 0
         yield ForwardPass(
-            num_sequences=decoding + len(new),
+            num_sequences=rows,
             num_tokens=decoding + sum(new),
             context_tokens=cache + decoding + sum(new),
             attention_pairs=cache + decoding + sum(p * (p + 1) // 2 for p in new),
-            sampled_logits=(decoding + len(new)) * vocab_size,
+            sampled_logits=rows * vocab_size,
+            padded_tokens=padded_tokens,
+            padded_attention_pairs=padded_tokens * longest,
         )
         passes += 1
         cache += decoding + sum(new)
         decoding += len(new)
         while finishing and finishing[0][0] == passes:
-            decoding, cache = decoding - 1, cache - heapq.heappop(finishing)[1]
+            _, length, done = heapq.heappop(finishing)
+            decoding, cache = decoding - 1, cache - length
+            del joined[done]
 
 
 class TimedPasses:
@@ -67,6 +88,23 @@ class TimedPasses:
         now = time.perf_counter()
         self.passes.append((forward, now - self._last))
         self._last = now
+
+
+class PassCostFit:
+    """:func:`fit_pass_cost` over a call's timed passes, topped up with the latest passes of this rank's earlier
+    calls to at least ``min_passes``: a shard that ran few passes (most of them long drafted chunks) says little about
+    what a plain pass costs, and its fit alone extrapolated to the plain replay by up to a third (measured on the
+    collatz task with the ``suffix`` source: 10% mean error per shard alone, 6.5% topped up to 1,024 passes)."""
+
+    def __init__(self, min_passes: int = 1024) -> None:
+        self.min_passes = min_passes
+        self._earlier: list[tuple[ForwardPass, float]] = []
+
+    def __call__(self, passes: Sequence[tuple[ForwardPass, float]]) -> PassCost:
+        missing = max(self.min_passes - len(passes), 0)
+        fitted = [*(self._earlier[len(self._earlier) - missing :] if missing else []), *passes]
+        self._earlier = [*self._earlier, *passes][-self.min_passes :]
+        return fit_pass_cost(fitted)
 
 
 def fit_pass_cost(passes: Sequence[tuple[ForwardPass, float]]) -> PassCost:
@@ -116,11 +154,16 @@ def seconds_saved(
     max_batch_size: int,
     vocab_size: int,
     cost: PassCost,
+    padded: bool = False,
 ) -> float:
     """The plain-decoding replay's seconds under ``cost`` minus ``seconds``, those of generating ``results`` with
     drafts (under ``cost``): what the drafts saved (negative: what they cost). Preempted results count with the tokens
-    they had."""
+    they had. ``padded``: the engine pads its batches (:func:`plain_decode_passes`)."""
     plain = plain_decode_passes(
-        [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results], max_batch_size, vocab_size
+        [len(r.prompt_token_ids) for r in requests],
+        [len(r.token_ids) for r in results],
+        max_batch_size,
+        vocab_size,
+        padded,
     )
     return sum(cost(forward) for forward in plain) - seconds
