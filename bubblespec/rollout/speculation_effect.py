@@ -93,7 +93,7 @@ class TimedPasses:
 class PassCostFit:
     """:func:`fit_pass_cost` over a call's timed passes, topped up with the latest passes of this rank's earlier
     calls to at least ``min_passes``: a shard that ran few passes (most of them long drafted chunks) says little about
-    what a plain pass costs, and its fit alone extrapolated to the plain replay by up to a third (measured on the
+    what a plain pass costs, and its fit alone extrapolated to the plain replay by up to a quarter (measured on the
     collatz task with the ``suffix`` source: 10% mean error per shard alone, 6.5% topped up to 1,024 passes)."""
 
     def __init__(self, min_passes: int = 1024) -> None:
