@@ -43,21 +43,19 @@ def plain_decode_passes(
     new one feeds its prompt and every other one its last token, each pass samples one token per sequence.
     ``padded``: as an engine that pads its batch computes them (:attr:`ForwardPass.padded_tokens`)."""
     waiting = list(zip(prompt_lengths, response_lengths, strict=True))[::-1]
-    finishing: list[tuple[int, int, int]] = []  # (the pass after which it is done, its cache length then, its id)
-    joined: dict[int, int] = {}  # id -> its prompt length less the pass it joined in: its context is that + passes
+    # (the pass after which it is done, its cache length then, its prompt length less the pass it joined in: its
+    # context after a pass is that plus the pass's index)
+    finishing: list[tuple[int, int, int]] = []
     decoding, cache, passes = 0, 0, 0  # sequences past their first pass, their cache lengths summed; passes run
-    admitted = 0
     while waiting or finishing:
         new = []
         while waiting and len(finishing) < max_batch_size:
             prompt, response = waiting.pop()
             new.append(prompt)
-            joined[admitted] = prompt - passes
-            heapq.heappush(finishing, (passes + max(response, 1), prompt + max(response, 1) - 1, admitted))
-            admitted += 1
+            heapq.heappush(finishing, (passes + max(response, 1), prompt + max(response, 1) - 1, prompt - passes))
         rows = decoding + len(new)
         padded_tokens = rows * max(new, default=1) if padded else 0
-        longest = max(joined[i] for _, _, i in finishing) + passes if padded else 0
+        longest = max(offset for _, _, offset in finishing) + passes if padded else 0
         yield ForwardPass(
             num_sequences=rows,
             num_tokens=decoding + sum(new),
@@ -71,9 +69,7 @@ def plain_decode_passes(
         cache += decoding + sum(new)
         decoding += len(new)
         while finishing and finishing[0][0] == passes:
-            _, length, done = heapq.heappop(finishing)
-            decoding, cache = decoding - 1, cache - length
-            del joined[done]
+            decoding, cache = decoding - 1, cache - heapq.heappop(finishing)[1]
 
 
 class TimedPasses:
