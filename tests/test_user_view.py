@@ -245,18 +245,28 @@ def test_the_verdict_names_drafting_beside_the_trainer_on_its_cores(settings, sa
     assert ("train + sync with speculation off against on" in verdict) is said
 
 
-def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts():
+@pytest.mark.parametrize("model", ["shipped", "qwen2-32k-bfloat16"])
+def test_plain_decoding_replay_is_the_torch_engine_s_schedule_without_drafts(model, tmp_path):
     """Token for token the same forward passes the built-in engine runs without drafts, with a batch limit that
-    makes requests wait for a slot: its padded batches (prompts of several lengths join) too."""
+    makes requests wait for a slot: its padded batches (prompts of several lengths join) too. On the shipped model
+    and on a random Qwen2 of vocabulary 32,000 in bfloat16 (the sampled logits count the vocabulary)."""
     from backends.torch_engine import TorchEngine
+    from tests.conftest import write_checkpoint
 
     task = ArithmeticTask(seed=0, prompts_per_step=12)
-    engine = TorchEngine.from_pretrained(str(SHIPPED_MODEL), max_batch_size=5)
-    requests = [GenerationRequest(tuple(p.token_ids), RolloutKey(0, 0, p.uid, 0), SamplingParams(max_new_tokens=40))
-                for p in task.batch(0)]  # fmt: skip
+    if model == "shipped":
+        engine = TorchEngine.from_pretrained(str(SHIPPED_MODEL), max_batch_size=5)
+    else:
+        folder = write_checkpoint(tmp_path / model, "qwen2", vocab_size=32_000, seed=3)
+        engine = TorchEngine.from_pretrained(str(folder), max_batch_size=5, dtype="bfloat16")
+    requests = [GenerationRequest(tuple(p.token_ids), RolloutKey(0, 0, p.uid, 0),
+                                  SamplingParams(max_new_tokens=12 + 7 * i % 29))  # a random model never stops
+                for i, p in enumerate(task.batch(0))]  # fmt: skip
     passes: list[ForwardPass] = []
     results = engine.generate(requests, on_forward=passes.append)
     lengths = [len(r.prompt_token_ids) for r in requests], [len(r.token_ids) for r in results]
+    assert len(set(lengths[0])) > 1 and len(set(lengths[1])) > 1, "prompts and responses of several lengths"
+    assert any(f.padded_tokens > f.num_tokens for f in passes) and passes[-1].sampled_logits % engine.vocab_size == 0
     assert list(plain_decode_passes(*lengths, 5, engine.vocab_size, padded=True)) == passes
     unpadded = plain_decode_passes(*lengths, 5, engine.vocab_size)  # an engine that does not pad
     assert list(unpadded) == [replace(f, padded_tokens=0, padded_attention_pairs=0) for f in passes]
