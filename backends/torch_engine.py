@@ -18,12 +18,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
-from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, TokenTree, read_checkpoint, read_model_config
+from bubblespec.models.decoder import (
+    DTYPES,
+    DecoderModel,
+    KVCache,
+    TokenTree,
+    check_batch_invariant,
+    read_checkpoint,
+    read_model_config,
+)
 from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings, tree_budgets
 from bubblespec.verify.tree import DraftTree
 
@@ -35,6 +43,11 @@ class TorchEngineConfig(EngineSettings, DraftChainSettings):
     """Weights and activations; float64 makes speculation bit-identical to plain decoding."""
     device: str = "cpu"
     """A torch device: "cpu", "cuda" or "cuda:N"."""
+    batch_invariant: bool = False
+    """float32 or float64 on a CPU: compute a sequence's logits the same way in every forward pass (a chunk's
+    queries attend one per head, matrix products run over a multiple of 4 rows), so rollouts with drafts are
+    bit-identical to plain decoding's. Without it a float32 verify pass rounds otherwise than a decode pass and may
+    rarely flip a sampling near-tie; with it verify passes cost about a third more here (docs/design.md §3.2)."""
 
     @field_validator("device")
     @classmethod
@@ -45,6 +58,12 @@ class TorchEngineConfig(EngineSettings, DraftChainSettings):
         except RuntimeError:
             raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N") from None
         return device
+
+    @model_validator(mode="after")
+    def _batch_invariant_where_measured(self) -> TorchEngineConfig:
+        if self.batch_invariant:
+            check_batch_invariant(DTYPES[self.dtype], self.device)
+        return self
 
 
 @dataclass
@@ -72,7 +91,9 @@ class TorchEngine(Engine):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RequestError(f"device {config.device!r} was asked for but torch sees no CUDA device; use 'cpu'")
         self.model_config, weights = read_checkpoint(config.model_path)
-        self.model = DecoderModel(self.model_config, weights, DTYPES[config.dtype], device)
+        self.model = DecoderModel(
+            self.model_config, weights, DTYPES[config.dtype], device, batch_invariant=config.batch_invariant
+        )
         self.device = device
         self._policy_version = 0
         self._cache: KVCache | None = None

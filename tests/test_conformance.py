@@ -121,6 +121,18 @@ class TestTorchEngineAtARealVocabulary(RealVocabularyConformance):
     dtype = "float32"
 
 
+class TestTorchEngineBatchInvariantAtARealVocabulary(RealVocabularyConformance):
+    """The same in float32 with ``batch_invariant``: a sequence's logits do not depend on the pass (tested in
+    tests/test_torch_engine.py), so every draft, tree and batch gives plain decoding's responses bit for bit."""
+
+    backend = "torch"
+    family = "qwen3"
+    dtype = "float32"
+    engine_settings = {"batch_invariant": True}
+    max_mismatch_rate = 0.0
+    num_prompts = 4
+
+
 @pytest.mark.slow
 class TestTorchEngineAtQwenVocabulary(RealVocabularyConformance):
     """Qwen2's 151,936-token vocabulary."""

@@ -116,10 +116,14 @@ def test_foreign_model_drafts_give_identical_outputs_in_float64(engine64, other_
     assert sum(r.stats.verify_steps for r in speculative) > 0
 
 
-def test_float32_mismatch_rate_is_measured_and_small(llama_path):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_float32_mismatch_rate_is_measured_and_small(llama_path, batch_invariant):
     """float32: verification over a chunk rounds differently from one-token decoding, so a near-tie may flip a
-    token. Measure how often outputs differ at all, with drafts from a slightly perturbed model."""
-    engine = TorchEngine.from_pretrained(llama_path, dtype="float32", max_batch_size=64)
+    token. Measure how often outputs differ at all, with drafts from a slightly perturbed model; none may differ
+    where the engine is batch-invariant."""
+    engine = TorchEngine.from_pretrained(
+        llama_path, dtype="float32", max_batch_size=64, batch_invariant=batch_invariant
+    )
     requests = _requests(64, seed=4, max_new_tokens=80)
     plain = engine.generate(requests)
     drafts = {i: _draft(r, p.token_ids) for i, (r, p) in enumerate(zip(requests, plain, strict=True))}
@@ -129,8 +133,8 @@ def test_float32_mismatch_rate_is_measured_and_small(llama_path):
     plain_new = engine.generate(requests)
     speculative = engine.generate(_with_drafts(requests, drafts))
     mismatched = sum(a.token_ids != b.token_ids for a, b in zip(plain_new, speculative, strict=True))
-    print(f"float32 mismatch rate: {mismatched}/{len(requests)} responses")
-    assert mismatched / len(requests) <= 0.05
+    print(f"float32 mismatch rate (batch_invariant={batch_invariant}): {mismatched}/{len(requests)} responses")
+    assert mismatched / len(requests) <= (0 if batch_invariant else 0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -141,7 +145,7 @@ def test_a_rows_attention_is_the_same_in_every_pass(dtype, window):
     Otherwise bfloat16 verification flips near-tie tokens that plain decoding samples (torch's CPU attention sums a
     row's keys in an order set by the key span, the key blocks' start and the number of queries per head), more
     often than two plain runs of other batch compositions differ from each other. float32 chunks keep the faster
-    attention: its matrix products round with the number of rows anyway."""
+    attention unless the model is batch-invariant (test_a_batch_invariant_rows_logits_are_the_same_in_every_pass)."""
     config = DecoderConfig(
         model_type="mistral", vocab_size=VOCAB, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
         head_dim=64, intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=1024,
@@ -178,6 +182,48 @@ def test_a_rows_attention_is_the_same_in_every_pass(dtype, window):
     assert torch.equal(decode_BNTD, alone_BNTD)
     if dtype == torch.bfloat16:
         assert torch.equal(verify_BNTD, decode_BNTD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_batch_invariant_rows_logits_are_the_same_in_every_pass(dtype, family):
+    """A batch-invariant model (float32, float64 on a CPU): a sequence's logits are bit-identical whether its tokens
+    are fed one per decode pass (alone, or beside 1-2 other sequences) or as a chunk of a verify pass beside other
+    sequences' chunks. Without it the matrix products of passes of 1-3 rows and attention over a chunk of queries
+    round otherwise, and a draft can flip a near-tie that plain decoding samples."""
+    config = DecoderConfig(
+        model_type=family, vocab_size=32_000, hidden_size=192, num_layers=2, num_heads=3, num_kv_heads=1,
+        head_dim=64, intermediate_size=320, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
+        tie_word_embeddings=family == "qwen2", attention_bias=family == "qwen2", eos_token_ids=(EOS,),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    weights = {n: 0.05 * torch.randn(s, generator=generator) for n, s in config.parameter_shapes().items()}
+    model = DecoderModel(config, weights, dtype, "cpu", batch_invariant=True)
+    prompts = [torch.randint(3, 32_000, (n,), generator=generator) for n in (7, 20, 33, 50, 61)]
+    chunk = 9
+    continuations = torch.randint(3, 32_000, (len(prompts), chunk), generator=generator)
+
+    def prefilled(rows):
+        cache = KVCache(config, len(rows), 128, dtype, "cpu")
+        for slot, row in enumerate(rows):  # each prompt alone, so every mode starts from the same keys
+            alone = KVCache(config, 1, 128, dtype, "cpu")
+            model.forward(prompts[row][None], torch.arange(len(prompts[row]))[None], alone)
+            cache.keys[:, slot], cache.values[:, slot] = alone.keys[:, 0], alone.values[:, 0]
+        return cache
+
+    def decode(rows):  # [rows, chunk, V]: one token per pass
+        cache, steps = prefilled(rows), []
+        for t in range(chunk):
+            positions = torch.tensor([[len(prompts[r]) + t] for r in rows])
+            steps.append(model.forward(continuations[rows, t : t + 1], positions, cache))
+        return torch.cat(steps, dim=1)
+
+    every = list(range(len(prompts)))
+    positions = torch.stack([len(prompts[r]) + torch.arange(chunk) for r in every])
+    with torch.no_grad():
+        verify = model.forward(continuations, positions, prefilled(every))
+        for rows in ([0], [3], [1, 4], [0, 2, 3], every):
+            assert torch.equal(decode(rows), verify[rows]), f"rows {rows}"
 
 
 @pytest.mark.parametrize("kind", ["random", "empty", "too_long", "other_key", "truncated"])
@@ -387,6 +433,10 @@ def test_bad_model_paths_and_settings_are_refused(tmp_path, llama_path):
         TorchEngineConfig(model_path=str(llama_path), dtype="float16")
     with pytest.raises(ValueError, match="max_batch_size"):
         TorchEngineConfig(model_path=str(llama_path), max_batch_size=0)
+    with pytest.raises(ValueError, match="batch_invariant is for float32 or float64 on a CPU, not bfloat16"):
+        TorchEngineConfig(model_path=str(llama_path), dtype="bfloat16", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant is for float32 or float64 on a CPU, not float32 on 'cuda'"):
+        TorchEngineConfig(model_path=str(llama_path), device="cuda", batch_invariant=True)
     if not torch.cuda.is_available():
         with pytest.raises(RequestError, match="no CUDA device"):
             TorchEngine.from_pretrained(llama_path, device="cuda")

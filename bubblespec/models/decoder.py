@@ -40,6 +40,11 @@ KEY_BLOCK = 512
 """A sliding window's first key position is a multiple of this: torch's CPU attention takes keys in blocks of 512
 from the first one it is given and rescales its running softmax sum per block, so blocks starting at a position
 set by the batch's shortest row would change a row's rounding with the batch."""
+ROW_MULTIPLE = 4
+"""A batch-invariant model (``DecoderModel(batch_invariant=True)``, float32 or float64 on a CPU) runs every matrix
+product of an inference pass over a multiple of this many rows (zero rows added, their outputs dropped): torch's CPU
+matrix product (MKL) computes the last rows of a product apart when their count is not a multiple of 4, in another
+summation order, so a row would round otherwise in a decode pass of 1-3 sequences than in a verify pass."""
 _FOLDED_MASK_ELEMENTS = 1 << 24
 """At most this many mask entries per attention call when a chunk's queries are folded into heads (see
 :meth:`DecoderModel._attention`): a long prefill runs in several calls."""
@@ -347,10 +352,34 @@ class KVCache:
         self.values[:, slot, :, list(targets)] = self.values[:, slot, :, list(sources)]
 
 
+def check_batch_invariant(dtype: torch.dtype, device) -> None:
+    """Refuses a batch-invariant model where it is not built: bfloat16 (its matrix products round with the row count
+    past 16 rows) and CUDA (its kernels are not measured)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"batch_invariant is for float32 or float64 on a CPU, not {name} on {str(device)!r} (bfloat16's matrix "
+            "products round with the row count past 16 rows; CUDA kernels are not measured)"
+        )
+
+
 class DecoderModel:
     """The forward pass of a Llama/Qwen2/Qwen3/Mistral decoder over a batch of variable-length chunks."""
 
-    def __init__(self, config: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device,
+        batch_invariant: bool = False,
+    ) -> None:
+        """``batch_invariant`` (float32 or float64 on a CPU): a row's logits are bit-identical in every inference
+        pass, whatever the other rows and however many of its own tokens the pass feeds, so a verified draft never
+        flips a sampling near-tie that plain decoding would not; verify passes cost about a third more on a CPU
+        (docs/design.md §3.2)."""
+        if batch_invariant:
+            check_batch_invariant(dtype, device)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -358,10 +387,11 @@ class DecoderModel:
         self.load_weights(weights, strict=True)
         inverse_frequency = rope_inverse_frequency(config.head_dim, config.rope_theta, config.rope_llama3)
         self._inverse_frequency = inverse_frequency.to(self.device)
-        # bfloat16 on a CPU: a chunk's queries attend one per head, as a decode pass's do (see _attention). Not in
-        # float32, where the matrix products already round differently with the number of rows (so this would cost
-        # time for nothing), nor in float64 or on CUDA, whose kernels this was not measured on.
-        self._one_query_per_head = dtype == torch.bfloat16 and self.device.type == "cpu"
+        # A chunk's queries attend one per head, as a decode pass's do (see _attention): in bfloat16 on a CPU always
+        # (its verify passes would flip near-ties more often than batch order does), in float32 and float64 where
+        # the model is batch-invariant, whose products also run over a multiple of ROW_MULTIPLE rows (_linear).
+        self._one_query_per_head = batch_invariant or (dtype == torch.bfloat16 and self.device.type == "cpu")
+        self._row_multiple = ROW_MULTIPLE if batch_invariant else 1
 
     def _allocate_weights(self) -> dict[str, torch.Tensor]:
         """Zeroed weights by Hugging Face name. Per layer, q/k/v and gate/up are views into one fused matrix
@@ -448,7 +478,7 @@ class DecoderModel:
             p = f"model.layers.{i}."
             x_BTH = self._rms_norm(hidden_BTH, w[p + "input_layernorm.weight"])
             fused = self._fused[i]
-            q, k, v = F.linear(x_BTH, fused["qkv"], fused["qkv_bias"]).split(qkv_sizes, dim=-1)
+            q, k, v = self._linear(x_BTH, fused["qkv"], fused["qkv_bias"]).split(qkv_sizes, dim=-1)
             q_BTND = q.view(batch, length, cfg.num_heads, cfg.head_dim)
             k_BTND = k.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
@@ -461,17 +491,17 @@ class DecoderModel:
             attention_BNTD = self._attention(i, q_BTND, k_BTND, v_BTND, cache, (slots_BT, positions_BT), mask)
             attention_BTH = attention_BNTD.transpose(1, 2).reshape(batch, length, -1)
             output_bias = w.get(p + "self_attn.o_proj.bias")
-            hidden_BTH = hidden_BTH + F.linear(attention_BTH, w[p + "self_attn.o_proj.weight"], output_bias)
+            hidden_BTH = hidden_BTH + self._linear(attention_BTH, w[p + "self_attn.o_proj.weight"], output_bias)
             x_BTH = self._rms_norm(hidden_BTH, w[p + "post_attention_layernorm.weight"])
-            gate, up = F.linear(x_BTH, fused["gate_up"]).chunk(2, dim=-1)
+            gate, up = self._linear(x_BTH, fused["gate_up"]).chunk(2, dim=-1)
             gate = F.silu(gate) * up
-            hidden_BTH = hidden_BTH + F.linear(gate, w[p + "mlp.down_proj.weight"])
+            hidden_BTH = hidden_BTH + self._linear(gate, w[p + "mlp.down_proj.weight"])
         if select_BW is None:
             selected_BWH = hidden_BTH
         else:
             selected_BWH = torch.gather(hidden_BTH, 1, select_BW[:, :, None].expand(-1, -1, hidden_BTH.shape[-1]))
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return F.linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
+        return self._linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
 
     def _mask(
         self, positions_BT: torch.Tensor, cache: KVCache | None, window: int | None, tree: TokenTree | None = None
@@ -555,6 +585,16 @@ class DecoderModel:
             )
             outputs.append(out_BHlD.view(batch, heads, chunk, dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``, over a multiple of :data:`ROW_MULTIPLE` rows in a batch-invariant model (with gradients off:
+        training's products are left as they are)."""
+        rows = x.shape[:-1].numel()
+        pad = -rows % self._row_multiple
+        if not pad or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        padded = torch.cat([x.reshape(rows, x.shape[-1]), x.new_zeros(pad, x.shape[-1])])
+        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Like Hugging Face: normalise in at least float32, scale in the model's dtype.
