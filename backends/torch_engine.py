@@ -47,7 +47,7 @@ class TorchEngineConfig(EngineSettings, DraftChainSettings):
     """float32 or float64 on a CPU: compute a sequence's logits the same way in every forward pass (a chunk's
     queries attend one per head, matrix products run over a multiple of 4 rows), so rollouts with drafts are
     bit-identical to plain decoding's. Without it a float32 verify pass rounds otherwise than a decode pass and may
-    rarely flip a sampling near-tie; with it verify passes cost about a third more here (docs/design.md §3.2)."""
+    rarely flip a sampling near-tie; with it a verify pass costs 1.2-1.9x as much on a CPU (docs/design.md §3.2)."""
 
     @field_validator("device")
     @classmethod

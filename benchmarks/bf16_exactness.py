@@ -15,11 +15,18 @@ peaked on 256 tokens as a trained model's is (``bubblespec.testing.write_policy_
     python benchmarks/bf16_exactness.py --backend torch --vocab 32000 --requests 512 --seeds 0,1,2
     python benchmarks/bf16_exactness.py --backend vllm --family qwen2 --vocab 151936 --requests 512 --seeds 0,1,2
 
+``--batch-invariant`` (float32 or float64, torch): the engine under test is batch-invariant
+(``rollout.engine_options.batch_invariant``), so no response may differ with drafts.
+
+    python benchmarks/bf16_exactness.py --dtype float32 --requests 512 --seeds 0,1,2 [--batch-invariant]
+
 ``--pass-cost MODEL``: what the torch engine's exact bfloat16 attention costs instead (a chunk's queries attend one
-per head, ``DecoderModel._one_query_per_head``): the median seconds of a decode pass (1 token per sequence), a verify
-pass (17) and a prefill (128) on that model folder, with it on and off, interleaved in one process.
+per head, ``DecoderModel._one_query_per_head``), or in float32 and float64 its batch-invariant passes: the median
+seconds of a decode pass (1 token per sequence), a verify pass (17) and a prefill (128) on that model folder, with it
+on and off, interleaved in one process.
 
     python benchmarks/bf16_exactness.py --pass-cost ckpt/qwen-body --batch 16 --context 200
+    python benchmarks/bf16_exactness.py --pass-cost checkpoints/smollm2-135m-instruct-float32 --dtype float32 --batch 8
 
 ``--linear-rows``: whether a bfloat16 matrix product gives a row the same value in passes of several row counts as
 alone, for the products of a hidden-128 checkpoint (the one above) and of SmolLM2-135M (hidden 576, MLP 1,536,
@@ -53,19 +60,26 @@ def wilson(count: int, total: int, z: float = 1.96) -> tuple[float, float]:
     return (centre - half) / denominator, (centre + half) / denominator
 
 
-def pass_cost(model_path: str, batch: int, context: int, repeats: int = 10) -> None:
-    """Median milliseconds per forward pass with the folded (exact) and the plain attention, bfloat16, one thread."""
+def pass_cost(model_path: str, batch: int, context: int, dtype: str = "bfloat16", repeats: int = 10) -> None:
+    """Median milliseconds per forward pass, one thread: in bfloat16 with the folded (exact) and the plain
+    attention; in float32 and float64 of a batch-invariant model and a plain one."""
     import statistics
 
     import torch
 
-    from bubblespec.models.decoder import DecoderModel, KVCache, read_checkpoint
+    from bubblespec.models.decoder import DTYPES, DecoderModel, KVCache, read_checkpoint
 
     torch.set_num_threads(1)
     config, weights = read_checkpoint(model_path)
-    model = DecoderModel(config, weights, torch.bfloat16, "cpu")
+    torch_dtype = DTYPES[dtype]
+    if dtype == "bfloat16":  # one model, its attention switched
+        models = dict.fromkeys((False, True), DecoderModel(config, weights, torch_dtype, "cpu"))
+    else:
+        models = {
+            exact: DecoderModel(config, weights, torch_dtype, "cpu", batch_invariant=exact) for exact in (False, True)
+        }
     generator = torch.Generator().manual_seed(0)
-    cache = KVCache(config, batch, context + 128 + 64, torch.bfloat16, "cpu")
+    cache = KVCache(config, batch, context + 128 + 64, torch_dtype, "cpu")
     cache.keys.normal_(generator=generator)
     cache.values.normal_(generator=generator)
     lengths = torch.randint(max(1, context - 40), context + 1, (batch,), generator=generator)
@@ -79,17 +93,20 @@ def pass_cost(model_path: str, batch: int, context: int, repeats: int = 10) -> N
     with torch.inference_mode():
         for repeat in range(repeats + 1):
             for folded in (False, True):
-                model._one_query_per_head = folded
+                model = models[folded]
+                if dtype == "bfloat16":
+                    model._one_query_per_head = folded
                 for name, (width, positions, select) in passes.items():
                     tokens = torch.randint(3, vocab, (batch, width), generator=generator)
                     started = time.perf_counter()
                     model.forward(tokens, positions, cache, select)
                     if repeat:  # the first round warms up
                         seconds.setdefault((name, folded), []).append(time.perf_counter() - started)
-    print(f"{model_path}: bfloat16, batch {batch}, context ~{context}, median of {repeats} (ms per forward pass)")
+    print(f"{model_path}: {dtype}, batch {batch}, context ~{context}, median of {repeats} (ms per forward pass)")
+    what = "one query per head" if dtype == "bfloat16" else "batch_invariant"
     for name in passes:
         plain, folded = (statistics.median(seconds[(name, f)]) * 1e3 for f in (False, True))
-        print(f"  {name:8s} one query per head off {plain:8.2f}  on {folded:8.2f}  ({folded / plain:.2f}x)")
+        print(f"  {name:8s} {what} off {plain:8.2f}  on {folded:8.2f}  ({folded / plain:.2f}x)")
 
 
 LINEAR_SHAPES = {"hidden 128, head 32,000": (128, 32_000), "q, k, v 576 -> 960": (576, 960),
@@ -138,12 +155,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--linear-rows", action="store_true", help="Check the matrix products' rows instead.")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="The torch engine under test is batch-invariant."
+    )
     args = parser.parse_args()
     if args.linear_rows:
         linear_rows()
         return
     if args.pass_cost is not None:
-        pass_cost(args.pass_cost, args.batch, args.context)
+        pass_cost(args.pass_cost, args.batch, args.context, args.dtype)
         return
     torch.set_num_threads(1)
     folder = args.folder or Path("ckpt") / f"{args.family}{args.vocab // 1000}k"
@@ -154,8 +174,9 @@ def main() -> None:
     settings = SimpleNamespace(max_batch_size=args.max_batch_size, max_draft_tokens_per_step=16,
                                adaptive_draft_length=True, device="cpu",
                                max_model_len=128 + 2 * max_new_tokens + 16)  # fmt: skip
+    tested = SimpleNamespace(**vars(settings), batch_invariant=args.batch_invariant)
     _, weights = read_checkpoint(model)
-    engine = make_engine(args.backend, model, args.dtype, settings) if args.backend == "vllm" else None
+    engine = make_engine(args.backend, model, args.dtype, tested) if args.backend == "vllm" else None
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         started = time.perf_counter()
@@ -163,7 +184,7 @@ def main() -> None:
         new_state, _ = perturbed_weights(weights, args.weight_noise, seed)
         drafts = make_engine("torch", model, args.dtype, settings).generate(workload.requests)
         if args.backend == "torch":  # a fresh engine per seed; vLLM engines live as long as the process
-            engine = make_engine("torch", model, args.dtype, settings)
+            engine = make_engine("torch", model, args.dtype, tested)
         engine.update_weights(new_state, version=seed + 1)
         row = exactness_row(engine, workload.requests, drafts) | {"seed": seed}
         row["seconds"] = round(time.perf_counter() - started, 1)
@@ -174,6 +195,7 @@ def main() -> None:
     between = sum(r["differing_between_plain_batches"] for r in rows)
     summary = {
         "backend": args.backend, "family": args.family, "vocab": args.vocab, "dtype": args.dtype,
+        "batch_invariant": args.batch_invariant,
         "responses": total, "differing_with_drafts": drafted, "differing_with_drafts_ci95": wilson(drafted, total),
         "differing_between_plain_batches": between, "differing_between_plain_batches_ci95": wilson(between, total),
         "seeds": [r["seed"] for r in rows], "rows": rows,

@@ -44,7 +44,10 @@ def make_engine(backend: str, model_path: str, dtype: str, settings):
     if backend == "torch":
         from bubblespec.backends.torch_engine import TorchEngine
 
-        return TorchEngine.from_pretrained(model_path, dtype=dtype, device=settings.device, **common)
+        invariant = getattr(settings, "batch_invariant", False)  # the torch engine's own setting
+        return TorchEngine.from_pretrained(
+            model_path, dtype=dtype, device=settings.device, batch_invariant=invariant, **common
+        )
     from bubblespec.backends.vllm_engine import VLLMEngine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder; nothing to fetch
