@@ -174,9 +174,8 @@ def main() -> None:
     settings = SimpleNamespace(max_batch_size=args.max_batch_size, max_draft_tokens_per_step=16,
                                adaptive_draft_length=True, device="cpu",
                                max_model_len=128 + 2 * max_new_tokens + 16)  # fmt: skip
-    tested = SimpleNamespace(**vars(settings), batch_invariant=args.batch_invariant)
     _, weights = read_checkpoint(model)
-    engine = make_engine(args.backend, model, args.dtype, tested) if args.backend == "vllm" else None
+    engine = make_engine(args.backend, model, args.dtype, settings) if args.backend == "vllm" else None
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         started = time.perf_counter()
@@ -184,7 +183,7 @@ def main() -> None:
         new_state, _ = perturbed_weights(weights, args.weight_noise, seed)
         drafts = make_engine("torch", model, args.dtype, settings).generate(workload.requests)
         if args.backend == "torch":  # a fresh engine per seed; vLLM engines live as long as the process
-            engine = make_engine("torch", model, args.dtype, tested)
+            engine = make_engine("torch", model, args.dtype, settings, args.batch_invariant)
         engine.update_weights(new_state, version=seed + 1)
         row = exactness_row(engine, workload.requests, drafts) | {"seed": seed}
         row["seconds"] = round(time.perf_counter() - started, 1)

@@ -34,8 +34,9 @@ VLLM_GPU_MEMORY_SHARE = 0.3
 draft share the same GPU (ignored on CPU)."""
 
 
-def make_engine(backend: str, model_path: str, dtype: str, settings):
-    """An engine of ``backend`` on ``model_path`` holding the checkpoint's weights (pi_t)."""
+def make_engine(backend: str, model_path: str, dtype: str, settings, batch_invariant: bool = False):
+    """An engine of ``backend`` on ``model_path`` holding the checkpoint's weights (pi_t); ``batch_invariant`` is the
+    torch engine's own setting."""
     common = {
         "max_batch_size": settings.max_batch_size,
         "max_draft_tokens_per_step": settings.max_draft_tokens_per_step,
@@ -44,9 +45,8 @@ def make_engine(backend: str, model_path: str, dtype: str, settings):
     if backend == "torch":
         from bubblespec.backends.torch_engine import TorchEngine
 
-        invariant = getattr(settings, "batch_invariant", False)  # the torch engine's own setting
         return TorchEngine.from_pretrained(
-            model_path, dtype=dtype, device=settings.device, batch_invariant=invariant, **common
+            model_path, dtype=dtype, device=settings.device, batch_invariant=batch_invariant, **common
         )
     from bubblespec.backends.vllm_engine import VLLMEngine
 
