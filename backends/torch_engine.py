@@ -243,12 +243,8 @@ class TorchEngine(Engine):
         for row, (sequence, tree, chunk) in enumerate(zip(active, trees, chunks, strict=True)):
             tokens[row, : len(chunk)] = torch.tensor(chunk)
             fed = len(sequence.pending)
-            for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths, strict=True)):
-                index = fed + node
-                depths[row, index] = fed - 1 + depth
-                # what its parent sees (the pending tokens for a child of the root), and itself
-                visible[row, index] = visible[row, fed - 1 if parent < 0 else fed + parent]
-                visible[row, index, index] = True
+            depths[row, : len(chunk)] = torch.tensor(tree.chunk_positions(fed))
+            visible[row, : len(chunk), : len(chunk)] = tree.chunk_visible(fed)
         cache_lengths = torch.tensor([s.cache_length for s in active])
         positions = cache_lengths[:, None] + torch.arange(length)
         first_sampled = torch.tensor([len(s.pending) - 1 for s in active])
@@ -259,11 +255,7 @@ class TorchEngine(Engine):
         )
         self.num_forward_passes += 1
         if on_forward is not None:
-            attended = [
-                len(s.pending) * s.cache_length + len(s.pending) * (len(s.pending) + 1) // 2
-                + sum(s.cache_length + len(s.pending) + d for d in t.depths)
-                for s, t in zip(active, trees, strict=True)
-            ]  # fmt: skip
+            attended = [t.attention_pairs(len(s.pending), s.cache_length) for s, t in zip(active, trees, strict=True)]
             on_forward(_forward_pass(active, chunks, width * self.vocab_size, attended))
         # One sample per scored position, each with its own path before it (the repetition penalty sees it).
         rows = [(row, sequence, index) for row, sequence in enumerate(active) for index in range(len(trees[row]) + 1)]

@@ -32,6 +32,7 @@ from bubblespec.rollout.clocks import PROFILES
 from bubblespec.tasks import ArithmeticTask
 from bubblespec.tasks.collatz import CollatzTask
 from bubblespec.verify import sampling
+from bubblespec.verify.tree import DraftTree
 
 
 def time_forward(engine: TorchEngine, batch: int, tokens: int, context: int, repeats: int = 7) -> float:
@@ -54,18 +55,13 @@ def time_tree_forward(
     """A token-tree pass (the torch engine's ``_tree_step``): each row feeds its last token and ``candidates``
     branches of ``length`` tokens that part at the first token, after ``context`` cached positions. Returns the
     median seconds, the fed tokens and the attended (query, key) pairs, as the engine reports them."""
-    nodes = candidates * length
-    fed = 1 + nodes
+    draft = DraftTree.of([("c", [3 + c] + [3] * (length - 1)) for c in range(candidates)], candidates * length)
+    fed = 1 + len(draft)
     cache = KVCache(engine.model_config, batch, context + fed, engine.model.dtype, "cpu")
     token_ids = torch.randint(3, engine.vocab_size, (batch, fed))
     positions = (context + torch.arange(fed)).repeat(batch, 1)
-    depths = torch.tensor([0] + [1 + i % length for i in range(nodes)])
-    visible = torch.zeros(fed, fed, dtype=torch.bool)
-    visible[:, 0] = True
-    for index in range(1, fed):
-        branch_start = 1 + (index - 1) // length * length
-        visible[index, branch_start : index + 1] = True
-    tree = TokenTree((context + depths).repeat(batch, 1), visible[None].repeat(batch, 1, 1))
+    depths = torch.tensor(draft.chunk_positions(1))
+    tree = TokenTree((context + depths).repeat(batch, 1), draft.chunk_visible(1)[None].repeat(batch, 1, 1))
     select = torch.arange(fed).repeat(batch, 1)
     samples = []
     with torch.inference_mode():
@@ -73,7 +69,7 @@ def time_tree_forward(
             start = time.perf_counter()
             engine.model.forward(token_ids, positions, cache, select, tree)
             samples.append(time.perf_counter() - start)
-    pairs = batch * ((context + 1) + sum(context + 1 + int(d) for d in depths[1:]))
+    pairs = batch * draft.attention_pairs(1, context)
     return statistics.median(samples), batch * fed, pairs
 
 

@@ -15,9 +15,12 @@ Stages:
                   policy one step older; bfloat16's mismatch table (drafts against two plain batch compositions)
   learner_step    one GRPO step on CUDA of the same small checkpoint; its weights against the same step on the CPU
   premise         a Qwen2.5-7B-shaped model in bfloat16: seconds of one forward pass by batch size and tokens per
-                  sequence (a decode pass of 1 token, verify passes of 4, 8 and 16), at a context of 1,024 tokens
-  profile         the virtual clock's h100-7b profile's seconds for the same passes, each pass's error, and a profile
-                  fitted to this GPU's passes (fixed cost, bandwidth, flops; h100-7b itself is not changed)
+                  sequence (a decode pass of 1 token, verify passes of 4, 8 and 16), at a context of 1,024 tokens;
+                  and the tail's token-tree passes (batch 1, 2 and 4; trees of 16, 32 and 48 tokens with their tree
+                  mask, each against a decode pass of the same batch) at contexts of 1,024 and 4,096
+  profile         the virtual clock's h100-7b profile's seconds for the same passes (trees included), each pass's
+                  error, and a profile fitted to this GPU's passes (fixed cost, bandwidth, flops; h100-7b itself is
+                  not changed)
   sampling_cost   keyed sampling against torch.multinomial at 151,936 tokens
   engine_speed    the torch engine's tokens/s without and with drafts at the Qwen2.5-0.5B shape (batch 1, 16, 64)
 
@@ -66,6 +69,9 @@ class Sizes:
         self.premise_batches = (1, 8) if dry_run else (1, 8, 32, 64)
         self.premise_tokens = (1, 4) if dry_run else (1, 4, 8, 16)
         self.premise_context = 64 if dry_run else 1024
+        self.tree_batches = (1, 2) if dry_run else (1, 2, 4)
+        self.tree_tokens = (16, 32) if dry_run else (16, 32, 48)
+        self.tree_contexts = (64, 128) if dry_run else (1024, 4096)
         self.repeats = 2 if dry_run else 5
         self.sampling_batches = (1, 4) if dry_run else (1, 16, 64)
         self.speed_preset = {"vocab_size": 4096, "hidden_size": 128, "num_layers": 2, "num_heads": 2,
@@ -285,7 +291,8 @@ def _timed(function, device: str, repeats: int) -> float:
 
 def premise(sizes: Sizes, scratch: Path, done: dict) -> dict:
     """Seconds of one forward pass of the 7B shape by batch size and tokens per sequence, each sequence after
-    ``premise_context`` cached tokens (the cache's contents do not change the cost)."""
+    ``premise_context`` cached tokens (the cache's contents do not change the cost); then token-tree passes at the
+    tail's sizes (:func:`_tree_passes`)."""
     import torch
 
     from bubblespec.models.decoder import KVCache
@@ -302,21 +309,73 @@ def premise(sizes: Sizes, scratch: Path, done: dict) -> dict:
                 seconds = _timed(functools.partial(model.forward, ids, positions, cache), sizes.device, sizes.repeats)
                 passes.append({"batch": batch, "tokens_per_sequence": tokens, "context": context, "seconds": seconds})
             cache = None  # freed before the next batch size's
+        tree_passes = _tree_passes(model, sizes)
     for row in passes:
         decode = next(p for p in passes if p["batch"] == row["batch"] and p["tokens_per_sequence"] == 1)
         row["against_a_decode_pass"] = row["seconds"] / decode["seconds"]
-    return {"shape": {k: v for k, v in sizes.premise_shape.items() if k != "eos_token_ids"}, "passes": passes}
+    shape = {k: v for k, v in sizes.premise_shape.items() if k != "eos_token_ids"}
+    return {"shape": shape, "passes": passes, "tree_passes": tree_passes}
+
+
+def tail_tree(tree_tokens: int):
+    """A draft trie of ``tree_tokens`` nodes shaped like the tail's: a main draft of half the nodes and branches of
+    8 tokens off it at depths 2, 4, 6, ... (where a newer policy would take the runner-up)."""
+    from bubblespec.verify.tree import DraftTree
+
+    main = [3 + i for i in range(tree_tokens // 2)]
+    branches = [main[:depth] + [2] * 8 for depth in range(2, 2 * (tree_tokens - len(main)) // 8 + 1, 2)]
+    tree = DraftTree.of([("bubble", main), *(("branch", b) for b in branches)], tree_tokens)
+    assert len(tree) == tree_tokens, (len(tree), tree_tokens)
+    return tree
+
+
+def _tree_passes(model, sizes: Sizes) -> list[dict]:
+    """Seconds of a token-tree pass (the torch engine's ``_tree_step``: each sequence feeds its last token and a
+    :func:`tail_tree` of ``tree_tokens`` nodes, with the tree mask) and of a decode pass of the same batch and
+    context, at each of ``tree_batches`` x ``tree_contexts``."""
+    import torch
+
+    from bubblespec.models.decoder import KVCache, TokenTree
+
+    rows = []
+    for context in sizes.tree_contexts:
+        for batch in sizes.tree_batches:
+            cache = KVCache(model.config, batch, context + 1 + max(sizes.tree_tokens), torch.bfloat16, model.device)
+            decode = None
+            for tree_tokens in (0, *sizes.tree_tokens):
+                draft = tail_tree(tree_tokens)
+                fed = 1 + tree_tokens
+                ids = torch.randint(model.config.vocab_size, (batch, fed), device=model.device)
+                stored = (context + torch.arange(fed, device=model.device))[None].expand(batch, fed)
+                depths = torch.tensor(draft.chunk_positions(1), device=model.device)
+                tree = TokenTree(
+                    (context + depths)[None].expand(batch, fed),
+                    draft.chunk_visible(1).to(model.device)[None].expand(batch, fed, fed),
+                )  # fmt: skip
+                call = functools.partial(model.forward, ids, stored, cache, None, tree if tree_tokens else None)
+                seconds = _timed(call, sizes.device, sizes.repeats)
+                decode = decode or seconds
+                rows.append({
+                    "batch": batch, "tree_tokens": tree_tokens, "tokens_per_sequence": fed, "context": context,
+                    "attention_pairs_per_sequence": draft.attention_pairs(1, context), "seconds": seconds,
+                    "against_a_decode_pass": seconds / decode,
+                })  # fmt: skip
+            cache = None
+    return rows
 
 
 def _forward_pass(row: dict):
+    """The pass a premise row timed: a causal chunk of ``tokens_per_sequence`` after ``context`` cached tokens per
+    sequence, or a tree pass where the row counts its attended pairs."""
     from bubblespec.core.interfaces import ForwardPass
 
     batch, tokens, context = row["batch"], row["tokens_per_sequence"], row["context"]
+    pairs = row.get("attention_pairs_per_sequence") or sum(context + t + 1 for t in range(tokens))
     return ForwardPass(
         num_sequences=batch,
         num_tokens=batch * tokens,
         context_tokens=batch * (context + tokens),
-        attention_pairs=batch * sum(context + t + 1 for t in range(tokens)),
+        attention_pairs=batch * pairs,
     )
 
 
@@ -330,7 +389,8 @@ def profile(sizes: Sizes, scratch: Path, done: dict) -> dict:
 
     from bubblespec.rollout.clocks import PROFILES
 
-    passes = done.get("premise", {}).get("passes")
+    premise_stage = done.get("premise", {})
+    passes = premise_stage.get("passes", []) + premise_stage.get("tree_passes", [])
     if not passes:
         raise RuntimeError("the premise stage has no measured passes")
     h100 = PROFILES["h100-7b"]
@@ -370,9 +430,12 @@ def profile(sizes: Sizes, scratch: Path, done: dict) -> dict:
     for row in rows:
         row["fitted_seconds"] = fitted.forward_seconds(_forward_pass(row))
         row["fitted_error"] = row["fitted_seconds"] / row["seconds"] - 1
+    trees = [r for r in rows if r.get("tree_tokens")] or rows
     return {
         "h100_7b_median_absolute_error": statistics.median(abs(r["h100_7b_error"]) for r in rows),
         "fitted_median_absolute_error": statistics.median(abs(r["fitted_error"]) for r in rows),
+        "tree_passes_h100_7b_median_absolute_error": statistics.median(abs(r["h100_7b_error"]) for r in trees),
+        "tree_passes_fitted_median_absolute_error": statistics.median(abs(r["fitted_error"]) for r in trees),
         "fitted": {
             "fixed_s": fitted.fixed_s,
             "bandwidth_bytes_per_s": fitted.bandwidth_bytes_per_s,
@@ -503,9 +566,21 @@ def print_table(report: dict) -> None:
         elif name == "premise":
             passes = stage["passes"]
             summary = ", ".join(f"b{r['batch']}x{r['tokens_per_sequence']} {r['seconds'] * 1e3:.1f} ms" for r in passes)
+            largest = max(r["tree_tokens"] for r in stage["tree_passes"])
+            widest = [r for r in stage["tree_passes"] if r["tree_tokens"] == largest]
+            summary += "; trees of " + ", ".join(
+                f"{r['tree_tokens']} (b{r['batch']}, context {r['context']}) {r['against_a_decode_pass']:.2f}x a decode"
+                for r in widest
+            )
         elif name == "profile":
             h100, fitted = stage["h100_7b_median_absolute_error"], stage["fitted_median_absolute_error"]
-            summary = f"h100-7b median error {h100:.0%}, fitted {fitted:.0%}"
+            trees = (
+                stage["tree_passes_h100_7b_median_absolute_error"],
+                stage["tree_passes_fitted_median_absolute_error"],
+            )
+            summary = (
+                f"h100-7b median error {h100:.0%}, fitted {fitted:.0%}; tree passes {trees[0]:.0%}, {trees[1]:.0%}"
+            )
         elif name == "sampling_cost":
             summary = ", ".join(
                 f"{r['rows']} rows: keyed {r['keyed'] * 1e3:.2f} ms, {r['keyed_over_multinomial']:.1f}x multinomial"

@@ -36,6 +36,14 @@ def test_the_dry_run_runs_every_stage_and_writes_its_figures(tmp_path):
     assert stages["engine_drafts"]["float32"]["differing"] == 0
     assert stages["engine_drafts"]["float32"]["draft_tokens_accepted"] > 0
     assert len(stages["premise"]["passes"]) == 4 and all(p["seconds"] > 0 for p in stages["premise"]["passes"])
+    trees = stages["premise"]["tree_passes"]  # a decode pass and trees of 16 and 32 tokens, per batch and context
+    assert {(r["context"], r["batch"], r["tree_tokens"]) for r in trees} == {
+        (c, b, t) for c in (64, 128) for b in (1, 2) for t in (0, 16, 32)
+    }  # fmt: skip
+    assert all(r["seconds"] > 0 and r["tokens_per_sequence"] == 1 + r["tree_tokens"] for r in trees)
+    assert {r["attention_pairs_per_sequence"] for r in trees if r["context"] == 64} == {65, 1193, 2401}
+    assert len(stages["profile"]["passes"]) == 4 + len(trees)  # the fit covers the tree passes
+    assert stages["profile"]["tree_passes_fitted_median_absolute_error"] >= 0
     assert set(stages["profile"]["fitted"]) == {"fixed_s", "bandwidth_bytes_per_s", "flops_per_s"}
     assert all(row["identical"] for row in stages["engine_speed"]["rows"])
     assert "engine_speed    ok" in done.stdout  # the table

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class DraftTree:
@@ -62,6 +64,28 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def chunk_positions(self, fed: int) -> list[int]:
+        """Where each token of a pass's chunk (``fed`` pending tokens, then this tree's nodes) stands past the
+        cache: the pending tokens in order, a node at its depth after the last of them."""
+        return [*range(fed), *(fed - 1 + depth for depth in self.depths)]
+
+    def chunk_visible(self, fed: int) -> torch.Tensor:
+        """Bool [fed + n, fed + n]: which of the chunk's tokens each one sees (a query's row): the pending tokens
+        causally, a node what its parent sees (the last pending token's view for a child of the root) and itself."""
+        size = fed + len(self)
+        visible = torch.ones(size, size, dtype=torch.bool).tril()
+        for node, parent in enumerate(self.parents):
+            index = fed + node
+            visible[index] = visible[fed - 1 if parent < 0 else fed + parent]
+            visible[index, index] = True
+        return visible
+
+    def attention_pairs(self, fed: int, cache_length: int) -> int:
+        """(query, key) pairs the chunk attends after ``cache_length`` cached positions: each pending token the
+        cache and the pending tokens up to itself, each node the cache, the pending tokens and its path."""
+        pending = fed * cache_length + fed * (fed + 1) // 2
+        return pending + sum(cache_length + fed + depth for depth in self.depths)
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""
