@@ -47,7 +47,10 @@ class TorchEngineConfig(EngineSettings, DraftChainSettings):
     """float32 or float64 on a CPU: compute a sequence's logits the same way in every forward pass (a chunk's
     queries attend one per head, matrix products run over a multiple of 4 rows), so rollouts with drafts are
     bit-identical to plain decoding's. Without it a float32 verify pass rounds otherwise than a decode pass and may
-    rarely flip a sampling near-tie; with it a verify pass costs 1.2-1.9x as much on a CPU (docs/design.md §3.2)."""
+    rarely flip a sampling near-tie; with it a verify pass costs 1.2-1.9x as much on a CPU (docs/design.md §3.2).
+    It runs on one torch thread (``num_threads`` unset pins 1; more is refused: with two, decode and verify passes
+    round differently again) and verifies one candidate per pass (``draft_candidates`` > 1 is refused: a token
+    tree stores a later candidate's keys after the earlier ones', and attention sums them in another order)."""
 
     @field_validator("device")
     @classmethod
@@ -61,9 +64,28 @@ class TorchEngineConfig(EngineSettings, DraftChainSettings):
 
     @model_validator(mode="after")
     def _batch_invariant_where_measured(self) -> TorchEngineConfig:
-        if self.batch_invariant:
-            check_batch_invariant(DTYPES[self.dtype], self.device)
+        if not self.batch_invariant:
+            return self
+        check_batch_invariant(DTYPES[self.dtype], self.device)
+        if self.num_threads is not None and self.num_threads > 1:
+            raise ValueError(
+                f"batch_invariant runs on one torch thread, got num_threads {self.num_threads} "
+                "(rollout.threads_per_rank): with more, a verify pass rounds otherwise than a decode pass; use 1"
+            )
+        if self.draft_candidates > 1:
+            raise ValueError(
+                f"batch_invariant verifies one candidate per pass, got draft_candidates {self.draft_candidates} "
+                "(speculation.draft_candidates): a token tree's later candidates round otherwise than plain "
+                "decoding; use 1, or turn batch_invariant off"
+            )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_invariant_pins_one_thread(cls, settings: object) -> object:
+        if isinstance(settings, dict) and settings.get("batch_invariant") and settings.get("num_threads") is None:
+            return settings | {"num_threads": 1}
+        return settings
 
 
 @dataclass

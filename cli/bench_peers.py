@@ -122,6 +122,8 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
     update = {"enabled": True, "draft_sources": sources, "draft_source_options": options}
     if candidates_of(variant) is not None:
         update["draft_candidates"] = candidates_of(variant)
+    elif sources == ["none"]:
+        update["draft_candidates"] = 1  # nothing drafts: one candidate, as validation asks
     if "group" in sources:
         update["sharding_policy"] = "prompt-grouped"
     speculation = config.speculation.model_dump() | update

@@ -21,7 +21,9 @@ from bubblespec.observe.summary import bubble_utilization
 
 
 def _variant(config: RunConfig, enabled: bool, output_dir: Path) -> RunConfig:
-    speculation = config.speculation.model_copy(update={"enabled": enabled})
+    # Off, nothing drafts: one candidate, as validation asks of a configuration with speculation off.
+    update = {"enabled": enabled} | ({} if enabled else {"draft_candidates": 1})
+    speculation = config.speculation.model_copy(update=update)
     name = f"{config.name}-speculation-{'on' if enabled else 'off'}"
     return config.model_copy(update={"speculation": speculation, "name": name, "output_dir": str(output_dir)})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bubblespec.core.errors import ConfigError
 from bubblespec.testing import EngineConformance, RealVocabularyConformance, run_settings
 
 
@@ -131,6 +132,15 @@ class TestTorchEngineBatchInvariantAtARealVocabulary(RealVocabularyConformance):
     engine_settings = {"batch_invariant": True}
     max_mismatch_rate = 0.0
     num_prompts = 4
+
+    def test_candidates_verified_together_never_change_outputs(self, model_path, older_samples):
+        """Replaced: ``batch_invariant`` refuses token trees by name before an engine loads (a tree's later
+        candidates round otherwise than plain decoding; tests/test_draft_trees.py)."""
+        from bubblespec.backends.torch_engine import TorchEngine
+
+        settings = run_settings(model_path, self.dtype, self.engine_settings | {"draft_candidates": 3})
+        with pytest.raises(ConfigError, match="batch_invariant verifies one candidate per pass"):
+            TorchEngine.from_pretrained(**settings)
 
 
 @pytest.mark.slow

@@ -245,3 +245,34 @@ def test_draft_candidates_reach_the_engine_only_where_set():
     assert "draft_candidates" not in engine_settings(RunConfig(), "m")
     with pytest.raises(ValueError, match="draft_candidates"):
         RunConfig.model_validate({"speculation": {"draft_candidates": 0}})
+
+
+@pytest.mark.parametrize(
+    ("speculation", "why"),
+    [({"enabled": False}, "enabled is false"), ({"draft_sources": ["none"]}, r"draft_sources is \['none'\]")],
+)
+def test_draft_candidates_where_nothing_drafts_are_refused(speculation, why):
+    from bubblespec.core.config import RunConfig
+
+    with pytest.raises(ValueError, match=f"draft_candidates 3 verifies several drafts per pass, but nothing drafts "
+                                         f"\\({why}\\); use 1"):  # fmt: skip
+        RunConfig.model_validate({"speculation": speculation | {"draft_candidates": 3}})
+    RunConfig.model_validate({"speculation": speculation | {"draft_candidates": 1}})
+
+
+def test_batch_invariant_refuses_token_trees_before_anything_runs(tmp_path):
+    """A tree stores a later candidate's keys after the earlier candidates' keys, so a token accepted from it is
+    scored with keys summed in another order than a decode pass sums them: float32 logits 1e-8 off plain
+    decoding's. ``batch_invariant`` promises bit-identity, so it refuses trees, from the run's config too."""
+    from bubblespec.core.config import RunConfig
+    from bubblespec.core.errors import ConfigError
+    from bubblespec.run.assembly import checked_engine_settings
+
+    with pytest.raises(ConfigError, match="batch_invariant verifies one candidate per pass, got draft_candidates 3"):
+        TorchEngine.from_pretrained(str(tmp_path), batch_invariant=True, draft_candidates=3)
+    config = RunConfig.model_validate({
+        "speculation": {"draft_sources": ["bubble", "ngram"], "draft_candidates": 3},
+        "rollout": {"engine_options": {"batch_invariant": True}},
+    })  # fmt: skip
+    with pytest.raises(ConfigError, match=r"draft_candidates 3 \(speculation.draft_candidates\)"):
+        checked_engine_settings(config, str(tmp_path), TorchEngine)

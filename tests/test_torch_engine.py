@@ -437,6 +437,11 @@ def test_bad_model_paths_and_settings_are_refused(tmp_path, llama_path):
         TorchEngineConfig(model_path=str(llama_path), dtype="bfloat16", batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant is for float32 or float64 on a CPU, not float32 on 'cuda'"):
         TorchEngineConfig(model_path=str(llama_path), device="cuda", batch_invariant=True)
+    # one thread: with two, decode and verify passes round differently; unset pins one
+    with pytest.raises(ValueError, match=r"batch_invariant runs on one torch thread, got num_threads 2 \(rollout"):
+        TorchEngineConfig(model_path=str(llama_path), batch_invariant=True, num_threads=2)
+    assert TorchEngineConfig(model_path=str(llama_path), batch_invariant=True).num_threads == 1
+    assert TorchEngineConfig(model_path=str(llama_path)).num_threads is None
     if not torch.cuda.is_available():
         with pytest.raises(RequestError, match="no CUDA device"):
             TorchEngine.from_pretrained(llama_path, device="cuda")

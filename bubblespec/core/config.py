@@ -212,6 +212,16 @@ class SpeculationConfig(Section):
                 raise ValueError(f"draft_source_options.{name} {options}: {error}") from None
         return self
 
+    @model_validator(mode="after")
+    def _candidates_where_something_drafts(self) -> SpeculationConfig:
+        if self.draft_candidates > 1 and (self.enabled is False or self.draft_sources == ["none"]):
+            why = "enabled is false" if self.enabled is False else "draft_sources is ['none']"
+            raise ValueError(
+                f"draft_candidates {self.draft_candidates} verifies several drafts per pass, but nothing drafts "
+                f"({why}); use 1, or name draft sources with speculation on"
+            )
+        return self
+
     @property
     def uses_bubble(self) -> bool:
         """Whether idle ranks draft the next step (the bubble source is on and speculation enabled)."""
