@@ -198,10 +198,76 @@ def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
 
     replica = RankReplica.__new__(RankReplica)
     replica.rank, replica.backend, replica.stopped_step, replica.version = 1, "torch", -1, 0
+    replica._engine_lock = threading.Lock()
+
+    class Never:
+        def generate(self, requests, stop=None, on_forward=None):
+            raise AssertionError("a call for another policy version reached the engine")
+
+    replica.engine = Never()
     with pytest.raises(StalePolicy, match="rank 1 holds policy version 0, the call expects 5"):
         replica.generate([_request("a")], version=5)
     with pytest.raises(StalePolicy):
         replica.draft([_request("a")], step=5, version=5)
+
+
+def test_a_call_that_waited_for_new_weights_is_refused_for_the_policy_it_expected():
+    """A drafting call for version 0 arrives while version 1's weights are loading (the engine lock held): it reads
+    the version once it has the lock, so it is refused, never run with the new weights as the old policy's drafts."""
+    import torch
+
+    from bubblespec.rollout.serve_ranks import RankReplica, StalePolicy
+    from bubblespec.rollout.weights import PackedWeights
+
+    loading, may_finish, draft_waits = threading.Event(), threading.Event(), threading.Event()
+    generated: list[int] = []
+
+    class Loading:
+        version = 0
+
+        def generate(self, requests, stop=None, on_forward=None):
+            generated.append(self.version)
+            return [GenerationResult(r.key, [1], [0.0], "stop", RequestStats()) for r in requests]
+
+        def update_weights(self, state_dict, version):
+            loading.set()
+            may_finish.wait()
+            self.version = version
+
+    class WatchedLock:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                draft_waits.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
+    replica.rank, replica.backend, replica.stopped_step, replica.version, replica.dtype = 0, "loading", -1, 0, None
+    replica.engine, replica._engine_lock = Loading(), WatchedLock()
+    weights = PackedWeights.pack({"w": torch.ones(2)})
+    syncing = threading.Thread(target=replica.update_weights, args=(weights, 1))
+    syncing.start()
+    assert loading.wait(timeout=60)
+    refused: list[BaseException] = []
+
+    def draft():
+        try:
+            replica.draft([_request("a")], 1, 0)
+        except StalePolicy as error:
+            refused.append(error)
+
+    drafting = threading.Thread(target=draft)
+    drafting.start()
+    assert draft_waits.wait(timeout=60)  # the call expects version 0 and waits for the engine
+    may_finish.set()
+    syncing.join(), drafting.join()
+    assert generated == [] and replica.version == 1
+    assert [str(e) for e in refused] == ["rank 0 holds policy version 1, the call expects 0"]
 
 
 class _FakeReplica:

@@ -76,10 +76,9 @@ class RankReplica:
     def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int, float]:
         """The shard's results, its forward passes and the seconds its drafts saved (negative: cost), estimated
         from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`)."""
-        self._check_version(version)
         passes = TimedPasses()
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
-        results = self._engine_call(self.engine.generate, requests, on_forward=passes, stop=hold)
+        results = self._engine_call(self.engine.generate, requests, version, on_forward=passes, stop=hold)
         cost = self._pass_cost(passes.passes)
         ran = sum(cost(forward) for forward, _ in passes.passes)
         padded = any(forward.padded_tokens for forward, _ in passes.passes)
@@ -87,27 +86,26 @@ class RankReplica:
         return results, len(passes.passes), saved
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
-        self._check_version(version)
-        return self._engine_call(self.engine.generate, requests, stop=_StepStop(self, step))
+        return self._engine_call(self.engine.generate, requests, version, stop=_StepStop(self, step))
 
-    def _check_version(self, version: int) -> None:
-        if version != self.version:
-            raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
-
-    def _engine_call(self, method, requests, **kwargs) -> list[GenerationResult]:
-        """An engine failure names this rank and backend; a result list that does not match the requests is one."""
+    def _engine_call(self, method, requests, version: int, **kwargs) -> list[GenerationResult]:
+        """``method(requests, **kwargs)`` under the engine lock, if the engine holds policy ``version`` then (read
+        under the lock: new weights may be loading meanwhile). An engine failure names this rank and backend; a
+        result list that does not match the requests is one."""
         from bubblespec.core.errors import BubblespecError, EngineError
 
-        try:
-            with self._engine_lock:
+        with self._engine_lock:
+            if version != self.version:
+                raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
+            try:
                 results = method(requests, **kwargs)
-        except BubblespecError:
-            raise
-        except Exception as error:
-            raise EngineError(
-                f"rank {self.rank} (backend {self.backend!r}) failed on {len(requests)} requests: "
-                f"{type(error).__name__}: {error}"
-            ) from error
+            except BubblespecError:
+                raise
+            except Exception as error:
+                raise EngineError(
+                    f"rank {self.rank} (backend {self.backend!r}) failed on {len(requests)} requests: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
         if len(results) != len(requests) or [r.key for r in results] != [r.key for r in requests]:
             raise EngineError(
                 f"rank {self.rank} (backend {self.backend!r}) returned {len(results)} results for {len(requests)} "
