@@ -204,6 +204,9 @@ def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
         def generate(self, requests, stop=None, on_forward=None):
             raise AssertionError("a call for another policy version reached the engine")
 
+        def close(self):
+            pass
+
     replica.engine = Never()
     with pytest.raises(StalePolicy, match="rank 1 holds policy version 0, the call expects 5"):
         replica.generate([_request("a")], version=5)
@@ -233,6 +236,9 @@ def test_a_call_that_waited_for_new_weights_is_refused_for_the_policy_it_expecte
             loading.set()
             may_finish.wait()
             self.version = version
+
+        def close(self):
+            pass
 
     class WatchedLock:
         def __init__(self):
