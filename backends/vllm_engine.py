@@ -232,10 +232,11 @@ class VLLMEngine(Engine):
         return self._policy_version
 
     def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Reloads the weights in place (Hugging Face names) and drops the prefix cache computed with the old. A
-        subset of the weights is merged into the current ones, but it must cover whole fused layers: vLLM 0.32
-        rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``) from the shards sent and leaves the others
-        uninitialised, so a subset that splits one is refused before anything is loaded."""
+        """Reloads the weights in place (Hugging Face names) and drops the prefix cache computed with the old (an
+        :class:`EngineError` where vLLM cannot, as while requests hold cache blocks). A subset of the weights is
+        merged into the current ones, but it must cover whole fused layers: vLLM 0.32 rebuilds a fused layer
+        (``qkv_proj``, ``gate_up_proj``) from the shards sent and leaves the others uninitialised, so a subset that
+        splits one is refused before anything is loaded."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError(f"policy version must be an int, got {version!r}")
         gaps = fused_shard_gaps(list(state_dict))
@@ -251,7 +252,13 @@ class VLLMEngine(Engine):
         weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise EngineError(
+                f"vLLM did not reset its prefix cache after loading policy version {version}'s weights: requests still "
+                "hold KV cache blocks (a generate call in flight?), and their prefixes, computed with the old weights, "
+                f"would be reused; the engine still reports policy version {self._policy_version}: call update_weights "
+                "again when no generate call runs"
+            )
         self._policy_version = version
 
     def select_rank(self, rank: int) -> None:
@@ -263,8 +270,11 @@ class VLLMEngine(Engine):
         if self.config.colocated:
             self.llm.sleep(level=1)
             self._asleep = True
-        else:
-            self.llm.reset_prefix_cache()
+        elif not self.llm.reset_prefix_cache():
+            raise EngineError(
+                "vLLM did not reset its prefix cache on release(): requests still hold KV cache blocks (a generate "
+                "call in flight?)"
+            )
 
     def resume(self) -> None:
         """Back from sleep: the weights from host memory, a new KV cache."""

@@ -422,3 +422,19 @@ def test_colocated_vllm_ranks_are_refused_on_the_cpu(tmp_path):
                                                      f"output_dir={tmp_path}"])  # fmt: skip
     with pytest.raises(ConfigError, match="ray.colocated: a colocated vLLM rank frees .* CUDA only"):
         checked_engine_settings(config, str(ArithmeticTask.model_path()), load_backend(config))
+
+
+def test_a_prefix_cache_vllm_does_not_reset_is_an_error(engines, monkeypatch):
+    """vLLM's reset_prefix_cache answers False and drops nothing while requests hold KV cache blocks: cached prefixes
+    computed with the old weights would be reused. update_weights and release say so instead of going on; the policy
+    version stays where it was."""
+    from bubblespec.core.errors import EngineError
+
+    vllm_engine, torch_engine = engines
+    weights = torch_engine.model.state_dict()  # the engine's own weights: the update changes nothing else
+    monkeypatch.setattr(vllm_engine.llm, "reset_prefix_cache", lambda *args, **kwargs: False)
+    with pytest.raises(EngineError, match=r"vLLM did not reset its prefix cache after loading policy version 5's"):
+        vllm_engine.update_weights(weights, version=5)
+    assert vllm_engine.policy_version == 0
+    with pytest.raises(EngineError, match=r"vLLM did not reset its prefix cache on release\(\)"):
+        vllm_engine.release()
