@@ -192,6 +192,41 @@ def test_sampling_is_trl_s_own_generation_s_and_what_it_cannot_apply_is_refused_
         BubblespecRollout({}, ArithmeticTask.model_path(), args=config(generation_kwargs={"typical_p": 0.9}))
 
 
+def test_a_trainer_with_tools_is_refused_at_the_first_call_before_a_rank_starts(tmp_path):
+    """With tools TRL generates every turn after a tool call itself (transformers' generate, outside the rollout):
+    refused by name at the first call, before the service starts (it trained on silently)."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bubblespec.testing.random_checkpoints import write_chat_model, write_chat_tokenizer
+
+    def add(a: int, b: int) -> int:
+        """Adds two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    folder = write_chat_model(tmp_path / "chat")  # Qwen2.5's template: one TRL accepts tools with
+    write_chat_tokenizer(folder, 512, (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text())
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_vllm=False, bf16=False, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to="none", save_strategy="no",
+                      disable_tqdm=True)  # fmt: skip
+    with BubblespecRollout({"clock": {"kind": "virtual"}, "metrics": {"enabled": False}}, folder, args) as rollout:
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder),
+                              reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}]}] * 4),
+                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout,
+                              tools=[add])  # fmt: skip
+        with pytest.raises(ConfigError, match=r"tools \(add\) with bubblespec's rollout: not supported.*neither keyed"):
+            trainer.train()
+        assert rollout._service is None and trainer.state.global_step == 0
+
+
 def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
     distinct = BubblespecRollout._distinct(["a", "a", "b", "b"], 2)
     assert distinct == ["a", "b"]

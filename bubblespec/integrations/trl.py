@@ -46,9 +46,11 @@ Supported: TRL 1.16 on one or several processes, map-style datasets, text or cha
 (``eval_strategy``, ``num_generations_eval``), full fine-tuning or one plain LoRA adapter
 (``peft_config=LoraConfig(...)`` or a ``PeftModel``; ``model_path`` is then the base model's folder), resuming from
 a checkpoint. Refused at the first call with a clear error: another TRL version, ``use_vllm=True`` (the ranks are
-the generation engine), multimodal prompts, iterable datasets, peft models whose merge is not W + scale * B @ A
-(DoRA and other LoRA variants, ``lora_bias``, ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``,
-several active adapters, non-LoRA peft methods).
+the generation engine), tools (``GRPOTrainer(tools=...)`` or an ``environment_factory``'s methods: TRL would generate
+every turn after a tool call with transformers' ``generate``, outside the rollout), multimodal prompts, iterable
+datasets, peft models whose merge is not W + scale * B @ A (DoRA and other LoRA variants, ``lora_bias``,
+``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, several active adapters, non-LoRA peft
+methods).
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ def check_grpo_args(args) -> None:
         raise ConfigError(
             "GRPOConfig(use_vllm=True) with bubblespec's rollout: the bubblespec ranks are the generation engine "
             "(rollout.backend: vllm runs vLLM inside them); set use_vllm=False"
+        )
+
+
+def check_no_tools(trainer) -> None:
+    """Tools are refused: TRL runs its tool-calling loop after ``rollout_func`` returns and generates every turn after
+    a tool call itself, with transformers' ``generate``, so those tokens would bypass the rollout's keys and drafts."""
+    if trainer.tools:
+        names = ", ".join(getattr(tool, "__name__", repr(tool)) for tool in trainer.tools)
+        raise ConfigError(
+            f"GRPOTrainer tools ({names}) with bubblespec's rollout: not supported, because TRL would generate every "
+            "turn after a tool call with transformers' generate, outside the rollout (neither keyed nor drafted); "
+            "train without tools or environment_factory methods"
         )
 
 
@@ -348,6 +362,7 @@ class BubblespecRollout:
 
         args = trainer.args
         check_grpo_args(args)
+        check_no_tools(trainer)
         from torch.utils.data import IterableDataset
 
         if isinstance(trainer.train_dataset, IterableDataset):
@@ -405,12 +420,10 @@ class BubblespecRollout:
     def _tokenize(self, prompt) -> list[int]:
         trainer = self._trainer
         tokenizer = trainer.processing_class
-        if isinstance(prompt, list):  # messages
+        if isinstance(prompt, list):  # messages; no tools (check_no_tools), so TRL's chat_template is None too
             return list(
                 tokenizer.apply_chat_template(
                     conversation=prompt,
-                    tools=getattr(trainer, "tools", None) or None,
-                    chat_template=getattr(trainer, "chat_template", None),
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=True,
