@@ -6,6 +6,7 @@ import pytest
 
 from bubblespec.core.draft_sources import (
     REQUEST_DRAFT,
+    DynamicDraftSource,
     GroupProposer,
     HistoryDrafts,
     NGramProposer,
@@ -102,6 +103,45 @@ def test_history_drafts_are_earlier_responses_to_the_same_prompt_and_sample():
     assert history.drafts([RolloutKey(0, 1, "p", 0)]) == {}  # never its own step's response
     history.observe([_result(RolloutKey(0, 3, "p", 0), [9, 9, 9])])  # the latest epoch wins
     assert history.drafts([later[0]])[later[0]].token_ids == (9, 9, 9)
+
+
+def test_a_dynamic_source_defines_propose_or_propose_all_and_gets_the_other():
+    class Several(DynamicDraftSource):
+        def propose_all(self, context, limit):
+            return [[5, 6][:limit], [7]]
+
+    class One(DynamicDraftSource):
+        def propose(self, context, limit):
+            return [9] * limit
+
+    assert Several().propose(_context([1]), 1) == [5] and One().propose_all(_context([1]), 2) == [[9, 9]]
+    with pytest.raises(TypeError, match="draft source Neither must define propose or propose_all"):
+
+        class Neither(DynamicDraftSource):
+            pass
+
+
+def test_the_chain_proposes_what_its_candidates_begin_with():
+    """``Sequence.propose`` (one proposal a pass) takes the first non-empty of what ``propose_candidates`` (a tree's
+    candidates) lists: one walk of the chain serves both."""
+    from bubblespec.core.interfaces import Draft
+    from bubblespec.verify.sequence import ProposalSettings, Sequence
+
+    settings = ProposalSettings(
+        max_draft_tokens_per_step=4, draft_chain=(REQUEST_DRAFT, "group", "ngram"),
+        proposers={"group": GroupProposer(min_n=1), "ngram": NGramProposer(max_n=2, min_n=1)}, draft_candidates=4,
+    )  # fmt: skip
+    params, firsts = SamplingParams(max_new_tokens=20), []
+    for draft in ([1, 2, 3, 4, 5, 6], [1, 9, 9, 9], []):
+        request = GenerationRequest((1, 2, 1), KEY, params, Draft(KEY, tuple(draft), 0) if draft else None)
+        sequence = Sequence.admit(0, request, 32, 64, [0])
+        sibling = Sequence.admit(1, GenerationRequest((1, 2, 1), KEY, params), 32, 64, [0])
+        sequence.tokens, sibling.tokens = [1, 2, 3], [1, 2, 3, 8, 8]
+        sequence.siblings, sequence.diverged = [sibling], draft == [1, 9, 9, 9]  # it left that draft at 9
+        candidates = sequence.propose_candidates(settings)
+        assert sequence.propose(settings) == candidates[0][1] and sequence.proposed_by == candidates[0][0]
+        firsts.append(candidates[0][0])
+    assert firsts == [REQUEST_DRAFT, "group", "group"]
 
 
 def test_draft_chain_puts_the_request_draft_where_the_first_static_source_is():

@@ -101,9 +101,16 @@ class DynamicDraftSource(DraftSource):
 
     kind: ClassVar[SourceKind] = "dynamic"
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.propose is DynamicDraftSource.propose and cls.propose_all is DynamicDraftSource.propose_all:
+            raise TypeError(f"draft source {cls.__name__} must define propose or propose_all (each gives the other)")
+
     def propose(self, context: ProposalContext, limit: int) -> list[int]:
-        """Up to ``limit`` token ids to propose after ``context.tokens``; [] for none."""
-        raise NotImplementedError
+        """Up to ``limit`` token ids to propose after ``context.tokens``; [] for none. By default the best of
+        :meth:`propose_all`."""
+        proposals = self.propose_all(context, limit)
+        return proposals[0] if proposals else []
 
     def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
         """Every proposal the source has, best first, for an engine that verifies several candidates at once
@@ -160,10 +167,6 @@ class GroupProposer(DynamicDraftSource):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"group needs 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
         self.max_n, self.min_n, self.match_tokens = max_n, min_n, match_tokens
-
-    def propose(self, context: ProposalContext, limit: int) -> list[int]:
-        proposals = self.propose_all(context, limit)
-        return proposals[0] if proposals else []
 
     def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
         """Each sibling's proposal, longest first (siblings in sample order among equals)."""
@@ -245,10 +248,6 @@ class SuffixProposer(DynamicDraftSource):
                     self._places[gram] = kept
                 else:
                     self._places.pop(gram, None)
-
-    def propose(self, context: ProposalContext, limit: int) -> list[int]:
-        proposals = self.propose_all(context, limit)
-        return proposals[0] if proposals else []
 
     def propose_all(self, context: ProposalContext, limit: int) -> list[list[int]]:
         tokens = context.tokens

@@ -15,7 +15,7 @@ stats (:class:`~bubblespec.core.interfaces.RequestStats`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
@@ -158,50 +158,52 @@ class Sequence:
         return 0 if self.decode_next else min(limit, self.room - 1)
 
     def propose(self, settings: ProposalSettings) -> list[int]:
-        """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain, leaving
-        room for the sampled token that always follows them. Empty for a plain decode step."""
+        """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain
+        (:meth:`_chain_proposals`), leaving room for the sampled token that always follows them. Empty for a plain
+        decode step."""
         limit = self._proposal_length(settings)
         if limit <= 0:
             return []
-        chain = settings.draft_chain
-        if chain == (REQUEST_DRAFT,):
-            self.proposed_by = REQUEST_DRAFT
-            return self._draft_chunk(limit)
-        for name in chain:
-            if name == REQUEST_DRAFT:
-                chunk = self._aligned_draft_chunk(limit)
-            else:
-                chunk = list(settings.proposers[name].propose(self._context(), limit))[:limit]
+        for name, chunk in self._chain_proposals(settings, limit, every=False):
             if chunk:
                 self.proposed_by = name
                 return chunk
-        self.proposed_by = REQUEST_DRAFT  # nothing else proposes: the diverged draft, by position
-        return self._draft_chunk(limit) if REQUEST_DRAFT in chain else []
+        self.proposed_by = REQUEST_DRAFT
+        return []
 
     def propose_candidates(self, settings: ProposalSettings) -> list[tuple[str, list[int]]]:
-        """Up to ``settings.draft_candidates`` distinct (source, tokens) proposals in the chain's priority order,
-        to verify together as a token tree: the request's draft (re-aligned as :meth:`propose` does, and by
-        position where it has diverged, last), then every dynamic source's (each of a source's proposals, e.g.
-        one per sibling). Empty for a plain decode step."""
+        """Up to ``settings.draft_candidates`` distinct (source, tokens) proposals in the chain's priority order
+        (:meth:`_chain_proposals` with every proposal of each source, e.g. one per sibling), to verify together as
+        a token tree. Empty for a plain decode step."""
         limit = self._proposal_length(settings)
         if limit <= 0:
             return []
         found: list[tuple[str, list[int]]] = []
-        for name in settings.draft_chain:
+        for name, proposal in self._chain_proposals(settings, limit, every=True):
+            if proposal and all(proposal != tokens for _, tokens in found):
+                found.append((name, proposal))
+        return found[: settings.draft_candidates]
+
+    def _chain_proposals(self, settings: ProposalSettings, limit: int, every: bool) -> Iterator[tuple[str, list[int]]]:
+        """The draft chain's proposals of at most ``limit`` tokens, in priority order, asked lazily: the request's
+        draft, each dynamic source's best (with ``every``: all of a source's, best first), and last the request's
+        draft by position where it has diverged. The request's draft re-aligns to the response after a divergence
+        where something else could propose instead (other sources, or ``every``); alone, it proposes by position."""
+        chain = settings.draft_chain
+        if chain == (REQUEST_DRAFT,) and not every:
+            yield REQUEST_DRAFT, self._draft_chunk(limit)
+            return
+        for name in chain:
             if name == REQUEST_DRAFT:
                 proposals = [self._aligned_draft_chunk(limit)]
+            elif every:
+                proposals = settings.proposers[name].propose_all(self._context(), limit)
             else:
-                proposer = settings.proposers[name]
-                proposals = proposer.propose_all(self._context(), limit)
+                proposals = [settings.proposers[name].propose(self._context(), limit)]
             for proposal in proposals:
-                proposal = list(proposal)[:limit]
-                if proposal and all(proposal != tokens for _, tokens in found):
-                    found.append((name, proposal))
-        if REQUEST_DRAFT in settings.draft_chain and self.diverged:
-            by_position = self._draft_chunk(limit)
-            if by_position and all(by_position != tokens for _, tokens in found):
-                found.append((REQUEST_DRAFT, by_position))
-        return found[: settings.draft_candidates]
+                yield name, list(proposal)[:limit]
+        if REQUEST_DRAFT in chain and self.diverged:
+            yield REQUEST_DRAFT, self._draft_chunk(limit)
 
     def _draft_chunk(self, limit: int) -> list[int]:
         draft = self.request.draft
