@@ -136,9 +136,10 @@ def main() -> None:
     import torch
 
     from bubblespec.cli.bench_engine_measures import exactness_row, make_engine
-    from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
+    from bubblespec.cli.bench_engine_requests import random_workload
     from bubblespec.models.decoder import read_checkpoint
     from bubblespec.testing import write_policy_pair
+    from bubblespec.testing.random_checkpoints import perturbed_weights
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("torch", "vllm"), default="torch")
@@ -180,7 +181,7 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         started = time.perf_counter()
         workload = random_workload(model, args.requests, (32, 128), max_new_tokens, seed)
-        new_state, _ = perturbed_weights(weights, args.weight_noise, seed)
+        new_state = perturbed_weights(weights, args.weight_noise, seed)
         drafts = make_engine("torch", model, args.dtype, settings).generate(workload.requests)
         if args.backend == "torch":  # a fresh engine per seed; vLLM engines live as long as the process
             engine = make_engine("torch", model, args.dtype, settings, args.batch_invariant)

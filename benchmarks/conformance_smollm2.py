@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
 from bubblespec.testing import EngineConformance, RealVocabularyConformance
+from bubblespec.testing.random_checkpoints import write_perturbed_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NAME = "smollm2-135m-instruct"
@@ -74,24 +73,6 @@ def chat_requests(path: Path, count: int, samples: int, max_new_tokens: int, **s
     ]
 
 
-def write_older_policy(newer: Path, folder: Path, policy_step: float) -> Path:
-    """A copy of ``newer`` with every weight matrix moved by ``policy_step`` of its standard deviation."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(newer, folder)
-    generator = torch.Generator().manual_seed(1)
-    for file in folder.glob("*.safetensors"):
-        weights = load_file(str(file))
-        moved = {
-            name: (t.float() + policy_step * t.float().std() * torch.randn(t.shape, generator=generator)).to(t.dtype)
-            if t.ndim == 2
-            else t
-            for name, t in weights.items()
-        }
-        save_file({n: t.contiguous() for n, t in moved.items()}, str(file), metadata={"format": "pt"})
-    return folder
-
-
 class SmolLM2Suite(EngineConformance):
     """The core suite with the example's problems as prompts (temperature 1, its EOS ids as stops)."""
 
@@ -120,7 +101,8 @@ class SmolLM2AtScale(RealVocabularyConformance):
     @classmethod
     def checkpoints(cls, tmp_path_factory) -> tuple[Path, Path]:
         newer = smollm2(cls.dtype)
-        return newer, write_older_policy(newer, tmp_path_factory.mktemp("smollm2") / "older", cls.policy_step)
+        older = tmp_path_factory.mktemp("smollm2") / "older"
+        return newer, write_perturbed_copy(newer, older, cls.policy_step, seed=1)
 
     def make_requests(self, setting: str) -> list[GenerationRequest]:
         sampling = self.sampling_settings[setting]

@@ -83,11 +83,11 @@ def main() -> None:
     from bubblespec.backends.vllm_engine import VLLMEngine
     from bubblespec.cli.bench_engine_requests import (
         RANDOM_PROMPT_LENGTHS,
-        perturbed_weights,
         random_workload,
         with_drafts,
     )
     from bubblespec.models.decoder import read_checkpoint
+    from bubblespec.testing.random_checkpoints import perturbed_weights
 
     torch.set_num_threads(arguments.threads)
     low, high = RANDOM_PROMPT_LENGTHS
@@ -95,7 +95,7 @@ def main() -> None:
     requests = workload.requests
     drafts = TorchEngine.from_pretrained(arguments.model, dtype=arguments.dtype).generate(requests)
     _, weights = read_checkpoint(arguments.model)
-    new_state, _ = perturbed_weights(weights, arguments.weight_noise, seed=0)
+    new_state = perturbed_weights(weights, arguments.weight_noise, seed=0)
     engine = VLLMEngine.from_pretrained(
         arguments.model,
         dtype=arguments.dtype,

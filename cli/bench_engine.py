@@ -46,7 +46,7 @@ from bubblespec.cli.bench_engine_requests import (
     grpo_step,
     hf_generate,
     hf_model,
-    perturbed_weights,
+    perturbation,
     policy_gradient_step,
     random_workload,
     task_workload,
@@ -276,7 +276,7 @@ def _next_policy(settings: EngineBenchSettings, shipped: bool, config, drafter) 
     from bubblespec.models.decoder import read_checkpoint
 
     _, weights = read_checkpoint(settings.model_path)
-    return perturbed_weights(weights, settings.weight_noise, settings.seed)
+    return perturbation(weights, settings.weight_noise, settings.seed)
 
 
 def _empty_report(settings: EngineBenchSettings, workload: Workload, policy_update: dict) -> dict:

@@ -17,7 +17,7 @@ The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
   (:func:`grpo_step`);
 - shipped model: one Adam step of a GRPO-style policy-gradient loss on pi_t's own samples of the task
   (:func:`policy_gradient_step`);
-- model folder: a random perturbation (:func:`perturbed_weights`): a random model has no task to learn, and a
+- model folder: a random perturbation (:func:`perturbation`): a random model has no task to learn, and a
   policy-gradient step of a 0.5B model does not fit the benchmark's time on a CPU. Each weight tensor ``W``
   moves by ``noise * rms(W) * N(0, 1)`` per entry, so ``noise`` is the relative RMS change of every tensor.
   Random directions move the logits less per unit of weight change than a gradient step does: read the
@@ -183,21 +183,18 @@ def with_drafts(requests: list[GenerationRequest], drafts: list[GenerationResult
     ]
 
 
-def perturbed_weights(weights: dict[str, torch.Tensor], noise: float, seed: int) -> tuple[dict, dict]:
-    """float32 weights ``W + noise * rms(W) * N(0, 1)`` for every tensor, and a summary of the step."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, tensor in weights.items():
-        weight = tensor.detach().to("cpu", torch.float32)
-        rms = weight.square().mean().sqrt()
-        state[name] = weight + noise * rms * torch.randn(weight.shape, generator=generator)
+def perturbation(weights: dict[str, torch.Tensor], noise: float, seed: int) -> tuple[dict, dict]:
+    """The next policy of a model folder: :func:`~bubblespec.testing.random_checkpoints.perturbed_weights`, and a
+    summary of the step."""
+    from bubblespec.testing.random_checkpoints import perturbed_weights
+
     summary = {
         "method": "random perturbation: every weight tensor W moves by noise * rms(W) * N(0, 1) per entry "
         "(a real-sized random model has no task to learn; a policy-gradient step does not fit the benchmark)",
         "relative_rms_change": noise,
         "seed": seed,
     }
-    return state, summary
+    return perturbed_weights(weights, noise, seed), summary
 
 
 def policy_gradient_step(engine, settings) -> tuple[dict, dict]:

@@ -494,16 +494,14 @@ def engine_speed(sizes: Sizes, scratch: Path, done: dict) -> dict:
     import torch
 
     from bubblespec.backends.torch_engine import TorchEngine
-    from bubblespec.cli.bench_engine_requests import perturbed_weights, with_drafts
-    from bubblespec.testing.conformance import _checkpoint_weights
-    from bubblespec.testing.random_checkpoints import write_preset_checkpoint
+    from bubblespec.cli.bench_engine_requests import with_drafts
+    from bubblespec.core import model_folder
+    from bubblespec.testing.random_checkpoints import perturbed_weights, write_preset_checkpoint
 
     folder = write_preset_checkpoint(scratch / "qwen25-05b", "qwen2.5-0.5b", dtype="bfloat16", seed=0,
                                      **sizes.speed_preset)  # fmt: skip
-    newer, _ = perturbed_weights(_checkpoint_weights(folder), 1e-4, seed=0)
-    from bubblespec.core.model_folder import vocab_size
-
-    vocab = vocab_size(folder)
+    newer = perturbed_weights(model_folder.weights(folder), 1e-4, seed=0)
+    vocab = model_folder.vocab_size(folder)
     rows = []
     for batch in sizes.speed_batches:
         requests = _requests(sizes, vocab, seed=batch, max_new_tokens=sizes.speed_tokens)[:batch]

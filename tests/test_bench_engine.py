@@ -12,9 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from bubblespec.cli.bench_engine import ROW_FIELDS, EngineBenchSettings, parse_backends, parse_batch_sizes
-from bubblespec.cli.bench_engine_requests import perturbed_weights, random_workload
+from bubblespec.cli.bench_engine_requests import perturbation, random_workload
 from bubblespec.cli.main import app
 from bubblespec.core.errors import ConfigError
+from bubblespec.testing.random_checkpoints import perturbed_weights, write_perturbed_copy
 
 runner = CliRunner()
 
@@ -106,14 +107,32 @@ def test_the_perturbation_moves_every_tensor_by_the_asked_relative_rms():
         "a": 3.0 * torch.randn(256, 128, generator=generator),
         "b": 0.02 * torch.randn(4096, generator=generator),
     }
-    state, summary = perturbed_weights(weights, 0.01, seed=1)
+    state, summary = perturbation(weights, 0.01, seed=1)
     for name, weight in weights.items():
         relative = (state[name] - weight).square().mean().sqrt() / weight.square().mean().sqrt()
         assert relative == pytest.approx(0.01, rel=0.05), name
     assert summary["relative_rms_change"] == 0.01 and "random perturbation" in summary["method"]
-    assert all(torch.equal(state[n], perturbed_weights(weights, 0.01, seed=1)[0][n]) for n in weights)
-    unchanged, _ = perturbed_weights(weights, 0.0, seed=1)
+    assert all(torch.equal(state[n], perturbed_weights(weights, 0.01, seed=1)[n]) for n in weights)
+    unchanged = perturbed_weights(weights, 0.0, seed=1)
     assert all(torch.equal(unchanged[n], weights[n]) for n in weights)
+
+
+def test_a_perturbed_copy_of_a_folder_holds_the_perturbed_weights_in_their_own_dtypes(tmp_path):
+    from safetensors.torch import save_file
+
+    from bubblespec.core import model_folder
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"vocab_size": 64}')
+    weights = {"a": torch.randn(64, 8), "b": torch.ones(8, dtype=torch.bfloat16)}
+    save_file({"a": weights["a"]}, str(folder / "model-1.safetensors"))
+    save_file({"b": weights["b"]}, str(folder / "model-2.safetensors"))
+    copy = model_folder.weights(write_perturbed_copy(folder, tmp_path / "copy", 0.01, seed=3))
+    expected = perturbed_weights(weights, 0.01, seed=3)
+    assert torch.equal(copy["a"], expected["a"]) and copy["b"].dtype == torch.bfloat16
+    assert torch.equal(copy["b"], expected["b"].to(torch.bfloat16)) and not torch.equal(copy["a"], weights["a"])
+    assert (tmp_path / "copy" / "config.json").is_file()
 
 
 def _run_quick(tmp_path, *arguments: str) -> dict:

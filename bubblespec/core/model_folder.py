@@ -1,5 +1,5 @@
-"""What a run reads from a Hugging Face model folder's ``config.json`` and ``generation_config.json`` itself (the
-engines load the rest): its vocabulary size, end-of-sequence ids and context length."""
+"""What a run reads from a Hugging Face model folder itself: from ``config.json`` and ``generation_config.json`` its
+vocabulary size, end-of-sequence ids and context length; from its ``*.safetensors`` files its weights."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def eos_token_ids(path: str | Path) -> set[int]:
 def context_length(path: str | Path) -> int:
     """The most positions the model takes (``max_position_embeddings``; unbounded where the config names none)."""
     return int(_read(path, "config.json").get("max_position_embeddings") or 2**31)
+
+
+def weights(path: str | Path) -> dict:
+    """Every tensor of the folder's ``*.safetensors`` files by Hugging Face name (what ``update_weights`` takes)."""
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for file in sorted(Path(path).expanduser().glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

@@ -268,13 +268,9 @@ def rope_inverse_frequency(head_dim: int, theta: float, llama3: Llama3RopeScalin
 
 def read_checkpoint(model_path: str | Path) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Reads ``config.json`` and every ``*.safetensors`` file of a local Hugging Face model folder."""
-    from safetensors.torch import load_file
+    from bubblespec.core import model_folder
 
-    config = read_model_config(model_path)
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(model_path).expanduser().glob("*.safetensors")):
-        weights.update(load_file(file))
-    return config, weights
+    return read_model_config(model_path), model_folder.weights(model_path)
 
 
 def read_model_config(model_path: str | Path) -> DecoderConfig:

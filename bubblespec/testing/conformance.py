@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bubblespec.core import plugins
+from bubblespec.core import model_folder, plugins
 from bubblespec.core.errors import DraftError, RequestError
 from bubblespec.core.interfaces import (
     Draft,
@@ -201,7 +201,7 @@ class EngineConformance:
     def test_a_weight_update_gives_the_new_policy(self, model_path, requests, tmp_path):
         from safetensors.torch import save_file
 
-        weights = _checkpoint_weights(model_path)
+        weights = model_folder.weights(model_path)
         changed = {name: tensor * 1.05 if tensor.ndim == 2 else tensor for name, tensor in weights.items()}
         folder = tmp_path / "changed"
         shutil.copytree(model_path, folder)
@@ -229,7 +229,7 @@ class EngineConformance:
         engine loaded with the merged weights; then the engine gets its own weights back."""
         from safetensors.torch import save_file
 
-        weights = _checkpoint_weights(model_path)
+        weights = model_folder.weights(model_path)
         subset = {name: tensor * 1.3 for name, tensor in weights.items() if ".layers.0.self_attn." in name
                   and name.endswith("_proj.weight")}  # fmt: skip
         assert len(subset) == 4, f"expected layer 0's q, k, v and o projections, got {sorted(subset)}"
@@ -605,7 +605,7 @@ class RealVocabularyConformance:
         requests = self.make_requests(setting)
         newer = _by_key(self._timed(engine, requests, "newer policy"))
         try:
-            engine.update_weights(_checkpoint_weights(checkpoints[1]), version=1)
+            engine.update_weights(model_folder.weights(checkpoints[1]), version=1)
             older = _by_key(self._timed(engine, requests, "older policy"))
             drafted = self._timed(engine, [_with_draft(r, newer[r.key].token_ids) for r in requests], "older, drafts")
             self._assert_same(older, _by_key(drafted), f"{setting}, the older policy with the newer one's drafts")
@@ -613,7 +613,7 @@ class RealVocabularyConformance:
             if self.dtype == "float32":
                 self._assert_same(older_samples[setting], older, f"{setting}, the older policy after an update")
         finally:
-            engine.update_weights(_checkpoint_weights(checkpoints[0]), version=2)
+            engine.update_weights(model_folder.weights(checkpoints[0]), version=2)
         again = _by_key(self._timed(engine, requests, "newer policy again"))
         self._assert_same(newer, again, f"{setting}, after updating back to the newer policy")
 
@@ -635,16 +635,6 @@ class RealVocabularyConformance:
     _assert_same = EngineConformance._assert_same
 
 
-def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint folder's weights by Hugging Face name (what ``update_weights`` takes)."""
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        weights |= load_file(str(file))
-    return weights
-
-
 _COMMON_TOKENS = 256
 
 
@@ -652,10 +642,11 @@ def write_policy_pair(
     folder: Path, family: str, vocab_size: int, head_scale: float, policy_step: float
 ) -> tuple[Path, Path]:
     """A random ``family`` checkpoint with a peaked output head (``newer``) and a copy of it one small random step
-    away (``older``); returns (newer, older)."""
+    away (``older``: :func:`~bubblespec.testing.random_checkpoints.write_perturbed_copy` by ``policy_step``); returns
+    (newer, older)."""
     from safetensors.torch import load_file, save_file
 
-    from bubblespec.testing.random_checkpoints import write_random_checkpoint
+    from bubblespec.testing.random_checkpoints import write_perturbed_copy, write_random_checkpoint
 
     newer = write_random_checkpoint(folder / "newer", family, vocab_size=vocab_size, tie_word_embeddings=False)
     weights_file = newer / "model.safetensors"
@@ -667,18 +658,5 @@ def write_policy_pair(
     head[common] *= head_scale
     weights["lm_head.weight"] = head
     save_file(weights, str(weights_file), metadata={"format": "pt"})
-    older = folder / "older"
-    shutil.copytree(newer, older)
-    generator = torch.Generator().manual_seed(1)
-    moved = {
-        name: tensor + policy_step * tensor.float().std().nan_to_num() * torch.randn(tensor.shape, generator=generator)
-        if tensor.ndim == 2
-        else tensor
-        for name, tensor in weights.items()
-    }
-    save_file(
-        {n: t.to(weights[n].dtype).contiguous() for n, t in moved.items()},
-        str(older / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    older = write_perturbed_copy(newer, folder / "older", policy_step, seed=1)
     return newer, older

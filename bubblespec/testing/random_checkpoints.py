@@ -18,6 +18,9 @@ Families:
   ``hidden_size / num_heads``, theta 1,000,000.
 - ``mistral``: ``MistralConfig`` with ``sliding_window`` (4096 unless given), theta 10,000.
 
+``perturbed_weights`` moves a checkpoint's weights one small random step: the older (or newer) policy of a pair, where
+a random model has no task to learn.
+
 transformers is imported inside the functions, so importing this module costs nothing.
 """
 
@@ -59,6 +62,37 @@ QWEN25_05B: dict[str, Any] = {
 """The shape of Qwen2.5-0.5B (494M parameters; the RL-on-a-budget workhorse): ``write_preset_checkpoint``."""
 
 PRESETS: dict[str, dict[str, Any]] = {"qwen2.5-0.5b": QWEN25_05B}
+
+
+def perturbed_weights(weights: dict, step: float, seed: int) -> dict:
+    """float32 weights ``W + step * rms(W) * N(0, 1)`` for every tensor ``W`` (by name, in the mapping's order; the
+    noise drawn on the CPU from ``seed``): every tensor's root-mean-square change is ``step`` of its own."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    moved = {}
+    for name, tensor in weights.items():
+        weight = tensor.detach().to("cpu", torch.float32)
+        rms = weight.square().mean().sqrt()
+        moved[name] = weight + step * rms * torch.randn(weight.shape, generator=generator)
+    return moved
+
+
+def write_perturbed_copy(folder: str | Path, target: str | Path, step: float, seed: int) -> Path:
+    """A copy of the model folder ``folder`` at ``target`` whose weights are :func:`perturbed_weights` of its own,
+    each saved in its own dtype: a policy one small random step away."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bubblespec.core import model_folder
+
+    shutil.copytree(folder, target)
+    moved = perturbed_weights(model_folder.weights(folder), step, seed)
+    for file in sorted(Path(target).glob("*.safetensors")):
+        names = load_file(str(file))
+        save_file({n: moved[n].to(t.dtype) for n, t in names.items()}, str(file), metadata={"format": "pt"})
+    return Path(target)
 
 
 def write_random_checkpoint(
