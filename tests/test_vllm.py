@@ -275,9 +275,9 @@ def test_an_update_of_a_tied_embedding_reaches_the_output_head(chat_model):
     vLLM samples what the torch engine samples with the same weights."""
     from bubblespec.backends.torch_engine import TorchEngine
     from bubblespec.backends.vllm_engine import VLLMEngine
-    from bubblespec.testing.conformance import _checkpoint_weights
+    from bubblespec.core import model_folder
 
-    weights = _checkpoint_weights(chat_model)
+    weights = model_folder.weights(chat_model)
     assert "lm_head.weight" not in weights  # tied to model.embed_tokens.weight
     embedding = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"] * 1.5}
     requests = _requests(num_prompts=4, samples=2, max_new_tokens=24)
