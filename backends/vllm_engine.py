@@ -25,6 +25,7 @@ How each rule of the contract maps onto vLLM 0.32:
   recomputes a request's tokens; the rows of a partial prefill are discarded and sample nothing.
 - **Weights.** ``update_weights`` reloads them in place (the worker's ``reload_weights`` through
   ``collective_rpc``, Hugging Face names) and resets the prefix cache; a subset must cover whole fused layers.
+  vLLM's warning that a layer without weights (the rotary embedding) loaded none is filtered out.
 - **Colocated ranks** (``ray.colocated``, CUDA only) release their GPU memory through vLLM's sleep mode (level 1:
   weights to host memory, KV cache freed) and wake before the next call; on the CPU the config refuses them.
 - **The V1 model runner**, pinned with ``VLLM_USE_V2_MODEL_RUNNER=0`` and checked after start-up: vLLM 0.32's V2
@@ -60,6 +61,7 @@ from bubblespec.backends.vllm_glue import (
     VLLMSequence,
     check_private_names,
     check_vllm_version,
+    filter_weightless_layer_warnings,
     install_verifier,
     refresh_tied_head,
     runs_on_cpu,
@@ -181,6 +183,7 @@ class VLLMEngine(Engine):
         eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
         self._eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
         self.llm.collective_rpc(install_verifier, args=(self._sequences, self._proposal))
+        self.llm.collective_rpc(filter_weightless_layer_warnings)  # "RotaryEmbedding: Failed to load weights"
         self.num_forward_passes = 0
 
     @staticmethod

@@ -18,12 +18,16 @@ The names, all of vLLM 0.32 (:data:`TESTED_VLLM_VERSION`):
   ``get_output``, ``abort_requests``), ``LLMEngine.input_processor.process_inputs(request_id, prompt, params,
   supported_tasks=...)``, ``LLMEngine.get_supported_tasks``; ``LLM.collective_rpc``, ``reset_prefix_cache``,
   ``sleep(level=...)``, ``wake_up``;
-- the runner switch: ``VLLM_USE_V2_MODEL_RUNNER`` and ``VllmConfig.use_v2_model_runner``.
+- the runner switch: ``VLLM_USE_V2_MODEL_RUNNER`` and ``VllmConfig.use_v2_model_runner``;
+- the in-place reload's logger (``vllm.model_executor.model_loader.reload.layerwise``) and its warning
+  ``"%s: Failed to load weights"`` in ``finalize_layerwise_processing`` (filtered for layers without weights).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+from collections import defaultdict
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -42,6 +46,10 @@ VLLM_ENVIRONMENT = {
 }
 PROPOSER_PATH = f"{__name__}.RequestDrafts"
 """Where vLLM imports the ``custom_class`` proposer from (``speculative_config.model``)."""
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM 0.32's in-place weight reload (``GPUModelRunner.reload_weights``)."""
+RELOAD_FAILED = "%s: Failed to load weights"
+"""The reload's warning for a layer none of whose elements were loaded (``%s``: the layer's class name)."""
 
 
 def runs_on_cpu() -> bool:
@@ -206,6 +214,51 @@ def refresh_tied_head(worker) -> bool:
     return True
 
 
+class WeightlessLayerFilter(logging.Filter):
+    """Drops the reload's warning :data:`RELOAD_FAILED` for the layers named in ``layer_names``: layers that hold no
+    weights, only buffers computed at start-up, as the rotary embedding's ``cos_sin_cache``.
+
+    vLLM 0.32's layerwise reload counts each tensor of a layer as one to load, buffers included
+    (``reload.utils.get_layer_size``), and warns at the end for a layer of which nothing was loaded
+    (``finalize_layerwise_processing``). A rotary embedding's only tensor is a non-persistent buffer computed from
+    the config that no checkpoint holds, so every update warned "RotaryEmbedding: Failed to load weights"; vLLM then
+    puts the layer's own buffer back (``_place_kernel_tensors``), the cache computed at start-up, which no weight
+    changes. The warning stays for every layer with weights (one that an update leaves out, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_names: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == RELOAD_FAILED and record.args and record.args[0] in self.layer_names)
+
+
+def _holds_no_weights(module: torch.nn.Module) -> bool:
+    """Whether a module's own tensors are all buffers outside its state dict (non-persistent): none is in a
+    checkpoint."""
+    buffers = {name for name, _ in module.named_buffers(recurse=False)}
+    has_parameters = any(True for _ in module.parameters(recurse=False))
+    return bool(buffers) and not has_parameters and buffers <= module._non_persistent_buffers_set
+
+
+def filter_weightless_layer_warnings(worker) -> list[str]:
+    """Runs in vLLM's worker (``collective_rpc``) once the model is loaded: installs the :class:`WeightlessLayerFilter`
+    on the reload's logger (once per process) for the model's layer classes of which every instance holds no weights;
+    returns their names."""
+    model = getattr(worker, "worker", worker).model_runner.model
+    weightless: dict[str, bool] = defaultdict(lambda: True)
+    for module in model.modules():
+        weightless[type(module).__name__] &= _holds_no_weights(module)
+    logger = logging.getLogger(RELOAD_LOGGER)
+    log_filter = next((f for f in logger.filters if isinstance(f, WeightlessLayerFilter)), None)
+    if log_filter is None:
+        log_filter = WeightlessLayerFilter()
+        logger.addFilter(log_filter)
+    names = sorted(name for name, holds_none in weightless.items() if holds_none)
+    log_filter.layer_names.update(names)
+    return names
+
+
 def install_verifier(worker, sequences: dict[str, VLLMSequence], proposal: ProposalSettings) -> None:
     """Runs in vLLM's worker (``collective_rpc``): wraps the model runner's ``_sample`` and binds the proposer."""
     runner = getattr(worker, "worker", worker).model_runner
@@ -312,6 +365,13 @@ def private_name_problems() -> list[str]:
     need(hasattr(LLM, "sleep") and "level" in _parameters(LLM.sleep), "LLM.sleep(level)")
     need(hasattr(vllm.envs, "VLLM_USE_V2_MODEL_RUNNER"), "the environment variable VLLM_USE_V2_MODEL_RUNNER")
     need(hasattr(VllmConfig, "use_v2_model_runner"), "VllmConfig.use_v2_model_runner")
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    need(
+        layerwise.logger.name == RELOAD_LOGGER
+        and f'"{RELOAD_FAILED}"' in inspect.getsource(layerwise.finalize_layerwise_processing),
+        f"the reload's warning {RELOAD_FAILED!r} on the logger {RELOAD_LOGGER} (finalize_layerwise_processing)",
+    )
     return problems
 
 

@@ -438,3 +438,38 @@ def test_a_prefix_cache_vllm_does_not_reset_is_an_error(engines, monkeypatch):
     assert vllm_engine.policy_version == 0
     with pytest.raises(EngineError, match=r"vLLM did not reset its prefix cache on release\(\)"):
         vllm_engine.release()
+
+
+def test_a_weight_update_logs_no_rotary_embedding_warning(engines):
+    """vLLM 0.32's in-place reload warned "RotaryEmbedding: Failed to load weights" at every update: it counts the
+    rotary embedding's cos_sin_cache (a buffer computed from the config, in no checkpoint) as a weight to load, finds
+    none of it loaded, and puts the old cache back. The rotary embedding is the one layer without weights in this
+    model; its warning is gone, its cache is still the one computed from the config, and the same warning for a
+    layer with weights still passes."""
+    import logging
+
+    import torch
+
+    from bubblespec.backends.vllm_glue import RELOAD_LOGGER, filter_weightless_layer_warnings
+
+    vllm_engine, torch_engine = engines
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addHandler(handler)
+    try:
+        vllm_engine.update_weights(torch_engine.model.state_dict(), version=0)  # the engine's own weights
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == [
+        "QKVParallelLinear: Failed to load weights"
+    ]
+    assert vllm_engine.llm.collective_rpc(filter_weightless_layer_warnings) == [["RotaryEmbedding"]]
+
+    def rotary_caches_as_computed(worker) -> list[bool]:
+        ropes = [m for m in worker.worker.model_runner.model.modules() if type(m).__name__ == "RotaryEmbedding"]
+        return [torch.equal(m.cos_sin_cache, m._compute_cos_sin_cache().to(m.cos_sin_cache.dtype)) for m in ropes]
+
+    assert vllm_engine.llm.collective_rpc(rotary_caches_as_computed) == [[True]]
