@@ -8,10 +8,15 @@
 Every spelling of the one ``bench`` command this replaced still works: ``bench CONFIG`` runs ``bench run``, and
 options given before the sub-command's name (``bench --json out.json engine``) are read as its own. An option of
 another sub-command is an error naming the sub-command(s) it belongs to.
+
+Ctrl-C and SIGTERM stop a bench as they stop ``bubblespec run``: one line on stderr, exit 130 or 143; its scratch run
+directories are removed, and ``--json`` and the plots are written whole (moved into place once written) or not at all.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -104,6 +109,20 @@ def _name_first(args: list[str], with_values: set[str]) -> list[str]:
     return [args[index], *args[:index], *args[index + 1 :]]
 
 
+def _stops_on_signals(command):
+    """Ctrl-C and SIGTERM stop the bench ``command`` as they stop ``bubblespec run`` (see the module docstring)."""
+    shown = _shown(command.__name__.replace("_", "-"))
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from bubblespec.cli.main import stops_on_signals as stops  # main imports this module: at call time
+
+        with stops(lambda: f"{shown} stopped before it finished; no output file was left half-written"):
+            return command(*args, **kwargs)
+
+    return wrapper
+
+
 bench_app = typer.Typer(
     cls=BenchGroup,
     help="Measure speed side by side in one run and print a table. `bench CONFIG` is `bench run CONFIG`.",
@@ -128,6 +147,7 @@ def _config(path: Path, command: str) -> Path:
 
 @bench_app.command(RUN, cls=BenchCommand)
 @user_errors
+@_stops_on_signals
 def run(
     target: Annotated[
         str, typer.Argument(help="A run config (YAML) to run with speculation off and on.", metavar="CONFIG")
@@ -153,6 +173,7 @@ def run(
 
 @bench_app.command("engine", cls=BenchCommand)
 @user_errors
+@_stops_on_signals
 def engine(
     json_path: JsonPath = None,
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine.")] = 1,
@@ -229,6 +250,7 @@ def engine(
 
 @bench_app.command("peers", cls=BenchCommand)
 @user_errors
+@_stops_on_signals
 def peers(
     config: Annotated[Path, typer.Argument(help="A run config (YAML).", metavar="CONFIG")],
     json_path: JsonPath = None,
@@ -255,8 +277,7 @@ def peers(
     report = bench_peers.run_peers(load_config(_config(config, "peers"), overrides or []), variants, output_dir)
     bench_peers.print_report(report)
     if plot_dir is not None:
-        for path in bench_peers.plot_report(report, plot_dir, plot_prefix):
-            typer.echo(f"wrote {path}")
+        _write_plots(bench_peers.plot_report, report, plot_dir, plot_prefix)
     _write_json(report, json_path)
     if not report["identical_rollouts"]:
         typer.secho("error: a draft source changed a rollout (coupled verification)", fg=typer.colors.RED, err=True)
@@ -265,6 +286,7 @@ def peers(
 
 @bench_app.command("peers-async", cls=BenchCommand)
 @user_errors
+@_stops_on_signals
 def peers_async(
     config: Annotated[Path, typer.Argument(help="A run config (YAML).", metavar="CONFIG")],
     json_path: JsonPath = None,
@@ -307,8 +329,7 @@ def peers_async(
     )  # fmt: skip
     bench_schedules.print_report(report)
     if plot_dir is not None:
-        for path in bench_schedules.plot_report(report, plot_dir, "peers-async"):
-            typer.echo(f"wrote {path}")
+        _write_plots(bench_schedules.plot_report, report, plot_dir, "peers-async")
     _write_json(report, json_path)
     if not report["identical_rollouts"]:
         typer.secho("error: speculation changed a rollout of an exact schedule", fg=typer.colors.RED, err=True)
@@ -316,8 +337,27 @@ def peers_async(
 
 
 def _write_json(report: dict, json_path: Path | None) -> None:
-    if json_path is not None:
-        import json
+    """The report as JSON, written beside ``json_path`` then moved onto it: never a half-written file."""
+    if json_path is None:
+        return
+    import json
 
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        typer.echo(f"wrote {json_path}")
+    scratch = json_path.with_name(f".{json_path.name}.{os.getpid()}.partial")
+    try:
+        scratch.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(scratch, json_path)
+    finally:
+        scratch.unlink(missing_ok=True)
+    typer.echo(f"wrote {json_path}")
+
+
+def _write_plots(plot_report, report: dict, plot_dir: Path, prefix: str) -> None:
+    """``plot_report``'s PNGs, each drawn in a scratch folder inside ``plot_dir`` and moved into it once whole."""
+    import tempfile
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".bench-plots-", dir=plot_dir) as scratch:
+        for drawn in plot_report(report, Path(scratch), prefix):
+            path = plot_dir / drawn.name
+            os.replace(drawn, path)
+            typer.echo(f"wrote {path}")

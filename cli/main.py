@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -115,7 +115,6 @@ def run(
     """Run synchronous RL with bubble-time drafting, as the config says. Ctrl-C and SIGTERM stop it with its
     checkpoints kept and print the command that resumes it."""
     from bubblespec.core.config import apply_overrides, load_config, validate
-    from bubblespec.core.errors import Terminated
     from bubblespec.observe.run_dir import RunDirectory
     from bubblespec.run.launch import run as run_config
 
@@ -141,33 +140,44 @@ def run(
     run_dir = resume or config.run_dir
     if not quiet and config.speculation.uses_bubble:
         typer.echo(_training_drafting_line(config))
-    try:
-        with _sigterm_stops_like_ctrl_c():
-            if quiet:
-                run_config(config, resume_dir=resume)
-                write_report(run_dir)
-                typer.echo(f"run directory: {run_dir}")
-                return
-            with StepPrinter(config, console) as printer:
-                summary = run_config(
-                    config,
-                    resume_dir=resume,
-                    on_step=printer.step,
-                    on_phase=printer.phase,
-                    on_activity=printer.activity,
-                )
-    except KeyboardInterrupt as stop:
-        how, code = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
-        typer.secho(f"{how}: {_where_it_stopped(Path(run_dir))}", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(code=code) from None
+    with stops_on_signals(lambda: _where_it_stopped(Path(run_dir))):
+        if quiet:
+            run_config(config, resume_dir=resume)
+            write_report(run_dir)
+            typer.echo(f"run directory: {run_dir}")
+            return
+        with StepPrinter(config, console) as printer:
+            summary = run_config(
+                config,
+                resume_dir=resume,
+                on_step=printer.step,
+                on_phase=printer.phase,
+                on_activity=printer.activity,
+            )
     printer.summary(summary, run_dir)
     typer.echo(f"report: {write_report(run_dir) / 'summary.md'}")
 
 
 @contextlib.contextmanager
+def stops_on_signals(where: Callable[[], str]) -> Iterator[None]:
+    """Ctrl-C and SIGTERM stop the command running the block as one, as `bubblespec run` and `bubblespec bench` stop:
+    its cleanup runs (``finally`` blocks, context managers), then one line on stderr, ``interrupted: ...`` or
+    ``terminated (SIGTERM): ...`` with ``where()`` (where it stopped), and exit 130 or 143, without a traceback."""
+    from bubblespec.core.errors import Terminated
+
+    try:
+        with _sigterm_stops_like_ctrl_c():
+            yield
+    except KeyboardInterrupt as stop:
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        typer.secho(f"{how}: {where()}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=code) from None
+
+
+@contextlib.contextmanager
 def _sigterm_stops_like_ctrl_c() -> Iterator[None]:
     """SIGTERM (what SLURM, Kubernetes and `kill` send) raises :class:`~bubblespec.core.errors.Terminated` in the
-    main thread while the run runs, so that it stops as on Ctrl-C; the handler before is put back after."""
+    main thread while the block runs, so that it stops as on Ctrl-C; the handler before is put back after."""
     import signal
     import threading
 

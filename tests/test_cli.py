@@ -325,6 +325,62 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path, monkeypat
     assert f"bubblespec run --resume {tmp_path / 'stopped'}" in result.output
 
 
+def test_sigterm_stops_a_bench_as_it_stops_a_run_and_leaves_no_file_behind(tmp_path):
+    """`bench CONFIG` in its own process, SIGTERM once the speculation-off run has written its first step: one line,
+    exit 143 as `bubblespec run`, no --json (it was to be written at the end), and its scratch runs removed."""
+    import os
+    import signal
+    import time
+
+    import yaml
+
+    config = {"name": "stopped", "num_steps": 200, "model": {"dtype": "float64"}, "metrics": {"enabled": False},
+              "task": {"prompts_per_step": 2, "samples_per_prompt": 2}, "clock": {"kind": "virtual"},
+              "rollout": {"num_ranks": 2, "sampling": {"max_new_tokens": 8}}}  # fmt: skip
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(config))
+    scratch, out = tmp_path / "scratch", tmp_path / "out" / "bench.json"
+    scratch.mkdir()
+    out.parent.mkdir()
+    command = [sys.executable, "-m", "bubblespec.cli.main", "bench", str(tmp_path / "bench.yaml"), "--json", str(out)]
+    process = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(scratch)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        first_run = "bubblespec-bench-*/stopped-speculation-off/steps.jsonl"  # in the bench's scratch folder
+        while not any(steps.read_text() for steps in scratch.glob(first_run)):
+            assert process.poll() is None and time.monotonic() < deadline, "the bench never wrote its first step"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 143 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("terminated (SIGTERM): ")]
+    assert line.endswith("`bench CONFIG` stopped before it finished; no output file was left half-written")
+    assert not list(out.parent.iterdir()) and not list(scratch.glob("bubblespec-bench-*"))
+
+
+def test_ctrl_c_while_a_bench_writes_its_json_leaves_the_file_before_it_whole(tmp_path, monkeypatch):
+    """The report is written beside --json and moved onto it: Ctrl-C before the move leaves the old file as it was,
+    and nothing else; the bench says so in one line and exits 130, as `bubblespec run`."""
+    import os
+
+    import bubblespec.cli.bench_run
+
+    def interrupted(source, destination):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bubblespec.cli.bench_run, "run_side_by_side", lambda config, output_dir: {"per_step": []})
+    monkeypatch.setattr(bubblespec.cli.bench_run, "print_report", lambda report: None)
+    monkeypatch.setattr(os, "replace", interrupted)
+    out = tmp_path / "out.json"
+    out.write_text('{"from": "the last bench"}\n')
+    result = runner.invoke(app, ["bench", "examples/quickstart.yaml", "--json", str(out)])
+    assert result.exit_code == 130 and "Traceback" not in result.output, result.output
+    assert "interrupted: `bench CONFIG` stopped before it finished; no output file" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    assert json.loads(out.read_text()) == {"from": "the last bench"}
+
+
 def test_plugins_help_names_every_kind():
     result = runner.invoke(app, ["plugins", "--help"])
     assert result.exit_code == 0, result.output
