@@ -41,14 +41,15 @@ from bubblespec.cli.bench_engine_measures import (
 from bubblespec.cli.bench_engine_requests import (
     RANDOM_MAX_NEW_TOKENS,
     RANDOM_PROMPT_LENGTHS,
+    ConfigRun,
     Workload,
     config_workload,
     grpo_step,
     hf_generate,
     hf_model,
     perturbation,
-    policy_gradient_step,
     random_workload,
+    shipped_config,
     task_workload,
     with_drafts,
 )
@@ -86,7 +87,7 @@ class EngineBenchSettings:
     weight_noise: float = 1e-3
     """Relative RMS change of every weight tensor from pi_t to pi_t+1 on a model folder."""
     learning_rate: float = 1e-4
-    """Adam learning rate of the policy step on the shipped model: the main job's."""
+    """Learning rate of the policy step on the shipped model (one step of the run's own GRPO learner)."""
     policy_step_prompts: int = 16
     policy_step_samples: int = 4
     max_draft_tokens_per_step: int = 16
@@ -177,21 +178,30 @@ def resolve(settings: EngineBenchSettings) -> EngineBenchSettings:
 
 def run_engine_bench(settings: EngineBenchSettings) -> dict:
     config = _run_config(settings)
-    shipped = settings.model_path is None and config is None
-    if config is not None:  # the config's model, as a folder
-        settings = replace(settings, model_path=_config_model_path(config))
+    run = None if config is None else ConfigRun.of(config)  # the config's task, built once
+    try:
+        return _run_engine_bench(settings, run)
+    finally:
+        if run is not None:
+            run.close()
+
+
+def _run_engine_bench(settings: EngineBenchSettings, run: ConfigRun | None) -> dict:
+    shipped = settings.model_path is None and run is None
+    if run is not None:  # the config's model, as a folder
+        settings = replace(settings, model_path=run.model_path)
     settings = resolve(settings)
     torch.set_num_threads(settings.threads)
     num_timed = max(settings.max_batch_size, settings.min_requests)
-    workload = _workload(settings, shipped, config, max(num_timed, settings.exactness_requests))
-    if config is not None:  # vLLM's context: the config's prompts and response limit
+    workload = _workload(settings, shipped, run, max(num_timed, settings.exactness_requests))
+    if run is not None:  # vLLM's context: the config's prompts and response limit
         lengths = [len(r.prompt_token_ids) for r in workload.requests]
         response = workload.requests[0].sampling.max_new_tokens
         settings = replace(settings, prompt_lengths=(min(lengths), max(lengths)), max_new_tokens=response)
     timed = workload.requests[:num_timed]
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, config, workload, timed)
+    engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, run, workload, timed)
     seconds["policies, drafts and sampling share"] = time.perf_counter() - clock
 
     hf = hf_model(settings.model_path, settings.dtype, settings.device, new_state) if settings.hf_batch_sizes else None
@@ -214,11 +224,11 @@ def run_engine_bench(settings: EngineBenchSettings) -> dict:
     return report
 
 
-def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, config, workload: Workload, timed: list):
+def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, run, workload: Workload, timed: list):
     """An engine of each backend holding pi_t+1, pi_t+1's weights, pi_t's responses to the timed requests (the
     drafts) and the report so far (settings, workload, policy update, keyed sampling's share)."""
     drafter = make_engine("torch", settings.model_path, settings.dtype, settings)  # pi_t
-    new_state, policy_update = _next_policy(settings, shipped, config, drafter)
+    new_state, policy_update = _next_policy(settings, shipped, run, drafter)
     drafts = drafter.generate(timed)
     report = _empty_report(settings, workload, policy_update)
     share_batch = 16 if 16 in settings.batch_sizes else settings.max_batch_size
@@ -247,19 +257,9 @@ def _run_config(settings: EngineBenchSettings):
     return load_config(Path(settings.config_path), list(settings.overrides))
 
 
-def _config_model_path(config) -> str:
-    from bubblespec.run.assembly import close_tasks, make_task, model_path
-
-    task = make_task(config)
-    try:
-        return model_path(config, task)
-    finally:
-        close_tasks(task)
-
-
-def _workload(settings: EngineBenchSettings, shipped: bool, config, num_requests: int) -> Workload:
-    if config is not None:
-        return config_workload(config, num_requests)
+def _workload(settings: EngineBenchSettings, shipped: bool, run: ConfigRun | None, num_requests: int) -> Workload:
+    if run is not None:
+        return config_workload(run, num_requests)
     if shipped:
         return task_workload(num_requests, settings.seed)
     return random_workload(
@@ -267,12 +267,17 @@ def _workload(settings: EngineBenchSettings, shipped: bool, config, num_requests
     )
 
 
-def _next_policy(settings: EngineBenchSettings, shipped: bool, config, drafter) -> tuple[dict, dict]:
+def _next_policy(settings: EngineBenchSettings, shipped: bool, run: ConfigRun | None, drafter) -> tuple[dict, dict]:
     """pi_t+1's weights (float32, Hugging Face names) and how they were made."""
-    if config is not None:
-        return grpo_step(config, drafter)
+    if run is not None:
+        return grpo_step(run, drafter)
     if shipped:
-        return policy_gradient_step(drafter, settings)
+        prompts, samples = settings.policy_step_prompts, settings.policy_step_samples
+        shipped_run = ConfigRun.of(shipped_config(settings.seed, prompts, samples, settings.learning_rate))
+        try:
+            return grpo_step(shipped_run, drafter)
+        finally:
+            shipped_run.close()
     from bubblespec.models.decoder import read_checkpoint
 
     _, weights = read_checkpoint(settings.model_path)

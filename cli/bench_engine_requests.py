@@ -15,8 +15,8 @@ The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
 - run config: one real GRPO step of the config's trainer (bubblespec's learner with its loss, optimizer and
   learning rate) on pi_t's own samples of the task's step 0 and their rewards, as a run's first update makes it
   (:func:`grpo_step`);
-- shipped model: one Adam step of a GRPO-style policy-gradient loss on pi_t's own samples of the task
-  (:func:`policy_gradient_step`);
+- shipped model: the same, with the run config of the arithmetic task on it (:func:`shipped_config`: the
+  benchmark's seed, ``policy_step_prompts`` x ``policy_step_samples`` samples and learning rate);
 - model folder: a random perturbation (:func:`perturbation`): a random model has no task to learn, and a
   policy-gradient step of a 0.5B model does not fit the benchmark's time on a CPU. Each weight tensor ``W``
   moves by ``noise * rms(W) * N(0, 1)`` per entry, so ``noise`` is the relative RMS change of every tensor.
@@ -27,6 +27,7 @@ The policy step from the drafting policy pi_t to the verifying policy pi_t+1:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,43 @@ class Workload:
     eos_token_id: int
     pad_token_id: int
     description: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConfigRun:
+    """A run config's task, built once for the whole benchmark (:meth:`close` it), its model folder and its
+    sampling."""
+
+    config: Any
+    task: Any
+    model_path: str
+    sampling: SamplingParams
+
+    @classmethod
+    def of(cls, config) -> ConfigRun:
+        from bubblespec.run.assembly import make_task, model_path, sampling_params
+
+        task = make_task(config)
+        try:
+            path = model_path(config, task)
+            return cls(config, task, path, sampling_params(config, task, path))
+        except BaseException:
+            task.close()
+            raise
+
+    def close(self) -> None:
+        self.task.close()
+
+
+def shipped_config(seed: int, num_prompts: int, num_samples: int, learning_rate: float):
+    """The run config of the policy step on the shipped model: the arithmetic task with ``num_prompts`` prompts of
+    ``num_samples`` samples a step, the default trainer at ``learning_rate``."""
+    from bubblespec.core.config import RunConfig
+
+    task = {"name": "arithmetic", "seed": seed, "prompts_per_step": num_prompts, "samples_per_prompt": num_samples}
+    return RunConfig.model_validate(
+        {"seed": seed, "task": task, "trainer": {"optimizer": {"learning_rate": learning_rate}}}
+    )
 
 
 def task_workload(num_requests: int, seed: int) -> Workload:
@@ -101,24 +139,18 @@ def random_workload(
     return Workload(model_path, requests, eos_id, max(eos_id, 0), description)
 
 
-def config_workload(config, num_requests: int) -> Workload:
+def config_workload(run: ConfigRun, num_requests: int) -> Workload:
     """A run config's task on its model: the prompts of step 1 (and later steps while more requests are needed),
     ``samples_per_prompt`` each, sampled as the run samples them."""
     from bubblespec.core.model_folder import eos_token_ids
     from bubblespec.rollout.step import step_requests
-    from bubblespec.run.assembly import make_task, model_path, sampling_params
 
-    task = make_task(config)
-    try:
-        path = model_path(config, task)
-        sampling = sampling_params(config, task, path)
-        requests, step = [], 1
-        while len(requests) < num_requests:
-            requests += step_requests(task.batch(step), config.seed, step, config.task.samples_per_prompt, sampling)
-            step += 1
-        eos = sorted(set(sampling.stop_token_ids) | eos_token_ids(path))
-    finally:
-        task.close()
+    config, sampling = run.config, run.sampling
+    requests, step = [], 1
+    while len(requests) < num_requests:
+        requests += step_requests(run.task.batch(step), config.seed, step, config.task.samples_per_prompt, sampling)
+        step += 1
+    eos = sorted(set(sampling.stop_token_ids) | eos_token_ids(run.model_path))
     description = {
         "prompts": f"task {config.task.name!r}, steps 1-{step - 1}, {config.task.samples_per_prompt} samples each",
         "prompt_tokens_mean": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
@@ -126,10 +158,10 @@ def config_workload(config, num_requests: int) -> Workload:
         "temperature": sampling.temperature,
         "suppressed_token_ids": list(sampling.suppressed_token_ids),
     }
-    return Workload(path, requests[:num_requests], eos[0] if eos else -1, eos[0] if eos else 0, description)
+    return Workload(run.model_path, requests[:num_requests], eos[0] if eos else -1, eos[0] if eos else 0, description)
 
 
-def grpo_step(config, drafter) -> tuple[dict, dict]:
+def grpo_step(run: ConfigRun, drafter) -> tuple[dict, dict]:
     """pi_t+1 from one GRPO step of the run config's trainer (:class:`bubblespec.rl.learner.GRPOLearner`: its loss,
     optimizer and learning rate) on the drafting policy's own samples of the task's step 0, ``samples_per_prompt``
     each, and their rewards: what a run's first update does. Returns the new weights by Hugging Face name and a
@@ -137,20 +169,14 @@ def grpo_step(config, drafter) -> tuple[dict, dict]:
     from bubblespec.rl.learner import LearnerSpec
     from bubblespec.rl.train_batch import train_samples
     from bubblespec.rollout.step import step_requests
-    from bubblespec.run.assembly import make_task, model_path, sampling_params
 
-    task = make_task(config)
-    try:
-        path = model_path(config, task)
-        sampling = sampling_params(config, task, path)
-        prompts = task.batch(0)
-        requests = step_requests(prompts, config.seed, 0, config.task.samples_per_prompt, sampling)
-        results = drafter.generate(requests)
-        by_uid = {prompt.uid: prompt for prompt in prompts}
-        rewards = task.score([by_uid[r.key.prompt_uid] for r in requests], [r.token_ids for r in results])
-    finally:
-        task.close()
-    learner = LearnerSpec.of_run(config, path, sampling).build()
+    config = run.config
+    prompts = run.task.batch(0)
+    requests = step_requests(prompts, config.seed, 0, config.task.samples_per_prompt, run.sampling)
+    results = drafter.generate(requests)
+    by_uid = {prompt.uid: prompt for prompt in prompts}
+    rewards = run.task.score([by_uid[r.key.prompt_uid] for r in requests], [r.token_ids for r in results])
+    learner = LearnerSpec.of_run(config, run.model_path, run.sampling).build()
     before = {name: tensor.detach().clone() for name, tensor in learner.state_dict().items()}
     metrics = learner.step(train_samples(requests, results, rewards, config.task.samples_per_prompt), at_step=0)
     if metrics.get("skipped"):
@@ -195,53 +221,6 @@ def perturbation(weights: dict[str, torch.Tensor], noise: float, seed: int) -> t
         "seed": seed,
     }
     return perturbed_weights(weights, noise, seed), summary
-
-
-def policy_gradient_step(engine, settings) -> tuple[dict, dict]:
-    """One GRPO-style policy-gradient step of the shipped model on its own samples of the task.
-
-    Loss: -mean over samples of advantage * (sum of token log-probs) / response tokens, with advantages the
-    rewards normalised within each prompt's group. One Adam step at ``settings.learning_rate``.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from bubblespec.tasks.arithmetic import ArithmeticTask
-
-    num_prompts, num_samples = settings.policy_step_prompts, settings.policy_step_samples
-    task = ArithmeticTask(seed=settings.seed, prompts_per_step=num_prompts)
-    requests = task_requests(task, step=0, num_prompts=num_prompts, samples=num_samples)
-    results = engine.generate(requests)
-    prompts = {p.uid: p for p in task.batch(0)}
-    rewards = torch.tensor([task(prompts[r.key.prompt_uid], r.token_ids) for r in results])
-    grouped = rewards.view(num_prompts, num_samples)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
-
-    model = AutoModelForCausalLM.from_pretrained(engine.config.model_path, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate)
-    losses = []
-    for request, result, advantage in zip(requests, results, advantages.tolist(), strict=True):
-        if advantage == 0 or not result.token_ids:
-            continue
-        sequence = torch.tensor([list(request.prompt_token_ids) + result.token_ids])
-        logits = model(sequence).logits[0, len(request.prompt_token_ids) - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None])
-        losses.append(-advantage * logprobs.mean())
-    if losses:
-        (torch.stack(losses).sum() / len(requests)).backward()
-        optimizer.step()
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    original = engine.model.state_dict()
-    relative_change = max(((state[n] - original[n]).norm() / original[n].norm()).item() for n in original if n in state)
-    summary = {
-        "method": "one Adam step of a GRPO-style policy-gradient loss on the drafting policy's own samples",
-        "learning_rate": settings.learning_rate,
-        "samples": len(requests),
-        "mean_reward": rewards.mean().item(),
-        "samples_with_nonzero_advantage": len(losses),
-        "max_relative_weight_change": relative_change,
-    }
-    return state, summary
 
 
 def hf_model(path: str, dtype: str, device: str, state: dict[str, torch.Tensor]):

@@ -170,8 +170,9 @@ def _check_rows(report: dict, backends: set[str], hf_batch_sizes: set[str]) -> N
 def test_quick_torch_run_on_the_shipped_model_reports_every_field(tmp_path):
     report = _run_quick(tmp_path)
     _check_rows(report, {"torch"}, {"1", "16"})
-    assert report["policy_update"]["samples_with_nonzero_advantage"] > 0
-    assert report["policy_update"]["max_relative_weight_change"] > 0
+    update = report["policy_update"]  # one step of the run's own learner on 16 prompts x 4 samples of the task
+    assert update["method"].startswith("one GRPO step of the config's trainer") and update["samples"] == 64
+    assert update["learning_rate"] == 1e-4 and update["max_relative_weight_change"] > 0
     assert set(report["exactness"]["torch"]) == {"float64", "float32", "bfloat16"}
     assert report["exactness"]["torch"]["float64"]["differing"] == 0 and report["float64_identical"]
     assert report["exactness"]["torch"]["float64"]["differing_between_plain_batches"] == 0
@@ -192,11 +193,23 @@ def test_quick_torch_run_on_a_model_folder_uses_random_prompts_and_a_perturbed_p
 
 
 @pytest.mark.slow
-def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo_step(tmp_path):
+def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo_step(tmp_path, monkeypatch):
     """--config: the config's task and sampling (its suppressed tokens too), pi_t+1 from one step of bubblespec's own
-    learner at the config's learning rate on pi_t's samples and rewards; --set reaches the config."""
+    learner at the config's learning rate on pi_t's samples and rewards; --set reaches the config. The task is built
+    once and closed at the end."""
+    from bubblespec.run import assembly
+
+    built, make_task = [], assembly.make_task
+
+    def counted(*args, **kwargs):
+        task = make_task(*args, **kwargs)
+        built.append(task)
+        return task
+
+    monkeypatch.setattr(assembly, "make_task", counted)
     config = ["--config", "examples/arithmetic.yaml", "--set", "task.prompts_per_step=8", "--set", "eval_every=0"]
     report = _run_quick(tmp_path, *config, "--exactness-requests", "8")
+    assert len(built) == 1
     _check_rows(report, {"torch"}, {"16"})
     update = report["policy_update"]
     assert update["method"].startswith("one GRPO step of the config's trainer")
@@ -209,7 +222,7 @@ def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo
 
 
 def test_a_grpo_step_without_reward_signal_is_a_clear_error_not_drafts_of_the_same_policy():
-    from bubblespec.cli.bench_engine_requests import grpo_step
+    from bubblespec.cli.bench_engine_requests import ConfigRun, grpo_step
     from bubblespec.core.config import validate
     from bubblespec.core.interfaces import GenerationResult, RequestStats
 
@@ -218,8 +231,10 @@ def test_a_grpo_step_without_reward_signal_is_a_clear_error_not_drafts_of_the_sa
             return [GenerationResult(r.key, [5, 2], [-1.0, -1.0], "stop", RequestStats()) for r in requests]
 
     config = validate({"task": {"prompts_per_step": 2, "samples_per_prompt": 2}})
+    run = ConfigRun.of(config)
     with pytest.raises(ConfigError, match=r"no reward signal: in each of step 0's 2 groups every sample scored"):
-        grpo_step(config, SameAnswer())
+        grpo_step(run, SameAnswer())
+    run.close()
 
 
 @pytest.mark.vllm
