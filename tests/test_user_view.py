@@ -8,14 +8,16 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
 
 from bubblespec.cli.main import app
 from bubblespec.core.config import load_config
-from bubblespec.core.interfaces import Draft, ForwardPass, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, ForwardPass, GenerationRequest, Prompt, RolloutKey, SamplingParams
 from bubblespec.observe.run_dir import RunDirectory
+from bubblespec.observe.task_summary import summarize_task
 from bubblespec.rl.loop import step_line
 from bubblespec.rollout.speculation_effect import PassCostFit, fit_pass_cost, plain_decode_passes, seconds_saved
 from bubblespec.run.launch import run
@@ -79,6 +81,17 @@ def test_validate_warns_when_the_model_s_vocabulary_does_not_cover_the_text(tmp_
     assert "warning: " in result.output and "of the train prompts' tokens are the tokenizer's unknown token" in (
         result.output
     )
+
+
+def test_validate_s_90th_percentile_of_prompt_lengths_is_never_above_the_longest():
+    """Three prompts of 5, 5 and 100 tokens: statistics.quantiles' default ('exclusive') put the 90th percentile at
+    157 tokens, above the longest prompt."""
+    prompts = [Prompt(f"p{i}", (0,) * length, "x", "") for i, length in enumerate([5, 5, 100])]
+    task = SimpleNamespace(
+        prompts=prompts, num_dropped_prompts=0, reward_names=list, unknown_token_share=None, own_system_prompts=0
+    )
+    (line,) = [line for line in summarize_task(task).lines if line.startswith("prompt tokens")]
+    assert line == "prompt tokens: min 5, median 5, 90th percentile 81, max 100"
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,8 @@ def summarize_task(task: Task, eval_task: Task | None = None) -> TaskSummary:
         count = len(held_out) if held_out is not None else len(eval_task.batch(0))
         summary.lines.append(f"held-out rows: {count}")
     lengths = sorted(len(p.token_ids) for p in prompts)
-    deciles = statistics.quantiles(lengths, n=10) if len(lengths) > 1 else lengths * 9
+    # 'inclusive' interpolates between the lengths seen; the default 'exclusive' extrapolates past the longest
+    deciles = statistics.quantiles(lengths, n=10, method="inclusive") if len(lengths) > 1 else lengths * 9
     summary.lines.append(
         f"prompt tokens: min {lengths[0]}, median {statistics.median(lengths):g}, 90th percentile {deciles[-1]:g}, "
         f"max {lengths[-1]}"
