@@ -227,6 +227,58 @@ def test_a_trainer_with_tools_is_refused_at_the_first_call_before_a_rank_starts(
         assert rollout._service is None and trainer.state.global_step == 0
 
 
+def _trainer_on(distributed_type, *, fsdp_version=None, zero_stage=None):
+    """A stand-in for a GRPOTrainer whose ``accelerator.state`` reads as accelerate's does under ``accelerate launch``
+    with FSDP (``fsdp_plugin``, the ``FSDP`` distributed type) or DeepSpeed (``deepspeed_plugin.zero_stage``): FSDP
+    and ZeRO-3 cannot be launched on a CPU (accelerate runs ``--use_fsdp`` there as plain ``MULTI_CPU``)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    state = SimpleNamespace(
+        distributed_type=DistributedType[distributed_type],
+        fsdp_plugin=None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version),
+        deepspeed_plugin=None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage),
+    )
+    accelerator = SimpleNamespace(state=state, num_processes=2, is_main_process=True, process_index=0)
+    return SimpleNamespace(args=SimpleNamespace(use_vllm=False), tools=[], train_dataset=[], accelerator=accelerator)
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "fsdp_version", "zero_stage", "named"),
+    [
+        ("FSDP", 1, None, "FSDP1"),
+        ("FSDP", 2, None, "FSDP2"),
+        ("FSDP", None, None, "FSDP"),  # ACCELERATE_USE_FSDP=true without a plugin: accelerate's FSDP type alone
+        ("DEEPSPEED", None, 3, "DeepSpeed ZeRO-3"),
+    ],
+)
+def test_a_sharded_trainer_is_refused_by_name_at_the_first_call_before_a_rank_starts(
+    distributed_type, fsdp_version, zero_stage, named
+):
+    """Under FSDP or DeepSpeed ZeRO-3 each process holds a shard of every parameter, so the weights the main process
+    would sync are shards or empty placeholders: refused at the first call, naming the setting and what works."""
+    trainer = _trainer_on(distributed_type, fsdp_version=fsdp_version, zero_stage=zero_stage)
+    rollout = BubblespecRollout({"clock": {"kind": "virtual"}, "metrics": {"enabled": False}},
+                                ArithmeticTask.model_path())  # fmt: skip
+    message = (f"{named} with bubblespec's TRL rollout: not supported, because each process holds only a shard of the "
+               "weights .*shards or empty placeholders.*DDP, DeepSpeed ZeRO-1/2 or one process")  # fmt: skip
+    with pytest.raises(ConfigError, match=message) as refused:
+        rollout(["1+1=", "1+1="], trainer)
+    assert "\n" not in str(refused.value) and rollout._service is None and not rollout._started
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "zero_stage"),
+    [("NO", None), ("MULTI_CPU", None), ("MULTI_GPU", None), ("DEEPSPEED", 0), ("DEEPSPEED", 1), ("DEEPSPEED", 2)],
+    ids=["one-process", "ddp-cpu", "ddp-gpu", "zero-0", "zero-1", "zero-2"],
+)
+def test_trainers_that_keep_the_full_weights_on_every_process_pass_the_sharding_check(distributed_type, zero_stage):
+    from bubblespec.integrations.trl import check_unsharded
+
+    check_unsharded(_trainer_on(distributed_type, zero_stage=zero_stage).accelerator)
+
+
 def test_prompts_must_come_as_trl_repeats_them_and_carry_no_images():
     distinct = BubblespecRollout._distinct(["a", "a", "b", "b"], 2)
     assert distinct == ["a", "b"]

@@ -42,15 +42,16 @@ applied). Any other ``generation_kwargs`` key that changes samples, and any samp
 ``generation_config`` that TRL would take (``typical_p``, ``no_repeat_ngram_size``, ``num_beams``, ...), is refused by
 name when the rollout is built (:func:`sampling_params`).
 
-Supported: TRL 1.16 on one or several processes, map-style datasets, text or chat prompts, evaluation
-(``eval_strategy``, ``num_generations_eval``), full fine-tuning or one plain LoRA adapter
-(``peft_config=LoraConfig(...)`` or a ``PeftModel``; ``model_path`` is then the base model's folder), resuming from
-a checkpoint. Refused at the first call with a clear error: another TRL version, ``use_vllm=True`` (the ranks are
-the generation engine), tools (``GRPOTrainer(tools=...)`` or an ``environment_factory``'s methods: TRL would generate
-every turn after a tool call with transformers' ``generate``, outside the rollout), multimodal prompts, iterable
-datasets, peft models whose merge is not W + scale * B @ A (DoRA and other LoRA variants, ``lora_bias``,
-``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, several active adapters, non-LoRA peft
-methods).
+Supported: TRL 1.16 on one or several processes (DDP or DeepSpeed ZeRO-1/2: every process holds the whole model),
+map-style datasets, text or chat prompts, evaluation (``eval_strategy``, ``num_generations_eval``), full fine-tuning or
+one plain LoRA adapter (``peft_config=LoraConfig(...)`` or a ``PeftModel``; ``model_path`` is then the base model's
+folder), resuming from a checkpoint. Refused at the first call with a clear error: another TRL version,
+``use_vllm=True`` (the ranks are the generation engine), tools (``GRPOTrainer(tools=...)`` or an
+``environment_factory``'s methods: TRL would generate every turn after a tool call with transformers' ``generate``,
+outside the rollout), FSDP and DeepSpeed ZeRO-3 (each process holds only a shard of the weights: the ranks would
+receive shards or empty placeholders), multimodal prompts, iterable datasets, peft models whose merge is not
+W + scale * B @ A (DoRA and other LoRA variants, ``lora_bias``, ``modules_to_save``, ``trainable_token_indices``,
+``target_parameters``, several active adapters, non-LoRA peft methods).
 """
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def check_no_tools(trainer) -> None:
             "turn after a tool call with transformers' generate, outside the rollout (neither keyed nor drafted); "
             "train without tools or environment_factory methods"
         )
+
+
+def check_unsharded(accelerator) -> None:
+    """FSDP and DeepSpeed ZeRO-3 are refused: the main process syncs the ranks from its own copy of the model, which
+    there holds only this process's shard of each parameter (FSDP) or an empty placeholder (ZeRO-3). Read from
+    ``accelerator.state`` as TRL's ``DistributedBackend`` reads it; ZeRO-1/2 and DDP keep every parameter whole."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    fsdp = getattr(state, "fsdp_plugin", None)  # set only under FSDP (and may be None there)
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if fsdp is not None or state.distributed_type == DistributedType.FSDP:
+        sharding = f"FSDP{getattr(fsdp, 'fsdp_version', None) or ''}"
+    elif deepspeed is not None and deepspeed.zero_stage == 3:
+        sharding = "DeepSpeed ZeRO-3"
+    else:
+        return
+    raise ConfigError(
+        f"{sharding} with bubblespec's TRL rollout: not supported, because each process holds only a shard of the "
+        "weights and the ranks would receive shards or empty placeholders; train with DDP, DeepSpeed ZeRO-1/2 or "
+        "one process"
+    )
 
 
 GENERATION_KWARGS_APPLIED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
@@ -363,6 +386,7 @@ class BubblespecRollout:
         args = trainer.args
         check_grpo_args(args)
         check_no_tools(trainer)
+        check_unsharded(trainer.accelerator)  # on every process: each raises it, none waits in a gather
         from torch.utils.data import IterableDataset
 
         if isinstance(trainer.train_dataset, IterableDataset):
