@@ -133,8 +133,9 @@ class SpeculationConfig(Section):
     """Settings only the chosen draft store knows, passed to its constructor (``ray``: ``label_selector``, the
     Ray label selector of the nodes its actor may run on; empty: Ray's choice, usually the driver's node)."""
     draft_store_max_tokens: int = Field(50_000_000, ge=1)
-    """Cap on the draft tokens the store holds; past it the oldest drafts are evicted first (each step's record
-    counts them: ``drafts_evicted``)."""
+    """Cap on the draft tokens the store holds; past it the drafts of the step farthest ahead are evicted first, the
+    newest of them (the last put) first, so the next step's drafts, the ones used next, stay longest (each step's
+    record counts them: ``drafts_evicted``). A step's drafts are dropped once the step has used them."""
     bubble_policy: str = "coverage-first"
     """Which keys an idle rank drafts first (a bubble policy plugin)."""
     sharding_policy: str = "round-robin"
