@@ -521,3 +521,90 @@ def test_bench_names_no_slowest_response_for_a_step_recorded_before_it_was_kept(
     assert old.slowest_response_tokens is None
     found = _slowest_response(SimpleNamespace(ranks=[RankRecord(0, generation_seconds=1.0), old]))
     assert found == {"slowest_rank": 1, "slowest_rank_forward_passes": 7}
+
+
+GPU_EXAMPLES = [
+    # (file, rollout ranks, trainer workers): one GPU each, on one machine
+    ("gpu-qwen25-05b.yaml", 3, 1),
+    ("gpu-7b.yaml", 6, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_chat_model(tmp_path_factory) -> str:
+    """A small random Qwen2-family chat model (ChatML template, byte-level tokenizer, 512 tokens): what the GPU
+    examples' Qwen2.5-Instruct folders are, at a size this machine loads in a second."""
+    from bubblespec.testing.random_checkpoints import write_chat_model
+
+    return str(write_chat_model(tmp_path_factory.mktemp("models") / "qwen2-chat"))
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """A nested mapping's values by dotted path (lists are values)."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            found |= _leaves(value, f"{prefix}{key}.")
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+@pytest.mark.parametrize(("example", "ranks", "workers"), GPU_EXAMPLES)
+def test_each_gpu_example_validates_as_shipped_with_only_its_model_folder_replaced(
+    example, ranks, workers, qwen2_chat_model
+):
+    """`bubblespec validate` on this CPU-only machine: it builds the task (the model's chat template, the GSM8K-format
+    rows, the rewards) and checks the engine settings and the sampling, and neither looks for CUDA nor counts GPUs
+    (the run does at its start: the next test). Every setting the file makes but model.path reaches the resolved
+    config as shipped: the GPUs per rank and per trainer worker, the trainer on CUDA, bfloat16, the speculation."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).parent.parent / "examples" / example
+    result = runner.invoke(app, ["validate", str(path), "--set", f"model.path={qwen2_chat_model}"])
+    assert result.exit_code == 0, result.output
+    resolved = _leaves(yaml.safe_load(result.stdout[: result.stdout.index("\ndrafting while the trainer trains")]))
+    shipped = _leaves(yaml.safe_load(path.read_text()))
+    assert shipped.pop("model.path").startswith("../checkpoints/Qwen2.5-")
+    assert resolved["model.path"] == qwen2_chat_model
+    for option in ("task.options.path", "task.options.eval_path"):  # relative to the file, resolved
+        assert resolved[option] == str((path.parent / shipped.pop(option)).resolve())
+    assert {key: resolved[key] for key in shipped} == shipped
+    assert (resolved["rollout.num_ranks"], resolved["trainer.num_workers"]) == (ranks, workers)
+    assert resolved["rollout.gpus_per_rank"] == resolved["trainer.gpus_per_worker"] == 1
+    assert resolved["rollout.engine_options.device"] == resolved["trainer.device"] == "cuda"
+    assert [resolved[key] for key in ("model.dtype", "clock.kind", "rollout.backend")] == ["bfloat16", "wall", "torch"]
+    assert "drafting while the trainer trains: on (auto: the ranks reserve GPUs of their own" in result.stdout
+    assert "train rows: 4000" in result.stdout and "held-out rows: 200" in result.stdout
+    assert "<|im_start|>system\n    Solve the problem step by step." in result.stdout
+    assert "rewards: math (weight 1), format (weight 0.1)" in result.stdout and "warning" not in result.output
+
+
+@pytest.mark.parametrize(("example", "ranks", "workers"), GPU_EXAMPLES)
+def test_a_gpu_example_is_refused_at_start_where_ray_has_not_its_gpus(
+    example, ranks, workers, qwen2_chat_model, monkeypatch
+):
+    """What validate leaves to the run: on the local Ray it starts, a run checks the GPUs its ranks and trainer
+    workers reserve before deploying anything (tests/test_ray.py runs that through `run`), as one error with the
+    count. Here that check on each shipped example, with this machine's Ray resources (no GPU) stood in for."""
+    import re
+    from pathlib import Path
+
+    import ray
+
+    from bubblespec.core.config import load_config
+    from bubblespec.core.errors import ConfigError
+    from bubblespec.run.ray_cluster import check_local_gpus
+
+    config = load_config(Path(__file__).parent.parent / "examples" / example, [f"model.path={qwen2_chat_model}"])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    message = (
+        f"rollout.num_ranks {ranks} x rollout.gpus_per_rank 1 plus trainer.num_workers {workers} x 1 GPUs per worker "
+        f"(trainer.device 'cuda') need {ranks + workers} GPUs; this machine's Ray has 0"
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_local_gpus(config)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": float(ranks + workers)})
+    check_local_gpus(config)  # a machine with that many GPUs passes
