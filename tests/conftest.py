@@ -21,8 +21,30 @@ ONE_WORKER = {
     "tests/test_vllm.py": "vllm",
     "tests/test_vllm_glue.py": "vllm",  # vLLM engines live as long as their process (backends/vllm_engine.py, close())
     "tests/test_bench_engine.py::test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields": "vllm",
-    "tests/test_cluster.py": "cluster",  # its module's Ray cluster is built once
+    # Tests that start Ray take turns (RAY_MARKERS): on one worker, so that the other never waits idle for its turn
+    # but runs the tests without Ray meanwhile. test_cluster.py's Ray cluster is built once for its module.
+    "tests/test_cluster.py": "ray",
+    "tests/test_ray.py": "ray",
+    "tests/test_example_plugins.py::test_the_example_on_ray_serve_ranks_gives_the_built_in_engines_rollouts": "ray",
+    "tests/test_stop_and_resume.py::"
+    "test_beside_another_users_ray_a_run_starts_its_own_and_sigterm_to_its_group_stops_it_and_only_it": "ray",
 }
+
+
+def _group(nodeid: str) -> str | None:
+    test = nodeid.split("[", 1)[0]
+    return ONE_WORKER.get(test) or ONE_WORKER.get(test.split("::", 1)[0])
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test that starts Ray is in a group of :data:`ONE_WORKER` (a new one would wait for its turn beside the
+    group instead: the check keeps the list whole)."""
+    loose = [
+        item.nodeid for item in items
+        if any(item.get_closest_marker(name) for name in RAY_MARKERS) and _group(item.nodeid) is None
+    ]  # fmt: skip
+    if loose:
+        raise pytest.UsageError(f"tests that start Ray must be in a group of tests/conftest.py's ONE_WORKER: {loose}")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -32,8 +54,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class GroupedLoadScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            test = nodeid.split("[", 1)[0]
-            return ONE_WORKER.get(test) or ONE_WORKER.get(test.split("::", 1)[0]) or nodeid
+            return _group(nodeid) or nodeid
 
     return GroupedLoadScheduling(config, log)
 

@@ -152,6 +152,12 @@ class TestTorchEngineAtQwenVocabulary(RealVocabularyConformance):
     vocab_size = 151_936
     num_prompts = 4
 
+    # Drafts of every kind and candidates verified together do not depend on the vocabulary's size: the 32,000-token
+    # suite runs them. At 151,936 tokens the older policy's drafts, weight updates and every sampling setting against
+    # the reference engine check verification.
+    test_drafts_of_every_kind_never_change_outputs = None
+    test_candidates_verified_together_never_change_outputs = None
+
 
 @pytest.mark.slow
 class TestTorchEngineInBfloat16(RealVocabularyConformance):

@@ -188,6 +188,12 @@ class TestVLLMEngineAtQwenVocabulary(RealVocabularyConformance):
     engine_settings = {"max_batch_size": 16, **KV_CACHE}
     make_engine = TestVLLMEngine.make_engine
 
+    # Drafts of every kind and candidates verified together do not depend on the vocabulary's size: the 32,000-token
+    # suite runs them. At 151,936 tokens the older policy's drafts, weight updates and every sampling setting against
+    # the reference engine check verification.
+    test_drafts_of_every_kind_never_change_outputs = None
+    test_candidates_verified_together_never_change_outputs = None
+
 
 def test_the_version_is_checked():
     from bubblespec.backends.vllm_glue import check_vllm_version
@@ -298,7 +304,7 @@ def test_an_update_of_a_tied_embedding_reaches_the_output_head(chat_model):
 def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model, tmp_path):
     """examples/math.yaml on the chat model with vLLM ranks on Ray Serve (wall clock, speculation on, drafting while
     the trainer trains): the rollouts, rewards and weights of vLLM without speculation (virtual clock, in this
-    process), and far fewer decode steps from the second step on."""
+    process, on one rank), and far fewer decode steps from the second step on."""
     import torch
     from safetensors.torch import load_file
 
@@ -324,7 +330,8 @@ def test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout(chat_model
         return RunDirectory(config.run_dir)
 
     wall = math_run("wall", "clock.kind=wall")
-    plain = math_run("plain", "clock.kind=virtual", "speculation.enabled=false")
+    # one rank: a rollout does not depend on the ranks (one vLLM engine to start instead of two)
+    plain = math_run("plain", "clock.kind=virtual", "speculation.enabled=false", "rollout.num_ranks=1")
     wall_steps, plain_steps = wall.read_steps(), plain.read_steps()
     assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in plain_steps]
     assert [s.reward_mean for s in wall_steps] == [s.reward_mean for s in plain_steps]
