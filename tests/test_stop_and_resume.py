@@ -166,7 +166,7 @@ def _stopped_cleanly(process: subprocess.Popen, run_dir: Path) -> None:
 
 
 def test_sigterm_to_the_run_stops_it_as_ctrl_c_does(tmp_path):
-    """(That a resume from the checkpoint kept equals the uninterrupted run: test_controller.py.)"""
+    """(That a resume from the checkpoint kept equals the uninterrupted run: test_rl_loop.py.)"""
     config = _config(tmp_path, "term", num_steps=200)
     process = _start(_write(tmp_path, config))
     _wait_for_steps(process, tmp_path / "term", 2)

@@ -18,7 +18,7 @@ from bubblespec.observe.run_dir import RunDirectory
 from bubblespec.rl.rollout_schedules import CutRolloutSchedule, StepClock, build_rollout_schedule
 from bubblespec.run.launch import run
 from bubblespec.tasks.arithmetic import ArithmeticTask
-from tests.test_controller import SMALL, _config
+from tests.test_rl_loop import SMALL, _config
 
 
 def test_without_staleness_the_timeline_is_the_sum_of_the_phases():
