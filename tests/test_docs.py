@@ -141,3 +141,77 @@ def test_every_config_key_the_docs_name_is_a_field_of_the_run_config():
     assert _config_key_kind("trainer.lora") is None and _config_key_kind("trainer.model") == "section"
     assert _config_key_kind("trainer.model.lora.rank") == "setting"
     assert _config_key_kind("rollout.engine_options.batch_invariant") == "free"
+
+
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(x|%)(?![\w])")
+STATED_WHERE_MEASURED = {
+    # figures a doc states beside the command that measured them, not repeated from BENCHMARKS.md
+    ("docs/integrations.md", "44%"),  # examples/trl_grpo.py --clock wall, the command in the same paragraph
+    ("docs/running.md", "98%"),  # the share of stale tokens async trained on, a property of the schedule
+}
+
+
+def _figures(text: str) -> set[tuple[float, int, str, str]]:
+    """Speed-ups (``2.05x``) and percentages (``92%``) outside code blocks: (value, decimals, unit, as written)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {
+        (float(number), len(number.partition(".")[2]), unit, number + unit) for number, unit in FIGURE.findall(text)
+    }
+
+
+def test_every_figure_the_readme_and_docs_repeat_is_one_benchmarks_md_has():
+    """A speed-up or percentage in the README or docs/ is one BENCHMARKS.md states (to the precision written: 92%
+    is BENCHMARKS.md's 92.5%), so a figure re-measured there cannot stay behind elsewhere. It checks the numbers,
+    not what they are of: the sentence around each one names its workload and clock."""
+    measured = _figures((ROOT / "BENCHMARKS.md").read_text())
+    stale = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        name = str(path.relative_to(ROOT))
+        for value, decimals, unit, written in sorted(_figures(path.read_text())):
+            if (name, written) in STATED_WHERE_MEASURED:
+                continue
+            if not any(u == unit and abs(v - value) <= 0.5 * 10**-decimals + 1e-9 for v, _, u, _ in measured):
+                stale.append(f"{name}: {written}")
+    assert not stale, f"figures BENCHMARKS.md does not state: {stale}"
+
+
+HEADLINE_SECTIONS = {
+    # a workload the README's headline names -> the BENCHMARKS.md section that measured it
+    "smollm2-gsm8k": "## A real model",
+    "bench-long": "## Long responses",
+    "bench-virtual": "## A whole run, speculation off vs on",
+    "the main job": "## The README's main job",
+    "bench-wall": "### The wall clock on this machine",
+    "arithmetic": "### The arithmetic example",
+}
+
+
+def _section(text: str, heading: str) -> str:
+    """The section of ``text`` under ``heading`` (its subsections included)."""
+    start = text.index("\n" + heading) + 1
+    level = len(heading) - len(heading.lstrip("#"))
+    end = re.compile(rf"\n#{{1,{level}}} ").search(text, start + 1)
+    return text[start : end.start() if end else len(text)]
+
+
+def test_the_readme_headline_states_each_workloads_figures_as_its_benchmarks_md_section_does():
+    """Each figure of the README's "What it gives today" belongs to the workload named last before it, and the
+    BENCHMARKS.md section that measured that workload states it (to the precision written)."""
+    readme = (ROOT / "README.md").read_text()
+    headline = readme[readme.index("**What it gives today**") : readme.index("Rollouts and weights are identical")]
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    workload = re.compile(r"`examples/([\w-]+)\.yaml`|(the main job)")
+    marks = [(m.start(), "workload", m.group(1) or m.group(2)) for m in workload.finditer(headline)]
+    marks += [(m.start(), "figure", m.group(0)) for m in FIGURE.finditer(headline)]
+    current, checked, missing = None, 0, []
+    for _, kind, text in sorted(marks):
+        if kind == "workload":
+            current = text
+            continue
+        assert current in HEADLINE_SECTIONS, f"{text} follows {current!r}, which HEADLINE_SECTIONS does not map"
+        ((value, decimals, unit, _),) = _figures(text)
+        section = _figures(_section(benchmarks, HEADLINE_SECTIONS[current]))
+        checked += 1
+        if not any(u == unit and abs(v - value) <= 0.5 * 10**-decimals + 1e-9 for v, _, u, _ in section):
+            missing.append(f"{current}: {text}")
+    assert checked >= 15 and not missing, f"not in their workload's BENCHMARKS.md section: {missing}"
