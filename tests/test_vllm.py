@@ -464,12 +464,16 @@ def test_a_weight_update_logs_no_rotary_embedding_warning(engines):
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger(RELOAD_LOGGER)
+    # A logging.config.dictConfig earlier in this process (hydra's, in verl's trainer test) disables the loggers that
+    # existed then, this one included: enabled here, as in a process of its own.
+    disabled, logger.disabled = logger.disabled, False
     logger.addHandler(handler)
     try:
         vllm_engine.update_weights(torch_engine.model.state_dict(), version=0)  # the engine's own weights
         logger.warning("%s: Failed to load weights", "QKVParallelLinear")
     finally:
         logger.removeHandler(handler)
+        logger.disabled = disabled
     assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == [
         "QKVParallelLinear: Failed to load weights"
     ]
