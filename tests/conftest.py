@@ -28,6 +28,9 @@ ONE_WORKER = {
     "tests/test_example_plugins.py::test_the_example_on_ray_serve_ranks_gives_the_built_in_engines_rollouts": "ray",
     "tests/test_stop_and_resume.py::"
     "test_beside_another_users_ray_a_run_starts_its_own_and_sigterm_to_its_group_stops_it_and_only_it": "ray",
+    # in the Ray group, not vLLM's, so that neither worker waits for the other's Ray: its vLLM engines run in Ray's
+    # rank processes, and the one of its reference run in this worker's process beside no other
+    "tests/test_vllm.py::test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout": "ray",
 }
 
 
