@@ -118,6 +118,21 @@ def test_a_rank_record_names_its_slowest_response(engine):
     assert rank.slowest_response_decode_steps == 24 - 5 == rank.forward_passes
 
 
+class _WatchedLock:
+    """A replica's engine lock that tells the test (sets ``waiting``) when a caller has to wait for it."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        self.lock, self.waiting = threading.Lock(), waiting
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            self.waiting.set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
 def test_a_rank_takes_new_weights_once_its_drafting_pass_in_flight_has_ended():
     """The step goes on at the barrier while a rank's drafting pass still runs (a late chunk); the new weights the
     rank gets meanwhile wait for that pass on the rank (the replica's engine lock), so no pass mixes two policies."""
@@ -139,23 +154,9 @@ def test_a_rank_takes_new_weights_once_its_drafting_pass_in_flight_has_ended():
         def update_weights(self, state_dict, version):
             events.append(f"weights {version}")
 
-    class WatchedLock:
-        """The replica's lock, telling the test when a caller has to wait for it."""
-
-        def __init__(self):
-            self.lock = threading.Lock()
-
-        def __enter__(self):
-            if not self.lock.acquire(blocking=False):
-                weights_wait.set()
-                self.lock.acquire()
-
-        def __exit__(self, *exc):
-            self.lock.release()
-
     replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
     replica.rank, replica.backend, replica.stopped_step, replica.version, replica.dtype = 0, "drafting", -1, 0, None
-    replica.engine, replica._engine_lock = Drafting(), WatchedLock()
+    replica.engine, replica._engine_lock = Drafting(), _WatchedLock(weights_wait)
     drafting = threading.Thread(target=replica.draft, args=([_request("a")], 1, 0))
     drafting.start()
     assert in_pass.wait(timeout=60)
@@ -240,21 +241,9 @@ def test_a_call_that_waited_for_new_weights_is_refused_for_the_policy_it_expecte
         def close(self):
             pass
 
-    class WatchedLock:
-        def __init__(self):
-            self.lock = threading.Lock()
-
-        def __enter__(self):
-            if not self.lock.acquire(blocking=False):
-                draft_waits.set()
-                self.lock.acquire()
-
-        def __exit__(self, *exc):
-            self.lock.release()
-
     replica = RankReplica.__new__(RankReplica)  # the Serve deployment's body, without loading a model
     replica.rank, replica.backend, replica.stopped_step, replica.version, replica.dtype = 0, "loading", -1, 0, None
-    replica.engine, replica._engine_lock = Loading(), WatchedLock()
+    replica.engine, replica._engine_lock = Loading(), _WatchedLock(draft_waits)
     weights = PackedWeights.pack({"w": torch.ones(2)})
     syncing = threading.Thread(target=replica.update_weights, args=(weights, 1))
     syncing.start()
