@@ -608,3 +608,26 @@ def test_a_gpu_example_is_refused_at_start_where_ray_has_not_its_gpus(
         check_local_gpus(config)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": float(ranks + workers)})
     check_local_gpus(config)  # a machine with that many GPUs passes
+
+
+def test_a_speculation_preset_sets_the_measured_settings_validate_shows_them_and_a_setting_beside_it_wins(tmp_path):
+    """``speculation.preset`` in one line: the settings the benchmarks measured best (``gpu``: bench-long's on the
+    virtual h100-7b profile; ``cpu``: the main job's on this machine's wall clock), resolved where validate shows them;
+    a setting given beside it wins, and a preset on a run that drafts nothing sets no candidates."""
+    from bubblespec.core.config import SPECULATION_PRESETS, load_config, validate
+
+    for name, preset in {"bench-long": "gpu", "quickstart": "cpu", "bench-wall": "cpu"}.items():
+        speculation = load_config(f"examples/{name}.yaml").speculation  # what the benchmarks ran
+        assert speculation.preset == preset
+        assert {key: getattr(speculation, key) for key in SPECULATION_PRESETS[preset]} == SPECULATION_PRESETS[preset]
+    gpu = validate({"speculation": {"preset": "gpu", "lookahead_steps": 1}}).speculation
+    assert (gpu.draft_sources, gpu.draft_candidates, gpu.lookahead_steps) == (["bubble", "suffix", "ngram"], 4, 1)
+    assert validate({"speculation": {"preset": "gpu", "enabled": False}}).speculation.draft_candidates == 1
+    config = tmp_path / "preset.yaml"
+    config.write_text("speculation:\n  preset: cpu\n")
+    result = runner.invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "preset: cpu" in result.output and "- suffix" in result.output and "longest-first" in result.output
+    config.write_text("speculation:\n  preset: tpu\n")
+    result = runner.invoke(app, ["validate", str(config)])
+    assert result.exit_code == 2 and "speculation.preset: Input should be 'cpu' or 'gpu'" in result.output

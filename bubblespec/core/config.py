@@ -121,7 +121,34 @@ class RolloutConfig(Section):
         return _installed("backends", name)
 
 
+SPECULATION_PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {
+        "bubble_policy": "longest-first",
+        "sharding_policy": "length-balanced",
+        "lookahead_steps": 2,
+        "draft_sources": ["bubble", "suffix"],
+        "draft_candidates": 1,
+    },
+    "gpu": {
+        "bubble_policy": "longest-first",
+        "sharding_policy": "length-balanced",
+        "lookahead_steps": 2,
+        "draft_sources": ["bubble", "suffix", "ngram"],
+        "draft_candidates": 4,
+    },
+}
+"""``speculation.preset``: the settings measured best (BENCHMARKS.md), by where they were measured. ``cpu``: the
+README's main job and ``examples/bench-wall.yaml`` on the wall clock of 2 CPU cores (a verify pass costs in proportion
+to its tokens there, so one candidate a pass). ``gpu``: ``examples/bench-long.yaml`` on the virtual clock's
+``h100-7b`` profile (verifying tens of tokens costs about one decode pass there: token trees of 4 candidates); never
+measured on a real GPU."""
+
+
 class SpeculationConfig(Section):
+    preset: Literal["cpu", "gpu"] | None = None
+    """Sets the speculation settings measured best where the run's hardware is like the benchmark's
+    (:data:`SPECULATION_PRESETS`: ``cpu`` or ``gpu``); a setting given beside it wins. ``bubblespec validate`` shows
+    what it resolved to. None: the defaults below, which no benchmark uses."""
     enabled: bool | Literal["auto"] = "auto"
     """Draft the next step in the bubble and verify those drafts; false gives plain synchronous RL. ``auto`` (the
     default) drafts like true, but pauses drafting where the run's own estimate says the drafts of the last few
@@ -169,6 +196,16 @@ class SpeculationConfig(Section):
     ``rollout.max_draft_tokens_per_step`` tokens for the sequence of a pass predicted longest (the others verify one
     proposal), so the longest agreeing one wins wherever the first has left the new policy. The torch backend
     builds trees; vllm verifies the first candidate only, and sglang (no dynamic sources) refuses more than one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_fills_what_is_not_set(cls, settings: Any) -> Any:
+        if not (isinstance(settings, dict) and settings.get("preset") in SPECULATION_PRESETS):
+            return settings
+        preset = dict(SPECULATION_PRESETS[settings["preset"]])
+        if settings.get("enabled") is False or settings.get("draft_sources") == ["none"]:
+            preset.pop("draft_candidates")  # nothing drafts: several candidates would be refused
+        return preset | settings
 
     @field_validator("draft_store")
     @classmethod
