@@ -234,8 +234,13 @@ class WeightlessLayerFilter(logging.Filter):
 
 
 def _holds_no_weights(module: torch.nn.Module) -> bool:
-    """Whether a module's own tensors are all buffers outside its state dict (non-persistent): none is in a
-    checkpoint."""
+    """Whether a module is a rotary embedding whose own tensors are all buffers outside its state dict
+    (non-persistent): none is in a checkpoint. Rotary embeddings only: on a CPU vLLM may repack a linear layer's
+    weight into a buffer of its own kernel, and that layer's warning must stay."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    if not isinstance(module, RotaryEmbeddingBase):
+        return False
     buffers = {name for name, _ in module.named_buffers(recurse=False)}
     has_parameters = any(True for _ in module.parameters(recurse=False))
     return bool(buffers) and not has_parameters and buffers <= module._non_persistent_buffers_set
@@ -243,8 +248,8 @@ def _holds_no_weights(module: torch.nn.Module) -> bool:
 
 def filter_weightless_layer_warnings(worker) -> list[str]:
     """Runs in vLLM's worker (``collective_rpc``) once the model is loaded: installs the :class:`WeightlessLayerFilter`
-    on the reload's logger (once per process) for the model's layer classes of which every instance holds no weights;
-    returns their names."""
+    on the reload's logger (once per process) for the model's rotary embedding classes of which every instance holds
+    no weights; returns their names."""
     model = getattr(worker, "worker", worker).model_runner.model
     weightless: dict[str, bool] = defaultdict(lambda: True)
     for module in model.modules():
@@ -365,8 +370,13 @@ def private_name_problems() -> list[str]:
     need(hasattr(LLM, "sleep") and "level" in _parameters(LLM.sleep), "LLM.sleep(level)")
     need(hasattr(vllm.envs, "VLLM_USE_V2_MODEL_RUNNER"), "the environment variable VLLM_USE_V2_MODEL_RUNNER")
     need(hasattr(VllmConfig, "use_v2_model_runner"), "VllmConfig.use_v2_model_runner")
+    from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.model_loader.reload import layerwise
 
+    need(
+        hasattr(getattr(rotary_embedding, "base", None), "RotaryEmbeddingBase"),
+        "vllm.model_executor.layers.rotary_embedding.base.RotaryEmbeddingBase",
+    )
     need(
         layerwise.logger.name == RELOAD_LOGGER
         and f'"{RELOAD_FAILED}"' in inspect.getsource(layerwise.finalize_layerwise_processing),

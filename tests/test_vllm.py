@@ -451,32 +451,45 @@ def test_a_weight_update_logs_no_rotary_embedding_warning(engines):
     """vLLM 0.32's in-place reload warned "RotaryEmbedding: Failed to load weights" at every update: it counts the
     rotary embedding's cos_sin_cache (a buffer computed from the config, in no checkpoint) as a weight to load, finds
     none of it loaded, and puts the old cache back. The rotary embedding is the one layer without weights in this
-    model; its warning is gone, its cache is still the one computed from the config, and the same warning for a
-    layer with weights still passes."""
+    model; its warning is gone, its cache is still the one computed from the config, and the filter lets the same
+    warning for any other layer through."""
     import logging
 
     import torch
 
-    from bubblespec.backends.vllm_glue import RELOAD_LOGGER, filter_weightless_layer_warnings
+    from bubblespec.backends.vllm_glue import (
+        RELOAD_FAILED,
+        RELOAD_LOGGER,
+        WeightlessLayerFilter,
+        filter_weightless_layer_warnings,
+    )
 
     vllm_engine, torch_engine = engines
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger(RELOAD_LOGGER)
-    # A logging.config.dictConfig earlier in this process (hydra's, in verl's trainer test) disables the loggers that
-    # existed then, this one included: enabled here, as in a process of its own.
-    disabled, logger.disabled = logger.disabled, False
+    # Warnings on, whatever earlier tests in this process did to logging (hydra's dictConfig in verl's trainer test
+    # disables the loggers that existed then): as in a process of its own.
+    saved = logger.disabled, logger.level, logging.root.manager.disable
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
+    logging.disable(logging.NOTSET)
     logger.addHandler(handler)
     try:
         vllm_engine.update_weights(torch_engine.model.state_dict(), version=0)  # the engine's own weights
-        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
     finally:
         logger.removeHandler(handler)
-        logger.disabled = disabled
-    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == [
-        "QKVParallelLinear: Failed to load weights"
-    ]
+        logger.disabled = saved[0]
+        logger.setLevel(saved[1])
+        logging.disable(saved[2])
+    assert not [r.getMessage() for r in records if "RotaryEmbedding" in r.getMessage()]
+    (installed,) = [f for f in logger.filters if isinstance(f, WeightlessLayerFilter)]
+
+    def passes(layer: str) -> bool:
+        return installed.filter(logging.LogRecord(RELOAD_LOGGER, logging.WARNING, "", 0, RELOAD_FAILED, (layer,), None))
+
+    assert passes("QKVParallelLinear") and passes("RowParallelLinear") and not passes("RotaryEmbedding")
     assert vllm_engine.llm.collective_rpc(filter_weightless_layer_warnings) == [["RotaryEmbedding"]]
 
     def rotary_caches_as_computed(worker) -> list[bool]:
