@@ -31,6 +31,8 @@ ONE_WORKER = {
     # in the Ray group, not vLLM's, so that neither worker waits for the other's Ray: its vLLM engines run in Ray's
     # rank processes, and the one of its reference run in this worker's process beside no other
     "tests/test_vllm.py::test_a_wall_clock_run_on_vllm_ranks_drafts_and_changes_no_rollout": "ray",
+    "tests/test_verl_integration.py::"
+    "test_verl_s_own_trainer_runs_with_the_bubblespec_rollout_and_drafts_from_the_second_step": "ray",
 }
 
 

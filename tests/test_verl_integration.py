@@ -270,6 +270,7 @@ def test_verl_s_sampling_settings_reach_the_rollout(folder):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # verl's trainer starts a local Ray of its own: it takes its turn with the other tests that do
 def test_verl_s_own_trainer_runs_with_the_bubblespec_rollout_and_drafts_from_the_second_step(tmp_path):
     """examples/verl_trainer_cpu.py: ``python -m verl.trainer.main_ppo`` (verl's legacy trainer, FSDP2 on gloo, its
     reward workers with the task's reward) with rollout.name=bubblespec for three steps. Every step generates with
