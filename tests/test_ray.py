@@ -386,3 +386,36 @@ def test_a_trainer_worker_error_is_one_error_naming_it_and_the_workers_stay_up(t
             assert all(torch.equal(master[k].to(torch.bfloat16), weights[k]) for k in weights)
         finally:
             trainer.close()
+
+
+def test_a_local_ray_whose_node_did_not_register_in_time_is_started_once_more(monkeypatch, caplog, tmp_path):
+    """Ray gives a new node 30 s to register, fixed; on two busy cores it can take longer. The run's own local Ray is
+    started again once, after the first attempt's processes are stopped; any other failure is the user's error."""
+    import subprocess
+
+    import ray
+
+    from bubblespec.core.errors import BubblespecError
+    from bubblespec.run.ray_cluster import ray_session
+
+    attempts: list[subprocess.Popen] = []
+
+    def init(**settings):
+        attempts.append(subprocess.Popen(["sleep", "600"]))  # what a failed start leaves: a child process
+        if len(attempts) == 1:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    with ray_session(validate({"output_dir": str(tmp_path)})):
+        pass
+    assert len(attempts) == 2 and attempts[0].poll() is not None  # the first attempt's process was stopped
+    assert "did not register within Ray's 30 s" in caplog.text
+    attempts[1].kill()
+
+    def fails(**settings):
+        raise RuntimeError("no space left for the object store")
+
+    monkeypatch.setattr(ray, "init", fails)
+    with pytest.raises(BubblespecError, match="cannot start or reach a local Ray .*no space left"):
+        with ray_session(validate({"output_dir": str(tmp_path)})):
+            pass

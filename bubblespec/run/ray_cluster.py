@@ -18,6 +18,8 @@ from bubblespec.core.errors import BubblespecError, ConfigError
 if TYPE_CHECKING:
     from bubblespec.rollout.serve_ranks import ServeRankPool
 
+logger = logging.getLogger(__name__)
+
 RAY_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -47,13 +49,7 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
             if address:
                 ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
             else:  # "local": a Ray of this run's own, even where another cluster runs on the machine
-                ray.init(
-                    address="local",
-                    num_cpus=num_cpus,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    log_to_driver=False,
-                )
+                _start_local_ray(num_cpus)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
         where = f"the Ray at {address}" if address else "a local Ray"
         raise BubblespecError(f"cannot start or reach {where} (ray.address): {error}") from None
@@ -61,6 +57,56 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
         yield not address  # True when this run started (and so owns) the Ray instance
     finally:
         ray.shutdown()
+
+
+NODE_START_TIMED_OUT = "timed out during startup"
+"""Ray's error where a new node did not register with its GCS within Ray's fixed 30 s (``ray._private.node``)."""
+
+
+def _start_local_ray(num_cpus: int | None) -> None:
+    """``ray.init`` of a local Ray; once more where its node did not register within Ray's fixed 30 s, as on a
+    machine whose cores are busy, after stopping the processes the first attempt started (with psutil, where it is
+    installed; otherwise Ray's reaper stops them when this process ends)."""
+    import ray
+
+    for attempt in (1, 2):
+        before = _child_processes()
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+            return
+        except Exception as error:  # Ray raises a bare Exception for a node that did not register
+            if attempt == 2 or NODE_START_TIMED_OUT not in str(error):
+                raise
+            logger.warning("the local Ray's node did not register within Ray's 30 s (a busy machine?): starting again")
+            ray.shutdown()
+            _stop_new_children(before)
+
+
+def _child_processes() -> set[int] | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _stop_new_children(before: set[int] | None) -> None:
+    """Kills the descendants of this process that were not there ``before`` (a failed Ray start's processes)."""
+    if before is None:
+        return
+    import psutil
+
+    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    for child in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(started, timeout=30)
 
 
 @contextlib.contextmanager
