@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bubblespec.verify.margins import NOT_COMPUTED, keyed_runner_up
-from bubblespec.verify.sampling import keyed_gumbel, mask_logits
+from bubblespec.verify.sampling import keyed_gumbel, keyed_sample, mask_logits
 
 
 def _reference(logits_BTV, seeds_B2, positions_BT, temperature_B, top_k_B, top_p_B):
@@ -41,7 +41,9 @@ def test_the_runner_up_and_margin_are_the_full_noises_wherever_the_margin_is_wit
     positions = torch.arange(num_positions)[None].expand(batch, -1) + 7
     params = [torch.full((batch,), value, dtype=dtype) for value, dtype in
               ((temperature, torch.float64), (top_k, torch.int64), (top_p, torch.float64))]  # fmt: skip
-    winners, runner_ups, margins = keyed_runner_up(logits, seeds, positions, *params, margin_limit=limit)
+    winners, logprobs, runner_ups, margins = keyed_runner_up(logits, seeds, positions, *params, margin_limit=limit)
+    sampled, sampled_logprobs = keyed_sample(logits, seeds, positions, *params)
+    assert torch.equal(winners, sampled) and torch.equal(logprobs, sampled_logprobs)
     computed = 0
     for (b, t), (winner, runner_up, margin) in zip(
         [(b, t) for b in range(batch) for t in range(num_positions)],
@@ -63,6 +65,6 @@ def test_greedy_rows_and_rows_that_keep_one_token_have_no_runner_up():
     logits = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     seeds, positions = torch.tensor([[1, 2], [3, 4]]), torch.arange(3)[None].expand(2, -1)
     temperature, top_k, top_p = torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([0, 1]), torch.ones(2)
-    winners, runner_ups, margins = keyed_runner_up(logits, seeds, positions, temperature, top_k, top_p)
+    winners, _, runner_ups, margins = keyed_runner_up(logits, seeds, positions, temperature, top_k, top_p)
     assert torch.equal(winners, logits.argmax(-1))  # greedy row 0, and row 1 keeps its best token only
     assert (runner_ups == NOT_COMPUTED).all() and torch.isinf(margins).all()

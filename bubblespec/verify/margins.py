@@ -25,11 +25,10 @@ from bubblespec.verify.sampling import (
     _LUCKY_WORD,
     _UNLUCKY_GUMBEL_BOUND,
     RepetitionPenalty,
+    ScoredRows,
     _gumbel_of_words,
-    _per_position,
     _words_of_rows,
     keyed_sample,
-    mask_logits,
 )
 
 NOT_COMPUTED = -1
@@ -47,32 +46,34 @@ def keyed_runner_up(
     penalty: RepetitionPenalty | None = None,
     suppressed_BS: torch.Tensor | None = None,
     margin_limit: float = 2.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keyed samples [B, T] int64 (:func:`~bubblespec.verify.sampling.keyed_sample`'s), their runner-ups [B, T]
-    int64 and margins [B, T] float64, exact where the margin is at most ``margin_limit`` (``inf``: everywhere), else
-    :data:`NOT_COMPUTED` and ``inf``. Arguments as :func:`~bubblespec.verify.sampling.keyed_sample`'s. The masked
-    scores of every row are held at once in float64 (R x V): for drafting passes, not for a whole batch at 152k."""
-    batch, num_positions, vocab = logits_BTV.shape
-    winners_BT, _ = keyed_sample(
-        logits_BTV, seeds_B2, positions_BT, temperature_B, top_k_B, top_p_B, min_p_B, penalty, suppressed_BS
-    )
-    num_rows = batch * num_positions
-    if min_p_B is None:
-        min_p_B = torch.zeros(batch, dtype=torch.float64)
-    if suppressed_BS is None:
-        suppressed_BS = torch.empty(batch, 0, dtype=torch.int64)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keyed samples [B, T] int64 and their logprobs [B, T] float64 (:func:`~bubblespec.verify.sampling.keyed_sample`'s,
+    same arguments), with their runner-ups [B, T] int64 and margins [B, T] float64, exact where the margin is at most
+    ``margin_limit`` (``inf``: everywhere), else :data:`NOT_COMPUTED` and ``inf``. Read from the masked scores
+    ``keyed_sample`` computes, block by block: the runner-up costs the candidates' noise once more, not the masking."""
+    batch, num_positions = logits_BTV.shape[:2]
     device = logits_BTV.device
-    per_row = [_per_position(x.to(device), num_positions) for x in (temperature_B, top_k_B, top_p_B, min_p_B)]
-    row_penalty = penalty.rows(0, num_rows, num_positions) if penalty is not None and penalty.active else None
-    suppressed_RS = suppressed_BS.to(device, torch.int64).repeat_interleave(num_positions, dim=0)
-    scores_RV = mask_logits(logits_BTV.reshape(num_rows, 1, vocab), *per_row, row_penalty, suppressed_RS)[:, 0]
-    seeds_R2 = seeds_B2.to(device, torch.int64)[:, None].expand(batch, num_positions, 2).reshape(num_rows, 2)
-    runner_up_R, margin_R = _runner_up_rows(
-        scores_RV, seeds_R2, positions_BT.to(device).reshape(num_rows, 1), winners_BT.reshape(num_rows), margin_limit
-    )
-    greedy_R = per_row[0] == 0
-    runner_up_R[greedy_R], margin_R[greedy_R] = NOT_COMPUTED, float("inf")
-    return winners_BT, runner_up_R.view(batch, num_positions), margin_R.view(batch, num_positions)
+    runner_up_R = torch.full((batch * num_positions,), NOT_COMPUTED, dtype=torch.int64, device=device)
+    margin_R = torch.full((batch * num_positions,), float("inf"), dtype=torch.float64, device=device)
+
+    def runner_up_of(rows: slice, scored: ScoredRows) -> None:
+        sampled_R = scored.temperature_R != 0  # greedy rows have no noise, so no near-tie for a small update
+        if bool(sampled_R.any()):
+            found_R, gap_R = _runner_up_rows(
+                scored.scores_RV[sampled_R],
+                scored.seeds_R2[sampled_R],
+                scored.positions_R1[sampled_R],
+                scored.tokens_R[sampled_R],
+                margin_limit,
+            )
+            runner_up_R[rows][sampled_R], margin_R[rows][sampled_R] = found_R, gap_R
+
+    tokens_BT, logprobs_BT = keyed_sample(
+        logits_BTV, seeds_B2, positions_BT, temperature_B, top_k_B, top_p_B, min_p_B, penalty, suppressed_BS,
+        on_scores=runner_up_of,
+    )  # fmt: skip
+    shape = (batch, num_positions)
+    return tokens_BT, logprobs_BT, runner_up_R.view(shape), margin_R.view(shape)
 
 
 def _runner_up_rows(

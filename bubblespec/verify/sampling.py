@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -479,6 +481,7 @@ def keyed_sample(
     min_p_B: torch.Tensor | None = None,
     penalty: RepetitionPenalty | None = None,
     suppressed_BS: torch.Tensor | None = None,
+    on_scores: Callable[[slice, ScoredRows], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keyed samples ``argmax_v(mask(z / T)[v] + G(k, i, v))`` and their log-probabilities at every position.
 
@@ -488,6 +491,9 @@ def keyed_sample(
     :class:`~bubblespec.core.errors.NonFiniteError`. ``min_p_B`` (None: 0), ``penalty`` and ``suppressed_BS`` (None:
     none) as in :func:`mask_logits`. Rows (b, t) are independent; on CPU they are processed a few at a time so that
     the float64 temporaries stay small (fresh large allocations cost more than the arithmetic there).
+    ``on_scores(rows, scored)`` is called with each block's flat rows (``b * T + t``) and their
+    :class:`ScoredRows`, so that what else is read from the masked scores (a runner-up,
+    :mod:`bubblespec.verify.margins`) is computed from them once.
     """
     batch, num_positions, vocab = logits_BTV.shape
     device = logits_BTV.device
@@ -510,10 +516,23 @@ def keyed_sample(
     for start in range(0, num_rows, block):
         rows = slice(start, start + block)
         block_penalty = penalty.rows(start, min(start + block, num_rows), num_positions) if penalised else None
-        tokens_R[rows], logprobs_R[rows] = _keyed_sample_rows(
-            logits_R1V[rows], *(x[rows] for x in per_row), block_penalty
-        )
+        scored = _keyed_sample_rows(logits_R1V[rows], *(x[rows] for x in per_row), block_penalty)
+        tokens_R[rows], logprobs_R[rows] = scored.tokens_R, scored.logprobs_R
+        if on_scores is not None:
+            on_scores(rows, scored)
     return tokens_R.view(batch, num_positions), logprobs_R.view(batch, num_positions)
+
+
+class ScoredRows(NamedTuple):
+    """One block of :func:`keyed_sample`'s rows: the masked scores ``mask(z / T)`` in float64 and each row's key
+    stream, temperature, sample and logprob."""
+
+    scores_RV: torch.Tensor
+    seeds_R2: torch.Tensor
+    positions_R1: torch.Tensor
+    temperature_R: torch.Tensor
+    tokens_R: torch.Tensor
+    logprobs_R: torch.Tensor
 
 
 def _per_position(values_B: torch.Tensor, num_positions: int) -> torch.Tensor:
@@ -523,7 +542,7 @@ def _per_position(values_B: torch.Tensor, num_positions: int) -> torch.Tensor:
 
 def _keyed_sample_rows(
     logits_R1V, seeds_R2, positions_R1, temperature_R, top_k_R, top_p_R, min_p_R, suppressed_RS, penalty
-):
+) -> ScoredRows:
     """:func:`keyed_sample` for rows of one position each: tokens [R] int64, logprobs [R] float64."""
     scores_R1V = mask_logits(logits_R1V, temperature_R, top_k_R, top_p_R, min_p_R, penalty, suppressed_RS)
     scores_RV = scores_R1V[:, 0]
@@ -544,7 +563,8 @@ def _keyed_sample_rows(
         tokens_R[sampled_R] = _perturbed_argmax(
             scores_RV[sampled_R], seeds_R2[sampled_R], positions_R1[sampled_R], tokens_R[sampled_R]
         )
-    return tokens_R, scores_RV.gather(-1, tokens_R[:, None])[:, 0] - log_normaliser_R
+    logprobs_R = scores_RV.gather(-1, tokens_R[:, None])[:, 0] - log_normaliser_R
+    return ScoredRows(scores_RV, seeds_R2, positions_R1, temperature_R, tokens_R, logprobs_R)
 
 
 def _perturbed_argmax(
