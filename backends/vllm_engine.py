@@ -132,6 +132,44 @@ def fused_shard_gaps(names: Seq[str]) -> list[str]:
     return sorted(missing - given)
 
 
+def llm_arguments(config: VLLMEngineConfig, speculative: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for an engine of ``config`` whose ``speculative_config`` is ``speculative``: the
+    backend's own (a ``custom_class`` proposer) or, for ``bubblespec bench engine --vllm-ngram``, one of vLLM's built-in
+    draft methods on an otherwise identical engine."""
+    drafts = 0 if speculative is None else speculative["num_speculative_tokens"]
+    batched = config.max_num_batched_tokens or max(config.max_batch_size * (drafts + 1), 2048)
+    options = {} if config.num_kv_blocks is None else {"num_gpu_blocks_override": config.num_kv_blocks}
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        options["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
+    return {
+        "model": config.model_path,
+        "skip_tokenizer_init": True,  # requests are token ids; a model folder needs no tokenizer
+        "dtype": config.dtype,
+        "enforce_eager": config.enforce_eager,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_batch_size,
+        "max_num_batched_tokens": batched,
+        "seed": config.seed,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "speculative_config": speculative,
+        "enable_prefix_caching": True,
+        "enable_sleep_mode": config.colocated,  # CUDA only: the config refuses colocated on the CPU
+        **options,
+    }
+
+
+def reload_weights(llm, state_dict: Mapping[str, Any]) -> bool:
+    """Loads ``state_dict`` (Hugging Face names) into ``llm``'s model in place, refreshes a tied output head
+    (:func:`~bubblespec.backends.vllm_glue.refresh_tied_head`) and drops the prefix cache; False where vLLM could not
+    drop it (requests hold cache blocks). The fused layers a subset touches must be whole (:func:`fused_shard_gaps`)."""
+    weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    llm.collective_rpc(refresh_tied_head)
+    return llm.reset_prefix_cache()
+
+
 class VLLMEngine(Engine):
     """A :class:`bubblespec.core.interfaces.GenerationEngine` on vLLM's engine core (one engine per rank)."""
 
@@ -188,32 +226,15 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _load(vllm, config: VLLMEngineConfig):
-        drafts = config.max_draft_tokens_per_step
         speculative = None
-        if drafts > 0:
-            speculative = {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": drafts}
-        batched = config.max_num_batched_tokens or max(config.max_batch_size * (drafts + 1), 2048)
-        options = {} if config.num_kv_blocks is None else {"num_gpu_blocks_override": config.num_kv_blocks}
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            options["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
+        if config.max_draft_tokens_per_step > 0:
+            speculative = {
+                "method": "custom_class",
+                "model": PROPOSER_PATH,
+                "num_speculative_tokens": config.max_draft_tokens_per_step,
+            }
         try:
-            return vllm.LLM(
-                model=config.model_path,
-                skip_tokenizer_init=True,  # requests are token ids; a model folder needs no tokenizer
-                dtype=config.dtype,
-                enforce_eager=config.enforce_eager,
-                max_model_len=config.max_model_len,
-                max_num_seqs=config.max_batch_size,
-                max_num_batched_tokens=batched,
-                seed=config.seed,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                speculative_config=speculative,
-                enable_prefix_caching=True,
-                enable_sleep_mode=config.colocated,  # CUDA only: the config refuses colocated on the CPU
-                **options,
-            )
+            return vllm.LLM(**llm_arguments(config, speculative))
         except Exception as error:  # vLLM raises many types for a model it cannot load
             raise ModelLoadError(f"vLLM cannot load {config.model_path!r}: {type(error).__name__}: {error}") from None
 
@@ -252,10 +273,7 @@ class VLLMEngine(Engine):
             )
         self._same_threads()
         self._wake()
-        weights = [(name, torch.as_tensor(tensor).detach().to("cpu")) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        self.llm.collective_rpc(refresh_tied_head)
-        if not self.llm.reset_prefix_cache():
+        if not reload_weights(self.llm, state_dict):
             raise EngineError(
                 f"vLLM did not reset its prefix cache after loading policy version {version}'s weights: requests still "
                 "hold KV cache blocks (a generate call in flight?), and their prefixes, computed with the old weights, "
