@@ -211,6 +211,14 @@ def engine(
         int | None,
         typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model)."),
     ] = None,
+    vllm_ngram: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-ngram",
+            help="Also time vLLM's own n-gram speculative decoding (prompt lookup) and vLLM on its own sampler without "
+            "drafts, beside bubble drafts on the vllm backend (needs vllm in --backend).",
+        ),
+    ] = False,
 ) -> None:
     """An engine backend without and with drafts, against Hugging Face generate()."""
     from bubblespec.cli.bench_engine import (
@@ -241,6 +249,7 @@ def engine(
         quick=quick,
         batch_sizes=parse_batch_sizes(batch_sizes),
         exactness_requests=exactness_requests,
+        vllm_ngram=vllm_ngram,
         **{name: value for name, value in optional.items() if value is not None},
     )
     report = run_engine_bench(settings)

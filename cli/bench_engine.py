@@ -8,6 +8,8 @@
     share of responses that differ with drafts and without, next to the share that differ between two plain runs
     whose batches differ (another order, half the batch size): the engine's own nondeterminism.
 (d) Keyed sampling's share of a decode forward pass at the model's vocabulary.
+(e) With ``--vllm-ngram``: vLLM's own n-gram speculative decoding and vLLM on its own sampler without drafts, timed in
+    the same interleaving beside the vllm backend's rows (:mod:`bubblespec.cli.bench_engine_ngram`).
 
 ``--backend torch,vllm`` runs several backends; every backend gets the same requests and the same drafts and
 reports the same fields. ``--config CONFIG`` takes the model, the prompts and the sampling from a run config, and
@@ -32,7 +34,9 @@ from pathlib import Path
 
 import torch
 
+from bubblespec.cli import bench_engine_ngram as ngram
 from bubblespec.cli.bench_engine_measures import (
+    exactness_summary,
     exactness_table,
     keyed_sampling_share,
     make_engine,
@@ -102,6 +106,9 @@ class EngineBenchSettings:
     """The torch engine's dtypes in the exactness table."""
     hf_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes at which HF generate runs; None: every batch size on the shipped model, 16 on a model folder."""
+    vllm_ngram: bool = False
+    """Also time vLLM's own n-gram drafts (prompt lookup) and vLLM without drafts on its own sampler, beside the vllm
+    backend's rows (:mod:`bubblespec.cli.bench_engine_ngram`); needs ``vllm`` among the backends."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -133,6 +140,12 @@ class EngineBenchSettings:
             raise ConfigError(f"weight noise must be >= 0, got {self.weight_noise!r}")
         if self.config_path is None and self.overrides:
             raise ConfigError("--set overrides a run config: give one with --config")
+        if self.vllm_ngram and "vllm" not in self.backends:
+            raise ConfigError(
+                f"--vllm-ngram times vLLM's own n-gram drafts beside the vllm backend, and --backend "
+                f"{','.join(self.backends)} has no vllm: add it (--backend vllm or torch,vllm), or leave out "
+                "--vllm-ngram"
+            )
 
     @property
     def max_batch_size(self) -> int:
@@ -203,13 +216,21 @@ def _run_engine_bench(settings: EngineBenchSettings, run: ConfigRun | None) -> d
     clock = time.perf_counter()
     engines, new_state, drafts, report = _engines_and_drafts(settings, shipped, run, workload, timed)
     seconds["policies, drafts and sampling share"] = time.perf_counter() - clock
+    baselines = None
+    if settings.vllm_ngram:
+        clock = time.perf_counter()
+        baselines = ngram.start_baselines(settings, timed, new_state)
+        report["vllm_ngram"] = ngram.empty_report()
+        seconds["vLLM n-gram and plain engines"] = time.perf_counter() - clock
 
     hf = hf_model(settings.model_path, settings.dtype, settings.device, new_state) if settings.hf_batch_sizes else None
     drafted = with_drafts(timed, drafts)
     for batch_size in settings.batch_sizes:
         clock = time.perf_counter()
         count = max(batch_size, settings.min_requests)
-        results = _measure_row(report, engines, hf, workload, timed[:count], drafted[:count], batch_size, settings)
+        results = _measure_row(
+            report, engines, hf, workload, timed[:count], drafted[:count], batch_size, settings, baselines
+        )
         seconds[f"batch {batch_size}"] = time.perf_counter() - clock
     del hf
     for backend, (plain, speculative) in results.items():
@@ -218,7 +239,7 @@ def _run_engine_bench(settings: EngineBenchSettings, run: ConfigRun | None) -> d
     exactness_requests = workload.requests[: settings.exactness_requests]
     table = exactness_table(settings, engines, new_state, exactness_requests) if exactness_requests else {}
     report["exactness"] = table
-    report |= _exactness_summary(report["exactness"])
+    report |= exactness_summary(report["exactness"])
     seconds["exactness"] = time.perf_counter() - clock
     report["benchmark_seconds"] = seconds
     return report
@@ -292,6 +313,7 @@ def _empty_report(settings: EngineBenchSettings, workload: Workload, policy_upda
     report: dict = {"settings": fields, "workload": workload.description, "policy_update": policy_update}
     report["hf_generate_tokens_per_s"] = {}
     report["backends"] = {backend: {name: {} for name in ROW_FIELDS} for backend in settings.backends}
+    report["vllm_ngram"] = None  # filled with --vllm-ngram
     return report
 
 
@@ -308,15 +330,18 @@ ROW_FIELDS = (
 """Each backend's fields by batch size (``engine_vs_hf_generate`` only at ``hf_batch_sizes``)."""
 
 
-def _measure_row(report, engines, hf, workload, plain, drafted, batch_size, settings) -> dict:
+def _measure_row(report, engines, hf, workload, plain, drafted, batch_size, settings, baselines=None) -> dict:
     """Times one batch size, interleaved, and fills its entries of ``report``; returns each backend's results
-    without and with drafts (of the last repetition)."""
+    without and with drafts (of the last repetition). ``baselines``: vLLM's own n-gram and plain engines, timed in
+    the same interleaving (``--vllm-ngram``)."""
     runs: dict = {}
     if hf is not None and batch_size in settings.hf_batch_sizes:
         runs["hf"] = lambda: hf_generate(hf, workload, plain, batch_size)
     for backend, engine in engines.items():
         runs[backend] = _EngineRun(engine, plain, batch_size)
         runs[f"{backend}+draft"] = _EngineRun(engine, drafted, batch_size)
+    for name in ngram.RUNS if baselines is not None else ():
+        runs[name] = baselines.run(name, plain, batch_size)
     rates = _interleaved_rates(runs, settings.repeats, settings.device)
     key = str(batch_size)
     if "hf" in rates:
@@ -334,6 +359,10 @@ def _measure_row(report, engines, hf, workload, plain, drafted, batch_size, sett
         row["forward_passes_with_draft"][key] = draft_run.forward_passes
         row["identical_outputs"][key] = _token_ids(plain_run.results) == _token_ids(draft_run.results)
         results[backend] = (plain_run.results, draft_run.results)
+    if baselines is not None:
+        vllm_row = report["backends"]["vllm"]
+        ngram.fill_row(report["vllm_ngram"], key, rates, runs, rates["vllm"], vllm_row["speedup_with_draft"][key])
+        report["vllm_ngram"]["summary"] = ngram.summary(runs["vllm-ngram"])  # the last batch size's stays
     return results
 
 
@@ -399,18 +428,6 @@ def _draft_summary(plain: list[GenerationResult], speculative: list[GenerationRe
     }
 
 
-def _exactness_summary(table: dict) -> dict:
-    """The torch rows of the exactness table under the names of earlier reports (``float64_identical``,
-    ``float32_mismatch_rate``), where the table has them."""
-    rows = table.get("torch", {})
-    summary = {}
-    if "float64" in rows:
-        summary["float64_identical"] = rows["float64"]["differing"] == 0
-    if "float32" in rows:
-        summary["float32_mismatch_rate"] = rows["float32"]["mismatch_rate"]
-    return summary
-
-
 def _shipped_model_path() -> Path:
     from bubblespec.tasks.arithmetic import ArithmeticTask
 
@@ -471,4 +488,9 @@ def print_report(report: dict, console=None) -> None:
         f"policy update: {report['policy_update']}",
         f"benchmark time: {spent}",
     ]
-    print_tables((speed, with_drafts, drafts, exactness), notes, console)
+    tables = [speed, with_drafts, drafts, exactness]
+    if report.get("vllm_ngram"):
+        baseline, note = ngram.baseline_table(report["vllm_ngram"], report["backends"]["vllm"])
+        tables.insert(2, baseline)
+        notes.insert(0, note)
+    print_tables(tables, notes, console)

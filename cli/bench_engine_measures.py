@@ -37,27 +37,34 @@ draft share the same GPU (ignored on CPU)."""
 def make_engine(backend: str, model_path: str, dtype: str, settings, batch_invariant: bool = False):
     """An engine of ``backend`` on ``model_path`` holding the checkpoint's weights (pi_t); ``batch_invariant`` is the
     torch engine's own setting."""
-    common = {
-        "max_batch_size": settings.max_batch_size,
-        "max_draft_tokens_per_step": settings.max_draft_tokens_per_step,
-        "adaptive_draft_length": settings.adaptive_draft_length,
-    }
     if backend == "torch":
         from bubblespec.backends.torch_engine import TorchEngine
 
         return TorchEngine.from_pretrained(
-            model_path, dtype=dtype, device=settings.device, batch_invariant=batch_invariant, **common
+            model_path, dtype=dtype, device=settings.device, batch_invariant=batch_invariant, **_common(settings)
         )
     from bubblespec.backends.vllm_engine import VLLMEngine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder; nothing to fetch
-    return VLLMEngine.from_pretrained(
-        model_path,
-        dtype=dtype,
-        max_model_len=settings.max_model_len,
-        gpu_memory_utilization=VLLM_GPU_MEMORY_SHARE,
-        **common,
-    )
+    return VLLMEngine.from_pretrained(model_path, dtype=dtype, **vllm_engine_settings(settings))
+
+
+def vllm_engine_settings(settings) -> dict:
+    """The vLLM backend's settings of every vLLM engine of the benchmark (``VLLMEngineConfig`` fields)."""
+    return {
+        **_common(settings),
+        "max_model_len": settings.max_model_len,
+        "gpu_memory_utilization": VLLM_GPU_MEMORY_SHARE,
+    }
+
+
+def _common(settings) -> dict:
+    """The settings every engine of the benchmark shares."""
+    return {
+        "max_batch_size": settings.max_batch_size,
+        "max_draft_tokens_per_step": settings.max_draft_tokens_per_step,
+        "adaptive_draft_length": settings.adaptive_draft_length,
+    }
 
 
 def draft_results(model_path: str, dtype: str, settings, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -105,6 +112,18 @@ def exactness_table(settings, engines: dict, new_state: dict, requests: list[Gen
             table[backend][dtype] = exactness_row(engine, requests, drafts)
             del engine
     return table
+
+
+def exactness_summary(table: dict) -> dict:
+    """The torch rows of the exactness table under the names of earlier reports (``float64_identical``,
+    ``float32_mismatch_rate``), where the table has them."""
+    rows = table.get("torch", {})
+    summary = {}
+    if "float64" in rows:
+        summary["float64_identical"] = rows["float64"]["differing"] == 0
+    if "float32" in rows:
+        summary["float32_mismatch_rate"] = rows["float32"]["mismatch_rate"]
+    return summary
 
 
 @torch.inference_mode()

@@ -41,6 +41,7 @@ REPORT_FIELDS = {
     "benchmark_seconds",
     "float64_identical",
     "float32_mismatch_rate",
+    "vllm_ngram",
 }
 EXACTNESS_FIELDS = {
     "responses",
@@ -73,6 +74,8 @@ def test_settings_refuse_what_no_engine_offers(tmp_path):
         EngineBenchSettings(model_path=str(tmp_path))
     with pytest.raises(ConfigError, match="prompt lengths"):
         EngineBenchSettings(prompt_lengths=(64, 32))
+    with pytest.raises(ConfigError, match=r"--vllm-ngram .* --backend torch has no vllm: add it"):
+        EngineBenchSettings(backends=("torch",), vllm_ngram=True)
     assert parse_batch_sizes("1,16,32") == (1, 16, 32)
     assert parse_backends("torch, vllm") == ("torch", "vllm")
     with pytest.raises(ConfigError, match=r"--batch-sizes '1,x' is not a comma-separated list"):
@@ -85,6 +88,13 @@ def test_a_bad_backend_on_the_command_line_is_a_clear_error():
     result = runner.invoke(app, ["bench", "engine", "--backend", "torch,tensorrt"])
     assert result.exit_code == 2
     assert "backend 'tensorrt' is not benchmarked; choose one of torch, vllm" in result.output
+
+
+def test_vllm_ngram_without_the_vllm_backend_is_one_error_line():
+    result = runner.invoke(app, ["bench", "engine", "--vllm-ngram", "--quick"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --vllm-ngram times vLLM's own n-gram drafts"), lines
 
 
 def test_random_prompts_have_the_asked_lengths_no_eos_and_depend_on_the_seed_only(small_folder):
@@ -135,10 +145,12 @@ def test_a_perturbed_copy_of_a_folder_holds_the_perturbed_weights_in_their_own_d
     assert (tmp_path / "copy" / "config.json").is_file()
 
 
-def _run_quick(tmp_path, *arguments: str) -> dict:
+def _run_quick(tmp_path, *arguments: str, printed: list | None = None) -> dict:
     out = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", "engine", "--quick", "--json", str(out), *arguments])
     assert result.exit_code == 0, result.output
+    if printed is not None:
+        printed.append(result.output)
     return json.loads(out.read_text())
 
 
@@ -245,10 +257,45 @@ def test_quick_run_of_torch_and_vllm_side_by_side_reports_the_same_fields(tmp_pa
             pytest.skip("vLLM is not installed and BUBBLESPEC_SKIP_VLLM=1")
         raise RuntimeError("this test needs vLLM (pip install -e '.[vllm]'), or BUBBLESPEC_SKIP_VLLM=1 to skip it")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = _run_quick(tmp_path, "--backend", "torch,vllm", "--exactness-requests", "8")
+    printed: list[str] = []
+    report = _run_quick(
+        tmp_path, "--backend", "torch,vllm", "--exactness-requests", "8", "--vllm-ngram", printed=printed
+    )
     _check_rows(report, {"torch", "vllm"}, {"1", "16"})
     assert set(report["exactness"]) == {"torch", "vllm"}
     assert set(report["exactness"]["vllm"]) == {"float32", "bfloat16"}
     assert report["exactness"]["torch"]["float64"]["differing"] == 0
     torch_rows, vllm_rows = report["backends"]["torch"], report["backends"]["vllm"]
     assert torch_rows["decode_steps_no_draft"] == vllm_rows["decode_steps_no_draft"]  # the same requests and tokens
+    _check_ngram_rows(report, printed[0])
+
+
+def _check_ngram_rows(report: dict, printed: str) -> None:
+    """vLLM's own n-gram drafts and its own sampler, timed beside the vllm backend: every row, speedups against the
+    backend's plain run, and drafts that vLLM proposed and partly accepted (the arithmetic task's scratchpad repeats
+    its digits), so that its responses took fewer decode steps than tokens."""
+    from bubblespec.cli.bench_engine_ngram import NGRAM_SPECULATIVE_CONFIG
+    from bubblespec.cli.bench_engine_ngram import ROW_FIELDS as NGRAM_ROW_FIELDS
+
+    rows, vllm_rows = report["vllm_ngram"], report["backends"]["vllm"]
+    assert set(rows) == {"speculative_config", "summary", *NGRAM_ROW_FIELDS}
+    assert rows["speculative_config"] == NGRAM_SPECULATIVE_CONFIG
+    for name in NGRAM_ROW_FIELDS:
+        assert set(rows[name]) == {"1", "16"}, name
+    for key in ("1", "16"):
+        assert rows["num_requests"][key] == vllm_rows["num_requests"][key]
+        assert rows["ngram_tokens_per_s"][key] > 0 and rows["vllm_sampler_tokens_per_s"][key] > 0
+        plain = vllm_rows["engine_tokens_per_s"][key]
+        assert rows["ngram_speedup"][key] == pytest.approx(rows["ngram_tokens_per_s"][key] / plain)
+        assert rows["vllm_sampler_speedup"][key] == pytest.approx(rows["vllm_sampler_tokens_per_s"][key] / plain)
+        assert rows["bubble_speedup"][key] == vllm_rows["speedup_with_draft"][key]
+        assert 0 < rows["forward_passes_ngram"][key] <= rows["tokens_ngram"][key]
+        assert 0 < rows["forward_passes_vllm_sampler"][key] <= rows["tokens_vllm_sampler"][key]
+    summary = rows["summary"]
+    assert summary["tokens"] == rows["tokens_ngram"]["16"]
+    assert 0 < summary["verify_steps"] <= summary["decode_steps"] < summary["tokens"]
+    assert 0 < summary["draft_tokens_accepted"] < summary["draft_tokens_proposed"]
+    # a verify step emits its accepted tokens and one more, unless a stop or the length limit cuts them
+    assert summary["decode_steps"] >= summary["tokens"] - summary["draft_tokens_accepted"]
+    assert summary["acceptance_length_mean"] > 1
+    assert "vLLM's own n-gram drafts beside bubble drafts" in printed and "n-gram drafts (up to 4 tokens" in printed
