@@ -32,7 +32,14 @@ from bubblespec.models.decoder import (
     read_checkpoint,
     read_model_config,
 )
-from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, link_siblings, tree_budgets
+from bubblespec.verify.sequence import (
+    ProposalSettings,
+    Sequence,
+    keyed_samples,
+    keyed_samples_with_near_ties,
+    link_siblings,
+    tree_budgets,
+)
 from bubblespec.verify.tree import DraftTree
 
 
@@ -104,6 +111,9 @@ class TorchEngine(Engine):
     """Runs dynamic draft sources (``ngram``, ``group``, plugins) itself: see ``TorchEngineConfig.draft_chain``."""
     supports_draft_trees = True
     """Verifies ``draft_candidates`` candidates per sequence and pass as a token tree (:meth:`_tree_step`)."""
+    supports_draft_tries = True
+    """Reports runner-ups and margins where a request asks (:meth:`_sample`) and begins a response with a given
+    prefix (its tokens are fed with the prompt)."""
 
     def __init__(self, config: TorchEngineConfig) -> None:
         self.config = config
@@ -176,6 +186,12 @@ class TorchEngine(Engine):
         results: list[GenerationResult | None] = [None] * len(sequences)
         if not sequences:
             return []
+        for sequence in sequences:
+            if sequence.finish is not None:  # its response prefix ended it: nothing to compute
+                results[sequence.index] = sequence.result()
+        sequences = [sequence for sequence in sequences if sequence.finish is None]
+        if not sequences:
+            return results  # type: ignore[return-value]
         cache = self._cache_for(sequences)
         waiting = list(reversed(sequences))
         active: list[_Slot] = []
@@ -202,8 +218,10 @@ class TorchEngine(Engine):
         return results  # type: ignore[return-value]
 
     def _admit(self, index: int, request: GenerationRequest) -> _Slot:
-        sequence = _Slot.admit(index, request, self.vocab_size, self.context_length, self.model_config.eos_token_ids)
-        sequence.pending = list(request.prompt_token_ids)
+        sequence = _Slot.admit(
+            index, request, self.vocab_size, self.context_length, self.model_config.eos_token_ids, tries=True
+        )
+        sequence.pending = [*request.prompt_token_ids, *sequence.tokens]  # the response prefix, if any
         return sequence
 
     def _cache_for(self, sequences: list[_Slot]) -> KVCache:
@@ -239,10 +257,11 @@ class TorchEngine(Engine):
         self.num_forward_passes += 1
         if on_forward is not None:
             on_forward(_forward_pass(active, chunks, width * self.vocab_size))
-        sampled, logprobs = self._sample(active, logits, drafts)
-        for sequence, draft, row_samples, row_logprobs in zip(active, drafts, sampled, logprobs, strict=True):
+        sampled, logprobs, near_ties = self._sample(active, logits, drafts)
+        for row, (sequence, draft) in enumerate(zip(active, drafts, strict=True)):
             fed = len(sequence.pending)
-            accepted = sequence.record(draft, row_samples, row_logprobs, self._proposal)
+            ties = None if near_ties is None else (near_ties[0][row], near_ties[1][row])
+            accepted = sequence.record(draft, sampled[row], logprobs[row], self._proposal, near_ties=ties)
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
@@ -282,7 +301,7 @@ class TorchEngine(Engine):
         # One sample per scored position, each with its own path before it (the repetition penalty sees it).
         rows = [(row, sequence, index) for row, sequence in enumerate(active) for index in range(len(trees[row]) + 1)]
         paths = [trees[row].path_tokens(index - 1) if index else [] for row, _, index in rows]
-        sampled, logprobs = self._sample(
+        sampled, logprobs, near_ties = self._sample(
             [sequence for _, sequence, _ in rows],
             logits[[row for row, _, _ in rows], [index for _, _, index in rows]][:, None],
             paths,
@@ -290,12 +309,13 @@ class TorchEngine(Engine):
         )
         first = 0
         for slot, (sequence, tree) in enumerate(zip(active, trees, strict=True)):
-            scored = len(tree) + 1
-            samples = [row[0] for row in sampled[first : first + scored]]
-            row_logprobs = [row[0] for row in logprobs[first : first + scored]]
-            first += scored
+            scored = slice(first, first + len(tree) + 1)
+            samples = [row[0] for row in sampled[scored]]
+            row_logprobs = [row[0] for row in logprobs[scored]]
+            ties = None if near_ties is None else tuple([row[0] for row in values[scored]] for values in near_ties)
+            first = scored.stop
             fed = len(sequence.pending)
-            path = sequence.record_tree(tree, samples, row_logprobs, self._proposal)
+            path = sequence.record_tree(tree, samples, row_logprobs, self._proposal, ties)
             moved = [(fed + node, fed + j) for j, node in enumerate(path) if node != j]
             if moved:
                 base = sequence.cache_length
@@ -304,10 +324,15 @@ class TorchEngine(Engine):
             sequence.pending = sequence.tokens[-1:]
 
     def _sample(self, active: list[_Slot], logits: torch.Tensor, drafts: list[list[int]], offsets=None):
-        """Keyed samples [B][W] and their logprobs at every selected position, as lists."""
-        # one_hot: stream 0 is the key's own noise; version v samples with stream v + 1, independent of every other
-        stream = (self._policy_version + 1) % 2**32 if self.config.verification == "one_hot" else 0
-        return keyed_samples(logits, active, drafts, offsets, stream=stream)
+        """Keyed samples [B][W] and their logprobs at every selected position, as lists, and where a request asks
+        for margins (a drafting call) the runner-ups and margins there ([B][W] each; None where none asks)."""
+        if self.config.verification == "one_hot":  # stream 0 is the key's own noise; version v samples stream v + 1
+            stream = (self._policy_version + 1) % 2**32
+            return (*keyed_samples(logits, active, drafts, offsets, stream=stream), None)
+        if any(sequence.request.margins for sequence in active):
+            tokens, logprobs, runner_ups, margins = keyed_samples_with_near_ties(logits, active, drafts, offsets)
+            return tokens, logprobs, (runner_ups, margins)
+        return (*keyed_samples(logits, active, drafts, offsets), None)
 
 
 def _forward_pass(

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "preempted"]
 
@@ -109,12 +109,43 @@ class SamplingParams:
 _DEFAULT_FIELDS = {f.name: f.default for f in fields(SamplingParams)}
 
 
+class NearTie(NamedTuple):
+    """A drafted position where a newer policy may take another token (docs/design.md §12): at draft index
+    ``index`` the drafting policy's runner-up ``token``, ``margin`` below its sample in perturbed score
+    (``z / T + G``, the same noise for every policy, so a small update flips a sample only near such a tie)."""
+
+    index: int
+    token: int
+    margin: float
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBranch:
+    """Where a draft's path may go instead: from draft index ``index`` on, ``token_ids`` (the near-tie's runner-up
+    first, then the drafting policy's keyed continuation after it), with near-ties and branches of its own, indexed
+    like the draft's (response positions). A verifier that emits ``token_ids[0]`` at ``index`` follows it."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    """As :attr:`Draft.finished`, for this branch's continuation."""
+    near_ties: tuple[NearTie, ...] = ()
+    branches: tuple[DraftBranch, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the branch and in every branch under it."""
+        return len(self.token_ids) + sum(branch.num_tokens for branch in self.branches)
+
+
 @dataclass(frozen=True, slots=True)
 class Draft:
     """Tokens proposed for a future rollout key, produced by policy version ``policy_version``.
 
     Only token ids are stored, never the producing policy's probabilities: verification needs none of them and
-    using a stale distribution is the classic way to lose exactness.
+    using a stale distribution is the classic way to lose exactness. A draft may be a trie (draft tries,
+    docs/design.md §12): ``near_ties`` says where the drafting policy nearly sampled another token, ``branches``
+    where the path continues after such a token; a verifier follows the branch whose first token it emits.
     """
 
     key: RolloutKey
@@ -123,10 +154,20 @@ class Draft:
     finished: bool = False
     """True when the drafting policy ended the response (a stop token or the length limit); False when a barrier
     cut it off, so that a later bubble may continue it from where it stopped."""
+    near_ties: tuple[NearTie, ...] = ()
+    """The drafted positions whose margin was within the drafting engine's limit, by index (none where the engine
+    reports no margins)."""
+    branches: tuple[DraftBranch, ...] = ()
+    """Other paths from this draft's positions, by index."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, RolloutKey):
             raise TypeError(f"Draft.key must be a RolloutKey, got {type(self.key).__name__}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held: the draft's and every branch's (what a draft store counts against its cap)."""
+        return len(self.token_ids) + sum(branch.num_tokens for branch in self.branches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +178,14 @@ class GenerationRequest:
     key: RolloutKey
     sampling: SamplingParams = field(default_factory=SamplingParams)
     draft: Draft | None = None
+    response_prefix: tuple[int, ...] = ()
+    """The response's first tokens, given rather than sampled (drafting a branch: the draft's path up to a near-tie
+    and the runner-up there); sampling starts after them, at their keyed positions. The result's tokens begin with
+    them (logprob 0 each). Engines with :attr:`Engine.supports_draft_tries` only; others refuse it."""
+    margins: bool = False
+    """Also report each sampled token's runner-up and Gumbel-max margin (:attr:`GenerationResult.margins`): a
+    drafting call whose draft may grow branches. Engines with :attr:`Engine.supports_draft_tries` only; others
+    ignore it (their results carry no margins)."""
 
 
 @dataclass(slots=True)
@@ -159,6 +208,8 @@ class RequestStats:
     their accepted tokens only, and the next step decodes that position plainly."""
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps by their acceptance length: the distribution behind the mean (and the metrics histogram)."""
+    branches_followed: int = 0
+    """Times the response left its draft's path onto one of the draft's branches (draft tries)."""
 
     @property
     def acceptance_length_mean(self) -> float:
@@ -180,6 +231,20 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: FinishReason
     stats: RequestStats
+    runner_up_ids: list[int] = field(default_factory=list)
+    """Where the request asked for margins: the runner-up at each of ``token_ids``' positions, -1 where the margin
+    was above the engine's limit, the row greedy, or the token given (a response prefix); empty otherwise."""
+    margins: list[float] = field(default_factory=list)
+    """Alongside :attr:`runner_up_ids`: each token's Gumbel-max margin (its perturbed score less the runner-up's),
+    ``inf`` where no runner-up is reported."""
+
+    def near_ties(self, margin_limit: float = float("inf")) -> tuple[NearTie, ...]:
+        """The positions with a runner-up within ``margin_limit``, as a draft holds them."""
+        return tuple(
+            NearTie(index, token, margin)
+            for index, (token, margin) in enumerate(zip(self.runner_up_ids, self.margins, strict=True))
+            if token >= 0 and margin <= margin_limit
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +336,10 @@ class Engine:
     """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
     ``draft_source_options`` settings)."""
     supports_draft_trees: ClassVar[bool] = False
+    supports_draft_tries: ClassVar[bool] = False
+    """Whether the engine reports margins (:attr:`GenerationRequest.margins`) and takes a
+    :attr:`GenerationRequest.response_prefix`, so that the bubble can draft a trie's branches on it. Following a
+    draft's branches needs neither: every engine on :class:`bubblespec.verify.sequence.Sequence` follows them."""
     """Whether the engine verifies several candidates per sequence and forward pass as a token tree
     (``draft_candidates`` > 1); an engine without it verifies the first candidate only."""
     unsupported_sampling: ClassVar[tuple[str, ...]] = ()

@@ -26,7 +26,7 @@ import yaml
 
 from bubblespec.core.config import RunConfig, validate
 from bubblespec.core.errors import CheckpointError, ConfigError
-from bubblespec.core.interfaces import Draft, RolloutKey
+from bubblespec.core.interfaces import Draft, DraftBranch, NearTie, RolloutKey
 from bubblespec.observe.records import PromptSamples, StepRecord, read_step_lines
 
 CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.json")
@@ -218,11 +218,40 @@ def _draft_to_json(draft: Draft) -> dict:
         "tokens": list(draft.token_ids),
         "version": draft.policy_version,
         "finished": draft.finished,
+        **_trie_to_json(draft),
+    }
+
+
+def _trie_to_json(node: Draft | DraftBranch) -> dict:
+    """A draft's or branch's near-ties and branches (draft tries), omitted where it has none. Margins are written
+    with ``repr``'s shortest round-trip digits, so a resumed run branches where the original would have."""
+    found: dict = {}
+    if node.near_ties:
+        found["near_ties"] = [[t.index, t.token, t.margin] for t in node.near_ties]
+    if node.branches:
+        found["branches"] = [
+            {"index": b.index, "tokens": list(b.token_ids), "finished": b.finished, **_trie_to_json(b)}
+            for b in node.branches
+        ]
+    return found
+
+
+def _trie_from_json(data: dict) -> dict:
+    return {
+        "near_ties": tuple(NearTie(int(i), int(t), float(m)) for i, t, m in data.get("near_ties", ())),
+        "branches": tuple(
+            DraftBranch(b["index"], tuple(b["tokens"]), b["finished"], **_trie_from_json(b))
+            for b in data.get("branches", ())
+        ),
     }
 
 
 def _draft_from_json(data: dict) -> Draft:
     run_seed, step, uid, sample = data["key"]
     return Draft(
-        RolloutKey(run_seed, step, uid, sample), tuple(data["tokens"]), data["version"], data.get("finished", False)
+        RolloutKey(run_seed, step, uid, sample),
+        tuple(data["tokens"]),
+        data["version"],
+        data.get("finished", False),
+        **_trie_from_json(data),
     )

@@ -37,7 +37,7 @@ class InMemoryDraftStore(DraftStoreBase):
         for draft in drafts:
             self._remove(draft.key)
             self._drafts[draft.key] = draft
-            self._num_tokens += len(draft.token_ids)
+            self._num_tokens += draft.num_tokens
         while self._num_tokens > self.max_tokens:
             farthest = max(key.step for key in self._drafts)
             for key in [key for key in reversed(self._drafts) if key.step == farthest]:
@@ -70,7 +70,7 @@ class InMemoryDraftStore(DraftStoreBase):
     def _remove(self, key: RolloutKey) -> None:
         draft = self._drafts.pop(key, None)
         if draft is not None:
-            self._num_tokens -= len(draft.token_ids)
+            self._num_tokens -= draft.num_tokens
 
 
 class RayDraftStore(DraftStoreBase):

@@ -40,9 +40,10 @@ def attach_drafts(requests: Sequence[GenerationRequest], drafts: dict[RolloutKey
 
 def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
     """Drafts from (possibly partial) responses of the drafting policy; empty ones are dropped. A response the
-    barrier stopped makes an unfinished draft, which a later bubble may continue."""
+    barrier stopped makes an unfinished draft, which a later bubble may continue. Where the engine reported margins
+    the draft keeps its near-ties (draft tries)."""
     return [
-        Draft(r.key, tuple(r.token_ids), policy_version, finished=r.finish_reason != "preempted")
+        Draft(r.key, tuple(r.token_ids), policy_version, r.finish_reason != "preempted", r.near_ties())
         for r in results
         if r.token_ids
     ]

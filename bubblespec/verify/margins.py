@@ -1,4 +1,4 @@
-"""The runner-up of a keyed sample and its Gumbel-max margin, exactly where the margin is small (docs/design.md §12).
+"""The runner-up of a keyed sample and its Gumbel-max margin, exactly where the margin is small (docs/design.md §13).
 
 With keyed sampling the noise ``G(k, i, v)`` is the same for the policy that drafted and the one that verifies, so an
 update changes the sample at position ``i`` only where it reorders the top of the perturbed scores
@@ -33,6 +33,12 @@ from bubblespec.verify.sampling import (
 
 NOT_COMPUTED = -1
 """The runner-up where the margin is above the limit (or the row is greedy, or keeps one token)."""
+
+REPORTED_MARGIN_LIMIT = 1.0
+"""The largest margin a drafting pass reports a runner-up for (:attr:`~bubblespec.core.interfaces.GenerationRequest.
+margins`). After a real GRPO step every position where the newer policy left the older one's sample sat at a margin
+below 0.51, where a response's median margin was 0.85-3.2 (docs/design.md §13): a draft keeps the near-ties that
+matter, not one per token."""
 
 
 def keyed_runner_up(

@@ -24,9 +24,17 @@ import torch
 
 from bubblespec.core.draft_sources import REQUEST_DRAFT, DynamicDraftSource, ProposalContext, source_class
 from bubblespec.core.errors import RequestError
-from bubblespec.core.interfaces import FinishReason, GenerationRequest, GenerationResult, RequestStats
+from bubblespec.core.interfaces import (
+    DraftBranch,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    NearTie,
+    RequestStats,
+)
 from bubblespec.verify import sampling
 from bubblespec.verify.drafts import check_request, realign, stop_token_ids
+from bubblespec.verify.margins import REPORTED_MARGIN_LIMIT, keyed_runner_up
 from bubblespec.verify.tree import DraftTree
 from bubblespec.verify.verification import accepted_length, decide_keyed_samples
 
@@ -116,6 +124,14 @@ class Sequence:
     _held: tuple[list[int], list[int | None], list[float]] | None = field(default=None, repr=False)
     # the other samples of the same prompt and step in this generate call (group drafting)
     siblings: list[Sequence] = field(default_factory=list, repr=False, compare=False)
+    # the request draft's path being followed (its tokens, then a branch's once the response took one), the branches
+    # and near-ties off that path (draft tries, docs/design.md §13)
+    path: tuple[int, ...] = ()
+    branches: tuple[DraftBranch, ...] = field(default=(), repr=False)
+    near_ties: tuple[NearTie, ...] = field(default=(), repr=False)
+    # runner-ups and margins of the emitted tokens, where the request asked for them (GenerationRequest.margins)
+    runner_up_ids: list[int] = field(default_factory=list, repr=False)
+    margins: list[float] = field(default_factory=list, repr=False)
 
     @classmethod
     def admit(
@@ -126,18 +142,52 @@ class Sequence:
         context_length: int,
         eos_ids: Seq[int],
         reserve: int = 0,
+        tries: bool = False,
     ) -> Sequence:
         """Checks one request before any work starts (a bad one fails the whole call with a clear error).
-        ``reserve`` is context the engine keeps back beyond prompt + response (SGLang needs one position)."""
-        check_request(index, request, vocab_size, context_length, reserve=reserve)
+        ``reserve`` is context the engine keeps back beyond prompt + response (SGLang needs one position);
+        ``tries``: the engine takes a response prefix (``Engine.supports_draft_tries``)."""
+        check_request(index, request, vocab_size, context_length, reserve=reserve, tries=tries)
         prompt = request.prompt_token_ids
-        return cls(
+        draft = request.draft
+        sequence = cls(
             index=index,
             request=request,
             max_new_tokens=min(request.sampling.max_new_tokens, context_length - len(prompt) - reserve),
             stop_ids=stop_token_ids(request.sampling, eos_ids),
             noise_seed=request.key.noise_seed(),
+            path=() if draft is None else draft.token_ids,
+            branches=() if draft is None else draft.branches,
+            near_ties=() if draft is None else draft.near_ties,
         )
+        sequence._start_with(request.response_prefix)
+        return sequence
+
+    def _start_with(self, prefix: Seq[int]) -> None:
+        """Takes a response prefix (:attr:`GenerationRequest.response_prefix`) as the response's first tokens. One
+        that fills the response's room, or ends with a stop token, leaves the response finished before any pass."""
+        if not prefix:
+            return
+        if len(prefix) > self.max_new_tokens:
+            raise RequestError(
+                f"request {self.index} ({self.request.key}): a response prefix of {len(prefix)} tokens is longer "
+                f"than the response may be ({self.max_new_tokens} tokens)"
+            )
+        stopping = [t for t in prefix[:-1] if t in self.stop_ids]
+        if stopping:
+            raise RequestError(
+                f"request {self.index} ({self.request.key}): the response prefix holds stop tokens {stopping[:5]} "
+                "before its last; a response ends at its first stop token, so nothing could follow them"
+            )
+        self.tokens = list(prefix)
+        self.logprobs = [0.0] * len(prefix)
+        if self.request.margins:
+            self.runner_up_ids, self.margins = [-1] * len(prefix), [float("inf")] * len(prefix)
+        if prefix[-1] in self.stop_ids:
+            self.finish = "stop"
+        elif self.room <= 0:
+            self.finish = "length"
+        self._follow(0)
 
     @property
     def room(self) -> int:
@@ -146,7 +196,9 @@ class Sequence:
 
     def result(self, reason: FinishReason | None = None) -> GenerationResult:
         reason = reason or self.finish or "preempted"
-        return GenerationResult(self.request.key, self.tokens, self.logprobs, reason, self.stats)
+        return GenerationResult(
+            self.request.key, self.tokens, self.logprobs, reason, self.stats, self.runner_up_ids, self.margins
+        )
 
     # -- proposing -----------------------------------------------------------------------------------------------
 
@@ -196,6 +248,8 @@ class Sequence:
         for name in chain:
             if name == REQUEST_DRAFT:
                 proposals = [self._aligned_draft_chunk(limit)]
+                if every:
+                    proposals += self._branch_chunks(limit)
             elif every:
                 proposals = settings.proposers[name].propose_all(self._context(), limit)
             else:
@@ -206,17 +260,27 @@ class Sequence:
             yield REQUEST_DRAFT, self._draft_chunk(limit)
 
     def _draft_chunk(self, limit: int) -> list[int]:
-        draft = self.request.draft
         start = len(self.tokens) + self.draft_offset
-        if draft is None or start < 0:
+        if start < 0:
             return []
-        return list(draft.token_ids[start : start + limit])
+        return list(self.path[start : start + limit])
+
+    def _branch_chunks(self, limit: int) -> list[list[int]]:
+        """The path's branches that start within the next ``limit`` positions, as proposals that follow the path
+        up to the branch and the branch after it: the smallest near-tie margin first (the likeliest to be taken)."""
+        start = len(self.tokens) + self.draft_offset
+        if self.diverged or not self.branches or start < 0:
+            return []
+        margins = {tie.index: tie.margin for tie in self.near_ties}
+        ahead = [b for b in self.branches if start <= b.index < start + limit]
+        ahead.sort(key=lambda b: (margins.get(b.index, float("inf")), b.index))
+        return [[*self.path[start : b.index], *b.token_ids][:limit] for b in ahead]
 
     def _aligned_draft_chunk(self, limit: int) -> list[int]:
         """The request draft's proposal when the chain has other sources to fall back on: none while the draft
         has diverged, unless the response's latest tokens re-align to it now."""
         if self.diverged and self.request.draft is not None:
-            found = realign(self.tokens, self.request.draft.token_ids, self.draft_offset)
+            found = realign(self.tokens, self.path, self.draft_offset)
             if found is None:
                 return []
             self.draft_offset, self.diverged = found, False
@@ -239,9 +303,12 @@ class Sequence:
         logprobs: Seq[float],
         settings: ProposalSettings,
         verified: int | None = None,
+        near_ties: tuple[Seq[int], Seq[float]] | None = None,
     ) -> int:
         """Applies one forward pass that scored ``draft`` (possibly empty); returns the draft tokens accepted.
         ``verified``: the draft tokens the pass scored, counted as proposed (a token tree's; default ``len(draft)``).
+        ``near_ties``: the runner-up and margin at each scored position, laid out as ``samples`` (kept for the
+        emitted tokens where the request asked for margins; not computed after a held, undecided position).
 
         samples / logprobs: at least ``len(draft) + 1`` entries (more are ignored); ``samples[j]`` is the keyed
         sample at the position of ``draft[j]``, ``samples[len(draft)]`` the one after the draft; ``None`` where
@@ -261,12 +328,17 @@ class Sequence:
                 list(logprobs[accepted + 1 : len(draft) + 1]),
             )
         emitted = list(draft[:accepted]) + ([] if undecided else [samples[accepted]])
-        first_response_pass = not self.tokens
+        first_response_pass = self.stats.decode_steps == 0
         resolved = self.decode_next and not draft  # a plain step decoded a position the top-K left open
         self.decode_next = undecided
+        since = len(self.tokens)
         kept = self._emit(emitted, list(logprobs[: len(emitted)]))
+        if self.request.margins:
+            runner_ups, margins = near_ties if near_ties is not None and held is None else ((), ())
+            self.runner_up_ids += [*runner_ups[:kept], *[-1] * (kept - len(runner_ups[:kept]))]
+            self.margins += [*margins[:kept], *[float("inf")] * (kept - len(margins[:kept]))]
         if first_response_pass:
-            self.stats.prefill_tokens = len(self.request.prompt_token_ids)
+            self.stats.prefill_tokens = len(self.request.prompt_token_ids) + len(self.request.response_prefix)
         self.stats.decode_steps += 1
         if draft:
             self._count_verify_step(proposed if verified is None else verified, accepted, kept, undecided)
@@ -277,27 +349,46 @@ class Sequence:
                 grown = 2 * proposed if accepted == proposed else accepted + 1
                 self.proposal_limit = min(settings.max_draft_tokens_per_step, grown)
         if self.proposed_by == REQUEST_DRAFT and ((draft and accepted < len(draft) and not undecided) or resolved):
-            self._after_request_draft_step(settings.draft_alignment)
+            self._after_request_draft_step(settings.draft_alignment, since)
+        elif self.proposed_by == REQUEST_DRAFT and self.branches and not undecided:
+            self._follow(since)  # every token matched what was proposed: a tree's branch candidate, or a plain step
         return accepted
 
     def record_tree(
-        self, tree: DraftTree, samples: Seq[int], logprobs: Seq[float], settings: ProposalSettings
+        self,
+        tree: DraftTree,
+        samples: Seq[int],
+        logprobs: Seq[float],
+        settings: ProposalSettings,
+        near_ties: tuple[Seq[int], Seq[float]] | None = None,
     ) -> list[int]:
         """Applies one forward pass that scored ``tree`` (``samples[0]`` / ``logprobs[0]`` after the sequence's
-        last token, ``[1 + i]`` after node ``i``); returns the accepted path (nodes). The step is recorded as the
-        candidate that holds the path, with every tree token counted as proposed."""
+        last token, ``[1 + i]`` after node ``i``; ``near_ties`` likewise); returns the accepted path (nodes). The
+        step is recorded as the candidate that holds the path, with every tree token counted as proposed."""
         if not tree.candidates:  # a plain decode step
-            self.record((), samples[:1], logprobs[:1], settings)
+            ties = None if near_ties is None else (near_ties[0][:1], near_ties[1][:1])
+            self.record((), samples[:1], logprobs[:1], settings, near_ties=ties)
             return []
         path = tree.accept(samples)
         source, draft = tree.chosen(path)
-        along = [samples[0], *(samples[1 + node] for node in path)]
-        along_logprobs = [logprobs[0], *(logprobs[1 + node] for node in path)]
+
+        def along(values: Seq) -> list:
+            return [values[0], *(values[1 + node] for node in path)]
+
         padding = len(draft) - len(path)  # the candidate's tokens past the path were rejected: any sample will do
         self.proposed_by = source
-        self.record(draft, [*along, *[-1] * padding], [*along_logprobs, *[0.0] * padding], settings, len(tree))
+        since = len(self.tokens)
+        ties = None if near_ties is None else (along(near_ties[0]), along(near_ties[1]))
+        self.record(
+            draft,
+            [*along(samples), *[-1] * padding],
+            [*along(logprobs), *[0.0] * padding],
+            settings,
+            len(tree),
+            near_ties=ties,
+        )
         if source != REQUEST_DRAFT and self.request.draft is not None and not self.diverged:
-            self._after_request_draft_step(settings.draft_alignment)  # the request's draft may have been passed by
+            self._after_request_draft_step(settings.draft_alignment, since)  # the request's draft may be passed by
         return path
 
     def _count_verify_step(self, proposed: int, accepted: int, kept: int, undecided: bool) -> None:
@@ -318,22 +409,36 @@ class Sequence:
                 break
             self.record((), (token,), (logprob,), settings)
 
-    def _after_request_draft_step(self, alignment: Alignment) -> None:
-        """After a rejected draft token (or a plainly decoded one): positional alignment keeps proposing the draft's
-        tokens at the following positions; suffix alignment first looks for where the response's latest tokens
-        continue in the draft (falling back to position)."""
-        draft = self.request.draft
-        if draft is None:
+    def _after_request_draft_step(self, alignment: Alignment, since: int) -> None:
+        """After a rejected draft token (or a plainly decoded one), the tokens emitted from response position
+        ``since`` on: where they are the path's, or a branch's from where they left it, the draft still holds.
+        Otherwise positional alignment keeps proposing the path's tokens at the following positions; suffix
+        alignment first looks for where the response's latest tokens continue in the path (falling back to
+        position)."""
+        if self.request.draft is None or self._follow(since):
             return
-        position = len(self.tokens) - 1
-        index = position + self.draft_offset
-        if 0 <= index < len(draft.token_ids) and draft.token_ids[index] == self.tokens[-1]:
-            return  # the decoded token is what the draft proposed there: still aligned
         if alignment == "suffix":
-            found = realign(self.tokens, draft.token_ids, self.draft_offset)
+            found = realign(self.tokens, self.path, self.draft_offset)
             if found is not None:
                 self.draft_offset = found
             self.diverged = found is None
+
+    def _follow(self, since: int) -> bool:
+        """Walks the response's tokens from position ``since`` along the path; where one is not the path's token
+        but the first of a branch from there, the path becomes that branch (draft tries). False at a token that is
+        neither."""
+        for position in range(since, len(self.tokens)):
+            index, token = position + self.draft_offset, self.tokens[position]
+            if 0 <= index < len(self.path) and self.path[index] == token:
+                continue
+            branch = next((b for b in self.branches if b.index == index and b.token_ids[0] == token), None)
+            if branch is None:
+                return False
+            self.path = (*self.path[:index], *branch.token_ids)
+            self.near_ties = (*(t for t in self.near_ties if t.index < index), *branch.near_ties)
+            self.branches = branch.branches
+            self.stats.branches_followed += 1
+        return True
 
     def _emit(self, tokens: list[int], logprobs: list[float]) -> int:
         """Appends tokens up to and including a stop token and within the length limit; returns how many."""
@@ -362,6 +467,27 @@ def keyed_samples(
     suppressed tokens, top-k, top-p, min-p; the repetition penalty over its prompt, its tokens and the draft tokens
     before each position).
     ``stream``: the noise stream (0: the key's own; one-hot verification samples another)."""
+    tokens_BT, logprobs_BT = sampling.keyed_sample(*_keyed_arguments(logits_BTV, sequences, drafts, offsets, stream))
+    return tokens_BT.tolist(), logprobs_BT.tolist()
+
+
+def keyed_samples_with_near_ties(
+    logits_BTV: torch.Tensor,
+    sequences: Seq[Sequence],
+    drafts: Seq[Seq[int]],
+    offsets: Seq[int] | None = None,
+) -> tuple[list[list[int]], list[list[float]], list[list[int]], list[list[float]]]:
+    """:func:`keyed_samples` (the key's own noise) with each sample's runner-up and margin, as lists [B][T]
+    (:func:`~bubblespec.verify.margins.keyed_runner_up` up to :data:`~bubblespec.verify.margins.REPORTED_MARGIN_LIMIT`):
+    what a drafting pass records for draft tries."""
+    tokens_BT, logprobs_BT, runner_ups_BT, margins_BT = keyed_runner_up(
+        *_keyed_arguments(logits_BTV, sequences, drafts, offsets, 0), margin_limit=REPORTED_MARGIN_LIMIT
+    )
+    return tokens_BT.tolist(), logprobs_BT.tolist(), runner_ups_BT.tolist(), margins_BT.tolist()
+
+
+def _keyed_arguments(logits_BTV, sequences, drafts, offsets, stream) -> tuple:
+    """:func:`~bubblespec.verify.sampling.keyed_sample`'s arguments for the rows of :func:`keyed_samples`."""
     params = [s.request.sampling for s in sequences]
     device = logits_BTV.device
     batch, num_positions = logits_BTV.shape[:2]
@@ -378,7 +504,7 @@ def keyed_samples(
                                                                                          strict=True)]),
             _padded([list(d[o:]) for d, o in zip(drafts, offsets, strict=True)]),
         )  # fmt: skip
-    tokens_BT, logprobs_BT = sampling.keyed_sample(
+    return (
         logits_BTV,
         seeds_B2,
         (starts_B1 + torch.arange(num_positions)).to(device),
@@ -389,7 +515,6 @@ def keyed_samples(
         penalty,
         _padded([p.suppressed_token_ids for p in params]) if any(p.suppressed_token_ids for p in params) else None,
     )
-    return tokens_BT.tolist(), logprobs_BT.tolist()
 
 
 def tree_budgets(sequences: Seq[Sequence], settings: ProposalSettings) -> list[int]:
