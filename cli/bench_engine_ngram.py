@@ -4,10 +4,11 @@ beside bubble drafts, on the same requests and model (pi_t+1).
 Two plain vLLM engines are built beside the vLLM backend's, from the same arguments
 (:func:`bubblespec.backends.vllm_engine.llm_arguments`) except ``speculative_config``: one with vLLM's ``ngram``
 method (:data:`NGRAM_SPECULATIVE_CONFIG`), one without speculative decoding. Both sample with vLLM's own sampler and
-RNG (a seed per request, from its rollout key), so their responses are other samples of the same distribution than
-bubblespec's keyed ones: compare tokens/s, engine steps and decode steps, never outputs. Speedups are against the vLLM
-backend's run without drafts (the plain run bubble drafts are measured against); vLLM's own plain run says how far
-that run is from vLLM's own sampler.
+its engine-wide RNG, as a vLLM user runs them (a seed per request breaks vLLM 0.32 on the CPU wherever a prefill is
+split across steps: its CPU generators have no offset to rewind), so their responses are other samples of the same
+distribution than bubblespec's keyed ones, and other samples in each repetition: compare tokens/s, engine steps and
+decode steps, never outputs. Speedups are against the vLLM backend's run without drafts (the plain run bubble drafts
+are measured against); vLLM's own plain run says how far that run is from vLLM's own sampler.
 
 Why not vLLM's n-gram drafts *and* bubble drafts at once: a vLLM engine has one ``speculative_config``, and the
 backend's ``custom_class`` proposer takes it. The backend's ``ngram`` draft source (``speculation.draft_sources``)
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
 from dataclasses import replace
 
 import torch
@@ -111,8 +111,8 @@ class VLLMBaselines:
 
     def sampling_params(self, request: GenerationRequest):
         """vLLM's sampling parameters for ``request``: its temperature, top-k, top-p, repetition penalty, length,
-        stops (EOS as the vLLM backend reads it) and suppressed tokens, a seed from its key; tokens reported as they
-        come, one engine step at a time."""
+        stops (EOS as the vLLM backend reads it) and suppressed tokens; tokens reported as they come, one engine step
+        at a time."""
         from vllm.sampling_params import RequestOutputKind
 
         from bubblespec.verify.drafts import stop_token_ids
@@ -129,7 +129,6 @@ class VLLMBaselines:
             ignore_eos=True,  # the stops are the ones below
             stop_token_ids=sorted(stop_token_ids(sampling, self.eos_ids)),
             allowed_token_ids=allowed,
-            seed=zlib.crc32(repr(request.key).encode()),
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
