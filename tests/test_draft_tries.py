@@ -276,4 +276,22 @@ def _routes(draft: Draft):
     while stack:
         route, node = stack.pop()
         yield route
-        stack += [((*route, i), b) for i, b in enumerate(node.branches)]
+        stack += [((*route, b.index), b) for b in node.branches]
+
+
+def test_tries_are_refused_where_the_bubble_drafts_nothing_or_the_backend_cannot_draft_them():
+    from bubblespec.core.config import validate
+    from bubblespec.core.errors import ConfigError
+    from bubblespec.run.assembly import load_backend
+
+    with pytest.raises(ConfigError, match=r"tries_max_tokens_per_rank 100 branches the bubble's drafts, but the bubble "
+                       r"drafts nothing \(enabled is false\)"):  # fmt: skip
+        validate({"speculation": {"enabled": False, "tries_max_tokens_per_rank": 100}})
+    with pytest.raises(ConfigError, match=r"draft_sources \['ngram'\] has no bubble"):
+        validate({"speculation": {"draft_sources": ["ngram"], "tries_max_tokens_per_rank": 100}})
+    with pytest.raises(ConfigError, match="unknown tries policy 'longest-first'; available: tail-margin"):
+        validate({"speculation": {"tries_policy": "longest-first"}})
+    sglang = validate({"rollout": {"backend": "sglang"}, "speculation": {"tries_max_tokens_per_rank": 100}})
+    with pytest.raises(ConfigError, match=r"backend 'sglang' does not draft tries .*use 0 with it, or the torch"):
+        load_backend(sglang)
+    assert load_backend(validate({"speculation": {"tries_max_tokens_per_rank": 100}})).supports_draft_tries

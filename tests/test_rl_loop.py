@@ -69,6 +69,26 @@ def test_speculation_changes_no_rollout_reward_or_weight(tmp_path, baseline):
     assert steps[0].draft_coverage == 0 and steps[1].draft_coverage > 0
 
 
+def test_draft_tries_change_no_rollout_or_weight_and_their_branches_are_followed(tmp_path, baseline):
+    """Idle ranks branch the next step's drafts at their near-ties (docs/design.md §13), with two candidates a pass
+    (the branches ahead are verified beside the draft) and with one."""
+    plain_steps, plain_weights = baseline
+    tries = {"enabled": True, "tries_max_tokens_per_rank": 400, "draft_during_training": True}
+    single_steps, _ = _run(tmp_path, "single", speculation=tries | {"tries_max_tokens_per_rank": 0})
+    for candidates in (1, 2):
+        steps, weights = _run(tmp_path, f"tries-{candidates}", speculation=tries | {"draft_candidates": candidates})
+        assert _rollouts(steps) == _rollouts(plain_steps)
+        assert _same_weights(weights, plain_weights)
+        branch_tokens = [sum(rank.branch_tokens_produced for rank in s.ranks) for s in steps]
+        followed = sum(rank.branches_followed for s in steps for rank in s.ranks)
+        assert sum(branch_tokens) > 0 and branch_tokens[-1] == 0, branch_tokens  # the last step drafts nothing
+        assert followed > 0, "no response took a branch"
+        # where a response took one, it decoded fewer steps than along the single path (step 1 here; speed in
+        # general is BENCHMARKS.md's: a faster rollout leaves less bubble to draft the next step's keys)
+        took = [i for i, s in enumerate(steps) if any(rank.branches_followed for rank in s.ranks)]
+        assert all(steps[i].decode_steps < single_steps[i].decode_steps for i in took), candidates
+
+
 @pytest.mark.parametrize(
     "advantage", ["dr_grpo", "rloo", "reinforce_pp", {"advantage": "grpo", "scale_rewards": "batch"}]
 )
@@ -310,8 +330,10 @@ def test_draft_trees_need_a_backend_that_runs_draft_chains(tmp_path):
         {"speculation": {"draft_sources": ["history", "bubble"]}, "task": {"options": {"dataset_size": 8}}},
         # the checkpoint keeps the float32 master weights of a bfloat16 run (and its float32 Adam state)
         {"model": {"dtype": "bfloat16"}, "trainer": {"optimizer": {"learning_rate": 1e-5}}},
+        # draft tries come back with the checkpoint: branches and near-ties of the pending drafts
+        {"speculation": {"tries_max_tokens_per_rank": 400, "draft_during_training": True}},
     ],
-    ids=["bubble", "history", "bfloat16"],
+    ids=["bubble", "history", "bfloat16", "tries"],
 )
 def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2, **changes)

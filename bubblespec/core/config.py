@@ -196,6 +196,16 @@ class SpeculationConfig(Section):
     ``rollout.max_draft_tokens_per_step`` tokens for the sequence of a pass predicted longest (the others verify one
     proposal), so the longest agreeing one wins wherever the first has left the new policy. The torch backend
     builds trees; vllm verifies the first candidate only, and sglang (no dynamic sources) refuses more than one."""
+    tries_max_tokens_per_rank: int = Field(0, ge=0)
+    """Draft tries (docs/design.md §13): once the next step's keys are drafted, idle ranks draft branches from the
+    drafts' near-ties (where the drafting policy nearly sampled another token; a newer policy's sample most often
+    differs there, to that token), about this many branch tokens per rank and step at most; a response that takes a
+    branch's first token goes on from the branch instead of decoding one token a pass. 0: single-path drafts
+    (drafting passes then report no margins). Needs the bubble source and a backend that drafts tries (torch); with
+    ``draft_candidates`` > 1 the branches ahead are verified beside the draft as one token tree."""
+    tries_policy: str = "tail-margin"
+    """Which near-ties get a branch first (a tries policy plugin; ``tail-margin``: the smallest margins on the
+    longest responses, :mod:`bubblespec.policies.tries`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -260,6 +270,21 @@ class SpeculationConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tries_where_the_bubble_drafts(self) -> SpeculationConfig:
+        if self.tries_max_tokens_per_rank and not self.uses_bubble:
+            why = "enabled is false" if self.enabled is False else f"draft_sources {self.draft_sources} has no bubble"
+            raise ValueError(
+                f"tries_max_tokens_per_rank {self.tries_max_tokens_per_rank} branches the bubble's drafts, but the "
+                f"bubble drafts nothing ({why}); use 0, or draft in the bubble"
+            )
+        return self
+
+    @property
+    def uses_tries(self) -> bool:
+        """Whether idle ranks draft branches of the bubble's drafts (draft tries)."""
+        return self.uses_bubble and self.tries_max_tokens_per_rank > 0
+
     @property
     def uses_bubble(self) -> bool:
         """Whether idle ranks draft the next step (the bubble source is on and speculation enabled)."""
@@ -274,6 +299,11 @@ class SpeculationConfig(Section):
     @classmethod
     def _sharding_policy_installed(cls, name: str) -> str:
         return _installed("policies", name, role="sharding")
+
+    @field_validator("tries_policy")
+    @classmethod
+    def _tries_policy_installed(cls, name: str) -> str:
+        return _installed("policies", name, role="tries")
 
 
 class LoraSettings(Section):

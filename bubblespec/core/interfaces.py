@@ -210,6 +210,8 @@ class RequestStats:
     """Verify steps by their acceptance length: the distribution behind the mean (and the metrics histogram)."""
     branches_followed: int = 0
     """Times the response left its draft's path onto one of the draft's branches (draft tries)."""
+    given_tokens: int = 0
+    """Response tokens the request gave rather than sampled (:attr:`GenerationRequest.response_prefix`)."""
 
     @property
     def acceptance_length_mean(self) -> float:
@@ -412,16 +414,16 @@ class BubblePolicy(Protocol):
 
 
 class Policy:
-    """The base class of policies (plugin group ``bubblespec.policies``): a :class:`BubblePolicyBase` or a
-    :class:`ShardingPolicyBase`, told apart by ``role``."""
+    """The base class of policies (plugin group ``bubblespec.policies``): a :class:`BubblePolicyBase`, a
+    :class:`ShardingPolicyBase` or a :class:`TriesPolicyBase`, told apart by ``role``."""
 
-    role: ClassVar[Literal["bubble", "sharding"]]
+    role: ClassVar[Literal["bubble", "sharding", "tries"]]
 
 
 class BubblePolicyBase(Policy):
     """A :class:`BubblePolicy`: which keys idle ranks draft first."""
 
-    role: ClassVar[Literal["bubble", "sharding"]] = "bubble"
+    role: ClassVar[Literal["bubble", "sharding", "tries"]] = "bubble"
 
     def order(self, keys: Sequence[RolloutKey], predicted_lengths: Mapping[RolloutKey, int]) -> list[RolloutKey]:
         raise NotImplementedError
@@ -431,12 +433,36 @@ class ShardingPolicyBase(Policy):
     """How a step's requests are split across ranks (speed only: keyed sampling makes any split give the same
     tokens)."""
 
-    role: ClassVar[Literal["bubble", "sharding"]] = "sharding"
+    role: ClassVar[Literal["bubble", "sharding", "tries"]] = "sharding"
 
     def shard(
         self, requests: Sequence[GenerationRequest], num_ranks: int, predicted_lengths: Mapping[RolloutKey, int]
     ) -> list[list[GenerationRequest]]:
         """One list of requests per rank."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class OpenNearTie:
+    """A near-tie of a key's draft trie that has no branch yet, as a :class:`TriesPolicyBase` ranks them."""
+
+    key: RolloutKey
+    route: tuple[int, ...]
+    """Where in the trie (the indices its branches start at; ``()``: the draft's own path)."""
+    tie: NearTie
+    path_length: int
+    """Tokens of the path the near-tie is on: the response predicted through it."""
+
+
+class TriesPolicyBase(Policy):
+    """Which near-ties idle ranks draft branches from first, once a step's keys are drafted (draft tries,
+    docs/design.md §13). Branch tokens cost drafting time and store memory (``speculation.tries_max_tokens_per_rank``
+    bounds them), and a branch pays only if the newer policy takes its first token."""
+
+    role: ClassVar[Literal["bubble", "sharding", "tries"]] = "tries"
+
+    def order(self, ties: Sequence[OpenNearTie]) -> list[OpenNearTie]:
+        """The near-ties to branch from, best first (leaving some out is allowed: they are not drafted)."""
         raise NotImplementedError
 
 

@@ -69,6 +69,8 @@ RANK_COUNTERS = {
     "bubblespec_draft_tokens_accepted": ("draft_tokens_accepted", "Draft tokens accepted by verification."),
     "bubblespec_draft_tokens_produced": ("draft_tokens_produced", "Tokens sampled by drafting in bubbles."),
     "bubblespec_drafts_made": ("draft_requests", "Drafts made by the rank in rollout bubbles."),
+    "bubblespec_branch_tokens_produced": ("branch_tokens_produced", "Drafted tokens of draft tries' branches."),
+    "bubblespec_branches_followed": ("branches_followed", "Times a response left its draft's path onto a branch."),
     "bubblespec_generation_seconds": ("generation_seconds", "Seconds the rank spent on its shard." + RUN_CLOCK),
     "bubblespec_bubble_seconds": ("bubble_seconds", "Seconds from the rank's last token to the barrier." + RUN_CLOCK),
     "bubblespec_bubble_drafting_seconds": ("drafting_seconds", "Bubble seconds the rank spent drafting." + RUN_CLOCK),

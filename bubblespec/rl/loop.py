@@ -441,9 +441,18 @@ def _step_record(
     if training is not None:
         drafts_made += training.drafts_made
         ranks = [
-            replace(rank, drafting_seconds_while_training=seconds, draft_tokens_produced_while_training=tokens)
-            for rank, seconds, tokens in zip(
-                ranks, training.drafting_seconds, training.draft_tokens_produced, strict=True
+            replace(
+                rank,
+                drafting_seconds_while_training=seconds,
+                draft_tokens_produced_while_training=tokens,
+                branch_tokens_produced=rank.branch_tokens_produced + branch_tokens,
+            )
+            for rank, seconds, tokens, branch_tokens in zip(
+                ranks,
+                training.drafting_seconds,
+                training.draft_tokens_produced,
+                training.branch_tokens_produced,
+                strict=True,
             )
         ]
         more["training_timelines"] = training.timelines

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey
-from bubblespec.rollout.step import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens, drafts_from
+from bubblespec.rollout.step import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens
 
 ActivityListener = Callable[[int, str, str], None]
 """Told (rank, activity, detail) as ranks start generating ("generate"), draft ("draft"), fall idle ("idle") or get
@@ -182,11 +182,14 @@ class PhaseScheduler:
     def chunk_done(self, rank: int, now: float, results: Sequence[GenerationResult]) -> list[Command]:
         """``rank`` returned its drafting chunk at ``now`` (unfinished responses where the stop cut them off)."""
         began, chunk = self._drafting.pop(rank)
-        made = drafts_from(results, self.policy_version)
+        keys = [r.key for r in results if not self.plan.is_branch(r)]
+        branches = [r for r in results if self.plan.is_branch(r)]
+        made = self.plan.drafts_of(results, self.policy_version)
         self._chunks[chunk] = made
         record = self.records[rank]
         record.draft_requests += len(made)
         record.draft_tokens_produced += drafted_tokens(results)
+        record.branch_tokens_produced += drafted_tokens(branches)
         record.drafting_seconds += min(now, self._stop_time) - began
         if self.stopped_at is not None and now > self.stopped_at:
             record.preemption_latency_seconds = now - self.stopped_at
@@ -195,7 +198,7 @@ class PhaseScheduler:
         if self._outcome is not None:  # a late chunk: its drafts join the outcome taken at the stop, and the keys it
             self.late_drafts += made  # left unfinished go back to the plan for the next phase that drafts from it
             self._outcome.drafts[:] = self._all_drafts()
-            self.plan.requeue(made, [r.key for r in results])
+            self.plan.requeue(made, keys)
         return self._hand_out(rank, now, "in the bubble" if self.is_rollout else "while training")
 
     def chunk_lost(self, rank: int, now: float, error: BaseException) -> list[Command]:
@@ -258,11 +261,11 @@ class PhaseScheduler:
 
     def _hand_out(self, rank: int, now: float, when: str) -> list[Command]:
         """The next chunk of the plan to ``rank``, idle at ``now``; none after the stop or when the plan is done."""
-        if self.stopped_at is not None or not self.plan or rank >= self.drafting_ranks:
+        if self.stopped_at is not None or not self.plan.has_work(self.policy_version) or rank >= self.drafting_ranks:
             if not self.is_rollout:
                 self.on_activity(rank, "idle", "")
             return []
-        chunk = self.plan.take(self._takers)
+        chunk = self.plan.take(self._takers, self.policy_version)
         self.on_activity(rank, "draft", _chunk_detail(chunk, when))
         self._drafting[rank] = (now, len(self._chunks))
         self._chunks.append([])
@@ -271,6 +274,8 @@ class PhaseScheduler:
 
 def _chunk_detail(chunk: Sequence[GenerationRequest], when: str) -> str:
     steps = sorted({r.key.step for r in chunk})
+    if any(r.response_prefix for r in chunk):
+        return f"branches of {len(chunk)} keys of step {', '.join(map(str, steps))} {when}"
     going_on = sum(r.draft is not None for r in chunk)
     return f"{len(chunk)} keys of step {', '.join(map(str, steps))} {when}" + (
         f" ({going_on} going on from a draft)" if going_on else ""

@@ -20,6 +20,7 @@ version: where and whether a draft was used changes only the time it took (invar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -37,11 +38,13 @@ from bubblespec.core.interfaces import (
     Prompt,
     SamplingParams,
     ShardingPolicyBase,
+    TriesPolicyBase,
 )
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout.speculation_gate import SpeculationGate
 from bubblespec.rollout.step import DraftPlan, RolloutOutcome, TrainingDrafting, attach_drafts, step_requests
+from bubblespec.rollout.tries_plan import TriesPlan
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class RolloutService:
         static_sources: Sequence[tuple[str, StaticDraftSource]] = (),
         colocated: bool = False,
         draft_during_training: int | bool = 0,
+        tries_policy: TriesPolicyBase | None = None,
     ) -> None:
         self.ranks = ranks
         self.store = store
@@ -94,6 +98,8 @@ class RolloutService:
         """How many ranks (the first ones) draft while the trainer trains: every rank on hardware of its own, or
         the number ``speculation.draft_during_training`` names (:meth:`ServiceConfig.training_drafting` decides
         it); 0: none."""
+        self.tries_policy = tries_policy
+        """Which near-ties get branches first (``speculation.tries_policy``; loaded when first needed if None)."""
         self.response_lengths = ResponseLengths()
         """Each prompt's last mean response length: the bubble policy's predictions for keys without a draft."""
         self._plan, self._late_chunks = DraftPlan([]), 0
@@ -157,6 +163,7 @@ class RolloutService:
             static_sources(speculation, store),
             colocated,
             draft_during_training,
+            plugins.load_subclass("policies", speculation.tries_policy, TriesPolicyBase)(),
         )
 
     @property
@@ -210,7 +217,9 @@ class RolloutService:
         if self.colocated:
             self.ranks.release()
             self._released = True
-        elif self.speculation.uses_bubble and self.draft_during_training and (self._plan or self._late_chunks):
+        elif (
+            self.speculation.uses_bubble and self.draft_during_training and (self._plan.has_work() or self._late_chunks)
+        ):
             self.ranks.start_drafting(self._plan, self.draft_during_training)
             self._drafting = True
 
@@ -296,16 +305,32 @@ class RolloutService:
         the nearest step first. Within a step, keys without a draft or with an unfinished one come first (in
         bubble-policy order) and go on from their draft; then finished drafts of an older policy, to be
         re-verified and refreshed by the current one."""
-        ordered = []
+        ordered, tries = [], None
         for future_step in range(step + 1, step + 1 + self.speculation.lookahead_steps):
             requests = self._future_requests(future_step)
+            if self.speculation.uses_tries:  # drafting passes report near-ties, for branches
+                requests = [dataclasses.replace(r, margins=True) for r in requests]
             stored = self.store.get([r.key for r in requests])
             predicted = predicted_lengths([r.key for r in requests], stored, self.response_lengths)
             by_key = {r.key: r for r in attach_drafts(requests, stored)}
             in_order = [by_key[k] for k in self.bubble_policy.order(list(by_key), predicted)]
             ordered += [r for r in in_order if r.draft is None or not r.draft.finished]
             ordered += [r for r in in_order if r.draft is not None and r.draft.finished]
-        return DraftPlan(ordered, self.num_ranks, self.max_batch_size)
+            if self.speculation.uses_tries and future_step == step + 1:  # the next step's drafts branch
+                tries = TriesPlan(
+                    self._tries_policy(),
+                    requests,
+                    self.speculation.tries_max_tokens_per_rank * self.num_ranks,
+                    stored.values(),
+                )
+        return DraftPlan(ordered, self.num_ranks, self.max_batch_size, tries)
+
+    def _tries_policy(self) -> TriesPolicyBase:
+        if self.tries_policy is None:
+            from bubblespec.core import plugins
+
+            self.tries_policy = plugins.load_subclass("policies", self.speculation.tries_policy, TriesPolicyBase)()
+        return self.tries_policy
 
     def _future_requests(self, future_step: int) -> list[GenerationRequest]:
         """The requests of a later step, or none if the caller cannot say its prompts."""

@@ -7,9 +7,11 @@ clock (:mod:`bubblespec.rollout.virtual_ranks`) and Ray Serve (:mod:`bubblespec.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pydantic
 
@@ -21,6 +23,9 @@ from bubblespec.core.interfaces import (
     RolloutKey,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from bubblespec.rollout.tries_plan import TriesPlan
 
 
 def step_requests(
@@ -35,7 +40,7 @@ def step_requests(
 
 
 def attach_drafts(requests: Sequence[GenerationRequest], drafts: dict[RolloutKey, Draft]) -> list[GenerationRequest]:
-    return [GenerationRequest(r.prompt_token_ids, r.key, r.sampling, drafts.get(r.key)) for r in requests]
+    return [dataclasses.replace(r, draft=drafts.get(r.key)) for r in requests]
 
 
 def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
@@ -50,8 +55,9 @@ def drafts_from(results: Sequence[GenerationResult], policy_version: int) -> lis
 
 
 def drafted_tokens(results: Sequence[GenerationResult]) -> int:
-    """Tokens that drafting forward passes sampled: a continued draft's accepted old tokens are not counted."""
-    return sum(len(r.token_ids) - r.stats.draft_tokens_accepted for r in results)
+    """Tokens that drafting forward passes sampled: a continued draft's accepted old tokens and a branch's given
+    prefix are not counted."""
+    return sum(len(r.token_ids) - r.stats.draft_tokens_accepted - r.stats.given_tokens for r in results)
 
 
 @pydantic.dataclasses.dataclass
@@ -74,6 +80,11 @@ class RankRecord:
     drafting_seconds: float = 0.0
     draft_requests: int = 0
     draft_tokens_produced: int = 0
+    branch_tokens_produced: int = 0
+    """Tokens of branches (draft tries) the rank drafted, in its bubble and while the trainer trained (in the step
+    record; those of the bubble are also in :attr:`draft_tokens_produced`)."""
+    branches_followed: int = 0
+    """Times its shard's responses left a draft's path onto one of the draft's branches (draft tries)."""
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""
@@ -101,6 +112,7 @@ class RankRecord:
             self.verify_steps += result.stats.verify_steps
             self.draft_tokens_proposed += result.stats.draft_tokens_proposed
             self.draft_tokens_accepted += result.stats.draft_tokens_accepted
+            self.branches_followed += result.stats.branches_followed
             if result.stats.decode_steps > (self.slowest_response_decode_steps or -1):
                 self.slowest_response_decode_steps = result.stats.decode_steps
                 self.slowest_response_tokens = len(result.token_ids)
@@ -199,6 +211,11 @@ class TrainingDrafting:
         return [rank.draft_tokens_produced for rank in self.outcome.ranks]
 
     @property
+    def branch_tokens_produced(self) -> list[int]:
+        """Per rank: of :attr:`draft_tokens_produced`, those of branches (draft tries)."""
+        return [rank.branch_tokens_produced for rank in self.outcome.ranks]
+
+    @property
     def timelines(self) -> list[list[tuple[str, float, float]]]:
         """Per rank: (activity, start, end), seconds from the start of training."""
         return self.outcome.timelines
@@ -216,13 +233,40 @@ class DraftPlan:
     A request may carry an unfinished draft of its own key: the drafting rank then verifies that draft (one
     forward pass per ``max_draft_tokens_per_step`` tokens with the policy that made it) and goes on from its
     end, so a long response is drafted over several bubbles instead of restarting in each.
+
+    With ``tries`` (draft tries, :mod:`bubblespec.rollout.tries_plan`), once every key of the tries' step (the next
+    one) is handed out the chunks are branch requests of the drafts made so far, before the keys of later steps
+    (lookahead): a branch pays in the next step, a later step's draft is refreshed before it is used. :meth:`drafts_of`
+    merges what branch requests return into the keys' tries.
     """
 
-    def __init__(self, requests: Sequence[GenerationRequest], num_ranks: int = 1, max_batch_size: int = 64) -> None:
+    def __init__(
+        self,
+        requests: Sequence[GenerationRequest],
+        num_ranks: int = 1,
+        max_batch_size: int = 64,
+        tries: TriesPlan | None = None,
+    ) -> None:
         self._requests = list(requests)
         self._next = 0
         self.num_ranks = num_ranks
         self.max_batch_size = max_batch_size
+        self.tries = tries
+        self._policy_version = 0
+
+    def is_branch(self, result: GenerationResult) -> bool:
+        """Whether ``result`` answers a branch request of this plan's (not a key's own)."""
+        return self.tries is not None and self.tries.is_branch(result)
+
+    def drafts_of(self, results: Sequence[GenerationResult], policy_version: int) -> list[Draft]:
+        """The drafts a drafting chunk's results make: a key's request its draft (:func:`drafts_from`), a branch
+        request its key's grown trie."""
+        if self.tries is None:
+            return drafts_from(results, policy_version)
+        keys = [r for r in results if not self.tries.is_branch(r)]
+        made = drafts_from(keys, policy_version)
+        self.tries.observe(made)
+        return made + self.tries.merge([r for r in results if self.tries.is_branch(r)])
 
     def requeue(self, drafts: Sequence[Draft], keys: Sequence[RolloutKey] = ()) -> None:
         """Puts the keys of unfinished ``drafts`` back at the front of what is left, each with its draft, so
@@ -231,14 +275,17 @@ class DraftPlan:
         handed_out = {r.key: r for r in self._requests[: self._next]}
         drafted = {d.key for d in drafts}
         again = [
-            GenerationRequest(handed_out[d.key].prompt_token_ids, d.key, handed_out[d.key].sampling, d)
-            for d in drafts
-            if not d.finished and d.key in handed_out
+            dataclasses.replace(handed_out[d.key], draft=d) for d in drafts if not d.finished and d.key in handed_out
         ] + [handed_out[key] for key in keys if key not in drafted and key in handed_out]
         self._requests[self._next : self._next] = again
 
-    def take(self, takers: int | None = None) -> list[GenerationRequest]:
-        """The next chunk: a ``takers``-th (default: ``num_ranks``) of the keys left."""
+    def take(self, takers: int | None = None, policy_version: int = 0) -> list[GenerationRequest]:
+        """The next chunk: a ``takers``-th (default: ``num_ranks``) of the keys left; once every key is handed
+        out, branch requests for ranks holding ``policy_version`` (a ``takers``-th of a batch)."""
+        self._policy_version = policy_version
+        if self._branches_next(policy_version):
+            size = max(1, -(-self.max_batch_size // (takers or self.num_ranks)))
+            return self.tries.take(size, policy_version)  # type: ignore[union-attr]
         remaining = len(self._requests) - self._next
         size = max(1, min(self.max_batch_size, -(-remaining // (takers or self.num_ranks))))
         chunk = self._requests[self._next : self._next + size]
@@ -247,6 +294,20 @@ class DraftPlan:
 
     def __bool__(self) -> bool:
         return self._next < len(self._requests)
+
+    def _branches_next(self, policy_version: int) -> bool:
+        """Whether the next chunk is branches: no key of the tries' step is left, and a branch is."""
+        if self.tries is None or any(r.key.step == self.tries.step for r in self._requests[self._next :]):
+            return False
+        return self.tries.available(policy_version)
+
+    def has_work(self, policy_version: int | None = None) -> bool:
+        """Keys left, or branch requests for ranks holding ``policy_version`` (None: the version the plan was last
+        asked for, the ranks' since: weights change between steps, not between a step's phases)."""
+        if policy_version is None:
+            policy_version = self._policy_version
+        self._policy_version = policy_version
+        return bool(self) or (self.tries is not None and self.tries.available(policy_version))
 
 
 def rollout_digest(results: list[GenerationResult]) -> str:

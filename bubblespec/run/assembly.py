@@ -187,6 +187,12 @@ def load_backend(config: RunConfig | ServiceConfig):
             f"{config.rollout.backend!r} verifies only the request's draft; use 1 with it, or the torch backend "
             "(token trees)"
         )
+    if speculation.uses_tries and not backend.supports_draft_tries:
+        raise ConfigError(
+            f"speculation.tries_max_tokens_per_rank {speculation.tries_max_tokens_per_rank}: rollout.backend "
+            f"{config.rollout.backend!r} does not draft tries (it reports no margins and takes no response prefix; "
+            "docs/plugins.md); use 0 with it, or the torch backend"
+        )
     if trees and not backend.supports_draft_trees:
         logger.warning(
             "speculation.draft_candidates %d: rollout.backend %r verifies the first candidate of each pass only "

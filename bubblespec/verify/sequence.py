@@ -181,6 +181,7 @@ class Sequence:
             )
         self.tokens = list(prefix)
         self.logprobs = [0.0] * len(prefix)
+        self.stats.given_tokens = len(prefix)
         if self.request.margins:
             self.runner_up_ids, self.margins = [-1] * len(prefix), [float("inf")] * len(prefix)
         if prefix[-1] in self.stop_ids:

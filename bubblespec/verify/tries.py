@@ -10,8 +10,9 @@ is the drafting policy's response to the same key given the path up to the near-
 verifier that emits the runner-up follows the branch (:meth:`bubblespec.verify.sequence.Sequence._follow`), so the
 response goes on drafting where a single path would decode one token a pass.
 
-A *route* names a node of the trie: ``()`` the draft itself, ``(i, j)`` the ``j``-th branch of the draft's ``i``-th
-branch.
+A *route* names a node of the trie by the indices its branches start at: ``()`` the draft itself, ``(i, j)`` the
+branch from index ``j`` of the draft's branch from index ``i`` (a node has at most one branch per index, so a route
+stays valid while branches are added).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class OpenTie:
 def node_at(draft: Draft, route: Route) -> Draft | DraftBranch:
     node: Draft | DraftBranch = draft
     for index in route:
-        node = node.branches[index]
+        node = next(branch for branch in node.branches if branch.index == index)
     return node
 
 
@@ -46,8 +47,8 @@ def path_at(draft: Draft, route: Route) -> tuple[int, ...]:
     path = draft.token_ids
     node: Draft | DraftBranch = draft
     for index in route:
-        node = node.branches[index]
-        path = (*path[: node.index], *node.token_ids)
+        node = next(branch for branch in node.branches if branch.index == index)
+        path = (*path[:index], *node.token_ids)
     return path
 
 
@@ -60,8 +61,8 @@ def open_ties(draft: Draft) -> Iterator[OpenTie]:
         for tie in node.near_ties:
             if tie.index not in branched:
                 yield OpenTie(route, path, tie)
-        for number, branch in enumerate(node.branches):
-            stack.append(((*route, number), branch, (*path[: branch.index], *branch.token_ids)))
+        for branch in node.branches:
+            stack.append(((*route, branch.index), branch, (*path[: branch.index], *branch.token_ids)))
 
 
 def branch_request(request: GenerationRequest, opened: OpenTie) -> GenerationRequest:
@@ -101,9 +102,8 @@ def with_branch(draft: Draft, route: Route, branch: DraftBranch) -> Draft:
         if not rest:
             kept = tuple(b for b in node.branches if b.index != branch.index)
             return dataclasses.replace(node, branches=tuple(sorted((*kept, branch), key=lambda b: b.index)))
-        children = list(node.branches)
-        children[rest[0]] = grown(children[rest[0]], rest[1:])
-        return dataclasses.replace(node, branches=tuple(children))
+        children = tuple(grown(b, rest[1:]) if b.index == rest[0] else b for b in node.branches)
+        return dataclasses.replace(node, branches=children)
 
     return grown(draft, route)
 
@@ -113,7 +113,7 @@ def unfinished_branches(draft: Draft) -> Iterator[Route]:
     stack: list[tuple[Route, Draft | DraftBranch]] = [((), draft)]
     while stack:
         route, node = stack.pop()
-        for number, branch in enumerate(node.branches):
+        for branch in node.branches:
             if not branch.finished:
-                yield (*route, number)
-            stack.append(((*route, number), branch))
+                yield (*route, branch.index)
+            stack.append(((*route, branch.index), branch))
