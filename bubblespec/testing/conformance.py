@@ -23,6 +23,7 @@ per-request stats that add up. bubblespec's pytest plugin makes pytest rewrite t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 import shutil
 import signal
@@ -579,6 +580,59 @@ class RealVocabularyConformance:
             "older policy, truncated": {k: older[k].token_ids[: self.max_new_tokens // 3] for k in keys},
             "own response, over-long": {k: [*plain[k].token_ids, *rng.choices(range(vocab), k=30)] for k in keys},
         }
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def older_tries(cls, checkpoints) -> dict:
+        """Draft tries of the first sampling setting's requests (docs/design.md §13): the older policy's drafts with
+        their near-ties and a branch at each draft's two nearest ones, drafted by the torch engine, which drafts tries
+        whichever engine verifies them."""
+        from bubblespec.verify.tries import branch_from, branch_request, open_ties, with_branch
+
+        older = plugins.load("backends", "torch").from_pretrained(str(checkpoints[1]), dtype="float32")
+        setting = next(iter(cls.sampling_settings))
+        requests = [dataclasses.replace(r, margins=True) for r in cls().make_requests(setting)]
+        tries = {
+            r.key: Draft(r.key, tuple(r.token_ids), 0, r.finish_reason != "preempted", r.near_ties())
+            for r in older.generate(requests)
+        }
+        by_key = {r.key: r for r in requests}
+        nearest = {key: sorted(open_ties(d), key=lambda t: t.tie.margin)[:2] for key, d in tries.items()}
+        opened = [(key, tie) for key, ties in nearest.items() for tie in ties]
+        branches = older.generate([branch_request(by_key[key], tie) for key, tie in opened])
+        for (key, tie), result in zip(opened, branches, strict=True):
+            tries[key] = with_branch(tries[key], tie.route, branch_from(result, tie.tie.index))
+        older.close()
+        return tries
+
+    def test_draft_tries_never_change_outputs(self, engine, older_tries):
+        """Drafts with branches at their near-ties, as bubble drafting makes them with draft tries: every backend
+        follows a branch whose first token it emits (:class:`~bubblespec.verify.sequence.Sequence`). With the
+        branches as drafted, and with every branch's tokens after its first replaced by random ones: plain
+        decoding's outputs, and with the branches as drafted some response takes one."""
+        setting = next(iter(self.sampling_settings))
+        requests = self.make_requests(setting)
+        plain = _by_key(self._timed(engine, requests, f"{setting}, no drafts"))
+        rng = random.Random(8)
+
+        def wrong(branch):
+            noise = rng.choices(range(engine.vocab_size), k=len(branch.token_ids) - 1)
+            return dataclasses.replace(branch, token_ids=(branch.token_ids[0], *noise))
+
+        assert any(t.branches for t in older_tries.values()), "no draft had a near-tie to branch from"
+        variants = {
+            "tries": older_tries,
+            "tries, every branch wrong": {
+                key: dataclasses.replace(d, branches=tuple(map(wrong, d.branches))) for key, d in older_tries.items()
+            },
+        }
+        followed = {}
+        for name, tries in variants.items():
+            drafted = [dataclasses.replace(r, draft=tries[r.key]) for r in requests]
+            drafted = _by_key(self._timed(engine, drafted, f"{setting}, {name}"))
+            self._assert_same(plain, drafted, f"{setting}, drafts: {name}")
+            followed[name] = sum(r.stats.branches_followed for r in drafted.values())
+        assert followed["tries"] > 0, f"no response took a branch: {followed}"
 
     def test_older_policy_drafts_are_accepted(self, engine, older_samples):
         """Coupled drafts of a policy one small step older are mostly right; the engine must take them."""
