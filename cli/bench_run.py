@@ -83,6 +83,9 @@ def _compare(off: StepRecord, on: StepRecord) -> dict:
         "step_seconds_on": on.phase_seconds.total,
         "step_seconds_ratio": off.phase_seconds.total / on.phase_seconds.total,
         **_slowest_response(on),
+        # draft tries: branches this step's responses took, and branch tokens its ranks drafted for the next step
+        "branches_followed": sum(rank.branches_followed for rank in on.ranks),
+        "branch_tokens_drafted": sum(rank.branch_tokens_produced for rank in on.ranks),
         "identical_rollouts": off.rollout_digest == on.rollout_digest and off.reward_mean == on.reward_mean,
     }
 
@@ -143,9 +146,9 @@ def print_report(report: dict, console=None) -> None:
     aggregates."""
     title = f"{report['config']}: decode steps, speculation off vs on ({report['clock']} clock)"
     decode = table(title, ("step", "off", "on", "reduction", "acceptance", "coverage", "bubble use"))
-    rollout = table(
-        "rollout seconds, speculation off vs on", ("step", "off", "off (est.)", "on", "throughput", "identical")
-    )
+    tries = any(s.get("branch_tokens_drafted") for s in report["per_step"])
+    columns = ("step", "off", "off (est.)", "on", "throughput", "identical")
+    rollout = table("rollout seconds, speculation off vs on", (*columns, "branches") if tries else columns)
     for s in report["per_step"]:
         decode.add_row(
             str(s["step"]),
@@ -163,6 +166,7 @@ def print_report(report: dict, console=None) -> None:
             f"{s['rollout_seconds_on']:.3f}",
             f"{s['throughput_ratio']:.2f}x",
             "yes" if s["identical_rollouts"] else "NO",
+            *([str(s["branches_followed"])] if tries else []),
         )
     whole = table(
         "whole step seconds (train: with weight sync); the slowest rank: its forward passes, and of its "
@@ -187,6 +191,8 @@ def print_report(report: dict, console=None) -> None:
             ),
         )
     notes = ["off (est.): the rollout without drafts as the speculation-on run estimated it from its own passes"]
+    if tries:
+        notes.append("branches: times a response of the step took a branch of its draft (draft tries)")
     labels = {
         "overall": "every step",
         "from_step_2": "from the second step (step 1 on: step 0 has no drafts, as no step ran before it to draft "

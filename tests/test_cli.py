@@ -411,6 +411,8 @@ def _bench_reports() -> dict[str, dict]:
         "slowest_response_tokens": 13579,
         "slowest_response_draft_tokens": 2468,
         "slowest_response_decode_steps": 11111,
+        "branches_followed": 1234,
+        "branch_tokens_drafted": 123456,
         "identical_rollouts": True,
     }
     aggregate = {"decode_step_reduction": 0.92, "acceptance_length_mean": 14.2, "step_seconds_ratio": 1.5}
@@ -485,7 +487,7 @@ def _bench_reports() -> dict[str, dict]:
     [
         (
             "run",
-            ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes"]
+            ["148713", "13391", "91.0%", "14.10", "123.456", "45.678", "12.41x", "yes", "1234"]
             + ["131.85", "54.07", "2.44x", "7.39", "63", "11112", "13579", "2468"],
         ),
         ("peers", ["history+group+ngram", "123456", "1234567", "-91.7%", "12.41x", "12345678", "0.95", "identical"]),
