@@ -295,3 +295,31 @@ def test_tries_are_refused_where_the_bubble_drafts_nothing_or_the_backend_cannot
     with pytest.raises(ConfigError, match=r"backend 'sglang' does not draft tries .*use 0 with it, or the torch"):
         load_backend(sglang)
     assert load_backend(validate({"speculation": {"tries_max_tokens_per_rank": 100}})).supports_draft_tries
+
+
+def test_bench_engine_finds_every_divergence_of_the_older_policy_along_the_newer_responses(engines):
+    from bubblespec.cli.bench_engine_tries import decode_steps_with_branches, divergence_summary, divergences
+
+    newer, older = engines
+    requests = _requests(6)
+    responses = newer.generate(requests)
+    found = divergences(older, requests, responses)
+    checked = 0
+    for request, response, walk in zip(requests, responses, found, strict=True):
+        marked = {d["position"]: d for d in walk["divergences"]}
+        positions = sorted({*marked, *range(0, len(response.token_ids), 7)})
+        for position in positions:  # the older policy given the response's own prefix, one position at a time
+            params = dataclasses.replace(request.sampling, max_new_tokens=position + 1)
+            forced = dataclasses.replace(request, sampling=params, response_prefix=tuple(response.token_ids[:position]))
+            sample = older.generate([forced])[0].token_ids[position]
+            if position in marked:
+                assert sample == marked[position]["older_sample"] != response.token_ids[position]
+                checked += 1
+            else:
+                assert sample == response.token_ids[position], f"{request.key} position {position} missed"
+    summary = divergence_summary(found)
+    assert summary["divergences"] >= 4 and checked == summary["divergences"], summary
+    assert 0 <= summary["took_the_runner_up"] <= 1 and summary["responses_that_left_their_draft"] >= 2
+    branched = decode_steps_with_branches(older, newer, requests, branches_per_draft=3)
+    assert branched["identical"] and branched["branches_drafted"] > 0
+    assert branched["decode_steps_with_branches"] <= branched["decode_steps_single"]
