@@ -37,6 +37,7 @@ from bubblespec.core import model_folder, plugins
 from bubblespec.core.errors import DraftError, RequestError
 from bubblespec.core.interfaces import (
     Draft,
+    DraftBranch,
     ForwardPass,
     GenerationEngine,
     GenerationRequest,
@@ -447,6 +448,11 @@ def _with_draft(request: GenerationRequest, tokens: Sequence[int]) -> Generation
     return GenerationRequest(request.prompt_token_ids, request.key, request.sampling, draft)
 
 
+def _other(token: int, rng: random.Random, vocab_size: int) -> int:
+    """A token id other than ``token``."""
+    return (token + rng.randrange(1, vocab_size)) % vocab_size
+
+
 def _changed(tokens: Sequence[int], rng: random.Random, vocab_size: int) -> list[int]:
     changed = list(tokens)
     if changed:
@@ -619,12 +625,28 @@ class RealVocabularyConformance:
             noise = rng.choices(range(engine.vocab_size), k=len(branch.token_ids) - 1)
             return dataclasses.replace(branch, token_ids=(branch.token_ids[0], *noise))
 
+        def nested(draft: Draft) -> Draft:  # a random branch inside each branch, one position after its start
+            inner = [
+                DraftBranch(b.index + 1, (_other(b.token_ids[1], rng, engine.vocab_size), *rng.choices(range(9), k=4)))
+                for b in draft.branches
+                if len(b.token_ids) > 1
+            ]
+            return dataclasses.replace(draft, branches=tuple(
+                dataclasses.replace(b, branches=(i,)) for b, i in zip(draft.branches, inner, strict=False)
+            ))  # fmt: skip
+
+        def past_the_end(key) -> Draft:  # the response, more tokens, and a branch off those
+            path = (*plain[key].token_ids, *rng.choices(range(engine.vocab_size), k=6))
+            return Draft(key, path, 0, branches=(DraftBranch(len(path) - 3, (_other(path[-3], rng, 9), 1, 2)),))
+
         assert any(t.branches for t in older_tries.values()), "no draft had a near-tie to branch from"
         variants = {
             "tries": older_tries,
             "tries, every branch wrong": {
                 key: dataclasses.replace(d, branches=tuple(map(wrong, d.branches))) for key, d in older_tries.items()
             },
+            "tries, a wrong branch in each branch": {key: nested(d) for key, d in older_tries.items()},
+            "a branch past the response's end": {key: past_the_end(key) for key in older_tries},
         }
         followed = {}
         for name, tries in variants.items():
