@@ -34,9 +34,9 @@ NGRAM_SPECULATIVE_CONFIG = {
     "prompt_lookup_max": 4,
     "prompt_lookup_min": 2,
 }
-"""vLLM's n-gram drafts as measured: up to 4 tokens that followed the latest 2-4 tokens where they last occurred in the
-prompt and response so far (vLLM's documented example proposes 5 after 4-grams; 4 keeps rejected rows, which cost in
-proportion on a CPU, fewer)."""
+"""vLLM's n-gram drafts as measured: the longest of the sequence's last 2-4 tokens that occurred before in the prompt or
+the response, and up to 4 tokens that followed its earliest occurrence (vLLM 0.32's ``ngram_proposer.py``; its
+documented example proposes 5 after 4-grams; 4 keeps rejected rows, which cost in proportion on a CPU, fewer)."""
 BASELINE_GPU_MEMORY_SHARE = 0.15
 """GPU memory each baseline engine may take, beside the backend's 0.3 and the exactness table's (ignored on CPU)."""
 RUNS = ("vllm-sampler", "vllm-ngram")
