@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bubblespec.cli import bench_engine_ngram as ngram
+from bubblespec.cli import bench_engine_tries as tries
 from bubblespec.cli.bench_engine_measures import (
     exactness_summary,
     exactness_table,
@@ -60,6 +61,9 @@ from bubblespec.cli.bench_engine_requests import (
 from bubblespec.cli.bench_tables import print_tables, table
 from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import GenerationRequest, GenerationResult, acceptance_length
+
+TRIES_BRANCHES_PER_DRAFT = 2
+"""Branches drafted per draft (its smallest near-ties) for ``--config``'s decode steps with branches."""
 
 DTYPES_BY_BACKEND = {"torch": ("float32", "bfloat16", "float64"), "vllm": ("float32", "bfloat16")}
 """The backends this benchmark runs and the engine dtypes each offers."""
@@ -241,8 +245,31 @@ def _run_engine_bench(settings: EngineBenchSettings, run: ConfigRun | None) -> d
     report["exactness"] = table
     report |= exactness_summary(report["exactness"])
     seconds["exactness"] = time.perf_counter() - clock
+    report["draft_tries"] = None
+    if run is not None:  # where a real policy step left the drafts, and what draft tries win back
+        clock = time.perf_counter()
+        report["draft_tries"] = _draft_tries(settings, new_state, timed[: settings.max_batch_size])
+        seconds["draft tries"] = time.perf_counter() - clock
     report["benchmark_seconds"] = seconds
     return report
+
+
+def _draft_tries(settings: EngineBenchSettings, new_state: dict, requests: list) -> dict:
+    """:mod:`bubblespec.cli.bench_engine_tries` on the torch engine: pi_t teacher-forced along pi_t+1's responses,
+    and pi_t's drafts verified with and without a round of branches."""
+    older = make_engine("torch", settings.model_path, settings.dtype, settings)  # pi_t
+    newer = make_engine("torch", settings.model_path, settings.dtype, settings)
+    newer.update_weights(new_state, version=1)  # pi_t+1
+    try:
+        found = tries.divergences(older, requests, newer.generate(requests))
+        return {
+            "requests": len(requests),
+            "divergences": tries.divergence_summary(found),
+            "branches": tries.decode_steps_with_branches(older, newer, requests, TRIES_BRANCHES_PER_DRAFT),
+        }
+    finally:
+        older.close()
+        newer.close()
 
 
 def _engines_and_drafts(settings: EngineBenchSettings, shipped: bool, run, workload: Workload, timed: list):
@@ -489,8 +516,19 @@ def print_report(report: dict, console=None) -> None:
         f"benchmark time: {spent}",
     ]
     tables = [speed, with_drafts, drafts, exactness]
+    if report.get("draft_tries"):
+        tables.append(_tries_table(report["draft_tries"]))
     if report.get("vllm_ngram"):
         baseline, note = ngram.baseline_table(report["vllm_ngram"], report["backends"]["vllm"])
         tables.insert(2, baseline)
         notes.insert(0, note)
     print_tables(tables, notes, console)
+
+
+def _tries_table(found: dict):
+    """Where pi_t+1's responses left pi_t's drafts, and the decode steps with a round of branches (draft tries)."""
+    shown = table(f"Where responses left their drafts (torch engine, {found['requests']} requests)",
+                  ("measure", "value"), justify="left")  # fmt: skip
+    for name, value in (*found["divergences"].items(), *found["branches"].items()):
+        shown.add_row(name, "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+    return shown

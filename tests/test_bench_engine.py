@@ -32,6 +32,7 @@ SUMMARY_FIELDS = {
 }
 REPORT_FIELDS = {
     "settings",
+    "draft_tries",
     "workload",
     "policy_update",
     "keyed_sampling",
@@ -229,6 +230,12 @@ def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo
     assert report["workload"]["suppressed_token_ids"] == [0, 1, 3]
     assert report["workload"]["prompts"].startswith("task 'arithmetic', steps 1-")
     assert report["exactness"]["torch"]["float64"]["differing"] == 0
+    tries = report["draft_tries"]  # where the responses left their drafts, and decode steps with branches
+    assert tries["requests"] == 16 and tries["divergences"]["responses"] == 16
+    left = tries["divergences"]["responses_that_left_their_draft"]  # a response left it iff it was not all accepted
+    assert left == 16 - report["backends"]["torch"]["fully_accepted_responses"]
+    assert tries["divergences"]["divergences"] >= left and tries["divergences"]["median_reported_margin_per_response"]
+    assert tries["branches"]["identical"] and tries["branches"]["branches_drafted"] > 0
     result = runner.invoke(app, ["bench", "engine", *config, "--weight-noise", "0.01"])
     assert result.exit_code != 0 and "leave out --weight-noise" in result.output
 
