@@ -61,8 +61,7 @@ def check_no_min_p(requests: list[GenerationRequest]) -> None:
     if any(r.sampling.min_p > 0 for r in requests):
         raise ConfigError(
             "--vllm-ngram: vLLM 0.32 refuses min_p with speculative decoding, and these requests sample with min_p "
-            f"{max(r.sampling.min_p for r in requests)}; set it to 0 (--set rollout.sampling.min_p=0) or leave out "
-            "--vllm-ngram"
+            f"{max(r.sampling.min_p for r in requests)} (the task's sampling); leave out --vllm-ngram with them"
         )
 
 

@@ -53,16 +53,16 @@ def _broken_engines():
 
     class ZeroLogprobs(TorchEngine):
         def _sample(self, active, logits, drafts):
-            tokens, logprobs = super()._sample(active, logits, drafts)
-            return tokens, [[0.0] * len(row) for row in logprobs]
+            tokens, logprobs, near_ties = super()._sample(active, logits, drafts)
+            return tokens, [[0.0] * len(row) for row in logprobs], near_ties
 
     class LogprobsWithoutTemperature(TorchEngine):
         """Samples right, but reports logprobs of the raw distribution whatever the temperature and filters."""
 
         def _sample(self, active, logits, drafts):
-            tokens, _ = super()._sample(active, logits, drafts)
+            tokens, _, near_ties = super()._sample(active, logits, drafts)
             raw = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(tokens)[..., None])[..., 0]
-            return tokens, raw.tolist()
+            return tokens, raw.tolist(), near_ties
 
     class HalfLogits(TorchEngine):
         def _sample(self, active, logits, drafts):
@@ -74,7 +74,7 @@ def _broken_engines():
         def _sample(self, active, logits, drafts):
             probabilities = torch.softmax(logits.double(), -1)
             tokens = torch.multinomial(probabilities.reshape(-1, probabilities.shape[-1]), 1).reshape(logits.shape[:2])
-            return tokens.tolist(), probabilities.log().gather(-1, tokens[..., None])[..., 0].tolist()
+            return tokens.tolist(), probabilities.log().gather(-1, tokens[..., None])[..., 0].tolist(), None
 
     return ZeroLogprobs, LogprobsWithoutTemperature, HalfLogits, MultinomialSampler
 

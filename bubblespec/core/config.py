@@ -210,7 +210,8 @@ class SpeculationConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _preset_fills_what_is_not_set(cls, settings: Any) -> Any:
-        if not (isinstance(settings, dict) and settings.get("preset") in SPECULATION_PRESETS):
+        preset = settings.get("preset") if isinstance(settings, dict) else None
+        if not (isinstance(preset, str) and preset in SPECULATION_PRESETS):  # anything else: the field's own error
             return settings
         preset = dict(SPECULATION_PRESETS[settings["preset"]])
         if settings.get("enabled") is False or settings.get("draft_sources") == ["none"]:
