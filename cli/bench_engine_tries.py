@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Sequence
 
 from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult
+from bubblespec.rollout.step import drafts_from
 from bubblespec.verify.tries import branch_from, branch_request, open_ties, with_branch
 
 
@@ -102,9 +103,7 @@ def decode_steps_with_branches(older, newer, requests: Sequence[GenerationReques
     at each draft's ``branches_per_draft`` smallest near-ties; the outputs must be the same."""
     asked = [dataclasses.replace(r, draft=None, margins=True) for r in requests]
     drafted = older.generate(asked)
-    drafts = {
-        r.key: Draft(r.key, tuple(r.token_ids), 0, r.finish_reason != "preempted", r.near_ties()) for r in drafted
-    }
+    drafts = {draft.key: draft for draft in drafts_from(drafted, 0)}
     by_key = {r.key: r for r in asked}
     opened = [
         (key, tie)

@@ -45,7 +45,7 @@ from bubblespec.core.interfaces import (
     RolloutKey,
     SamplingParams,
 )
-from bubblespec.rollout.step import step_requests
+from bubblespec.rollout.step import drafts_from, step_requests
 from bubblespec.tasks.arithmetic import ArithmeticTask
 
 
@@ -598,10 +598,7 @@ class RealVocabularyConformance:
         older = plugins.load("backends", "torch").from_pretrained(str(checkpoints[1]), dtype="float32")
         setting = next(iter(cls.sampling_settings))
         requests = [dataclasses.replace(r, margins=True) for r in cls().make_requests(setting)]
-        tries = {
-            r.key: Draft(r.key, tuple(r.token_ids), 0, r.finish_reason != "preempted", r.near_ties())
-            for r in older.generate(requests)
-        }
+        tries = {draft.key: draft for draft in drafts_from(older.generate(requests), 0)}
         by_key = {r.key: r for r in requests}
         nearest = {key: sorted(open_ties(d), key=lambda t: t.tie.margin)[:2] for key, d in tries.items()}
         opened = [(key, tie) for key, ties in nearest.items() for tie in ties]
