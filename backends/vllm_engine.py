@@ -176,6 +176,9 @@ class VLLMEngine(Engine):
     config_class = VLLMEngineConfig
     supports_draft_chain = True
     """Runs dynamic draft sources (``ngram``, ``group``, plugins) in its proposer: see ``draft_chain``."""
+    supports_draft_tries = True
+    """Reports runner-ups and margins where a request asks (the keyed verifier in vLLM's step) and begins a response
+    with a given prefix (submitted to vLLM as part of the prompt)."""
 
     _ids = itertools.count()
     _request_ids = itertools.count()
@@ -321,7 +324,7 @@ class VLLMEngine(Engine):
         self._same_threads()
         self._wake()
         sequences = [
-            VLLMSequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids)
+            VLLMSequence.admit(i, r, self._vocab_size, self._context_length, self._eos_ids, tries=True)
             for i, r in enumerate(requests)
         ]
         if self._proposal.proposers:
@@ -329,7 +332,8 @@ class VLLMEngine(Engine):
         live: dict[str, VLLMSequence] = {}
         try:
             for sequence in sequences:
-                self._submit(sequence, live)
+                if sequence.finish is None:  # else its response prefix ended it: nothing to compute
+                    self._submit(sequence, live)
             while live:
                 if stop is not None and stop.is_set():
                     break
@@ -364,7 +368,9 @@ class VLLMEngine(Engine):
             detokenize=False,
         )
         request_id = f"bubblespec-{self._engine_id}-{next(self._request_ids)}"
-        prompt = {"prompt_token_ids": list(sequence.request.prompt_token_ids)}
+        # a response prefix (draft tries) is fed with the prompt; vLLM reports the tokens after it
+        prompt = {"prompt_token_ids": [*sequence.request.prompt_token_ids, *sequence.tokens]}
+        sequence.reported = len(sequence.tokens)
         core_request = self.engine.input_processor.process_inputs(
             request_id, prompt, params, supported_tasks=self._tasks
         )
@@ -397,8 +403,12 @@ class VLLMEngine(Engine):
 def _forward_pass(sequences: list[VLLMSequence], vocab_size: int) -> ForwardPass:
     """An estimate for cost models: the prompt for a sequence not yet started, else one token and its draft chunk;
     every sampled row is sampled over the whole vocabulary."""
-    fed = [len(s.chunk) + 1 if s.tokens else len(s.request.prompt_token_ids) for s in sequences]
-    sampled = [len(s.chunk) + 1 if s.tokens else 1 for s in sequences]
+    started = [s.stats.decode_steps > 0 for s in sequences]
+    fed = [
+        len(s.chunk) + 1 if on else len(s.request.prompt_token_ids) + len(s.tokens)
+        for s, on in zip(sequences, started, strict=True)
+    ]
+    sampled = [len(s.chunk) + 1 if on else 1 for s, on in zip(sequences, started, strict=True)]
     context = [len(s.request.prompt_token_ids) + len(s.tokens) + len(s.chunk) for s in sequences]
     pairs = sum(n * c for n, c in zip(fed, context, strict=True))
     return ForwardPass(len(sequences), sum(fed), sum(context), pairs, sampled_logits=sum(sampled) * vocab_size)

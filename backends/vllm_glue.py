@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from bubblespec.core.errors import EngineError, ModelLoadError
-from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples
+from bubblespec.verify.sequence import ProposalSettings, Sequence, keyed_samples, keyed_samples_with_near_ties
 
 TESTED_VLLM_VERSION = "0.32.0"
 """The release the private names this backend uses were read from; any 0.32.x is accepted."""
@@ -131,26 +131,35 @@ class KeyedVerifier:
         self._check_drafts(steps, spec_decode_metadata)
         sampled_BW = torch.full((num_requests, max(num_drafts) + 1), self.PLACEHOLDER, dtype=torch.int32)
         if rows:
-            tokens, logprobs = self._keyed_samples(logits_RV, rows, steps)
+            tokens, logprobs, near_ties = self._keyed_samples(logits_RV, rows, steps)
             for index, sequence, draft, start in steps:
                 end = start + len(draft) + 1
-                accepted = sequence.record(draft, tokens[start:end], logprobs[start:end], self.proposal)
+                ties = None if near_ties is None else (near_ties[0][start:end], near_ties[1][start:end])
+                accepted = sequence.record(draft, tokens[start:end], logprobs[start:end], self.proposal, near_ties=ties)
                 sampled_BW[index, : accepted + 1] = torch.tensor(tokens[start : start + accepted + 1])
         return SamplerOutput(sampled_token_ids=sampled_BW.to(logits_RV.device), logprobs_tensors=None)
 
     @staticmethod
-    def _keyed_samples(logits_RV: torch.Tensor, rows: list[int], steps) -> tuple[list[int], list[float]]:
+    def _keyed_samples(
+        logits_RV: torch.Tensor, rows: list[int], steps
+    ) -> tuple[list[int], list[float], tuple[list[int], list[float]] | None]:
         """Keyed samples and logprobs of the given rows; row j of a sequence's step predicts response position
-        ``len(tokens) + j``."""
+        ``len(tokens) + j``. With them, where some sequence's request asks for margins (a drafting call for draft
+        tries, docs/design.md §13), every row's runner-up and margin; else None."""
         if rows == list(range(len(rows))):
             logits_N1V = logits_RV[: len(rows), None]  # every row: no gather
         else:
             logits_N1V = logits_RV[torch.tensor(rows, device=logits_RV.device), None]
         owners = [(sequence, draft, j) for _, sequence, draft, _ in steps for j in range(len(draft) + 1)]
-        tokens_N1, logprobs_N1 = keyed_samples(
-            logits_N1V, [s for s, _, _ in owners], [d for _, d, _ in owners], offsets=[j for _, _, j in owners]
-        )
-        return [row[0] for row in tokens_N1], [row[0] for row in logprobs_N1]
+        arguments = (logits_N1V, [s for s, _, _ in owners], [d for _, d, _ in owners])
+        offsets = [j for _, _, j in owners]
+        if any(sequence.request.margins for _, sequence, _, _ in steps):
+            tokens_N1, logprobs_N1, runner_ups_N1, margins_N1 = keyed_samples_with_near_ties(*arguments, offsets)
+            near_ties = ([row[0] for row in runner_ups_N1], [row[0] for row in margins_N1])
+        else:
+            tokens_N1, logprobs_N1 = keyed_samples(*arguments, offsets=offsets)
+            near_ties = None
+        return [row[0] for row in tokens_N1], [row[0] for row in logprobs_N1], near_ties
 
     @staticmethod
     def _check_drafts(steps, spec_decode_metadata) -> None:

@@ -292,9 +292,13 @@ def test_tries_are_refused_where_the_bubble_drafts_nothing_or_the_backend_cannot
     with pytest.raises(ConfigError, match="unknown tries policy 'longest-first'; available: tail-margin"):
         validate({"speculation": {"tries_policy": "longest-first"}})
     sglang = validate({"rollout": {"backend": "sglang"}, "speculation": {"tries_max_tokens_per_rank": 100}})
-    with pytest.raises(ConfigError, match=r"backend 'sglang' does not draft tries .*use 0 with it, or the torch"):
+    with pytest.raises(
+        ConfigError, match=r"backend 'sglang' does not draft tries .*use 0 with it, or the torch or vllm"
+    ):
         load_backend(sglang)
     assert load_backend(validate({"speculation": {"tries_max_tokens_per_rank": 100}})).supports_draft_tries
+    vllm = {"rollout": {"backend": "vllm"}, "speculation": {"tries_max_tokens_per_rank": 100}}
+    assert load_backend(validate(vllm)).supports_draft_tries
 
 
 def test_bench_engine_finds_every_divergence_of_the_older_policy_along_the_newer_responses(engines):

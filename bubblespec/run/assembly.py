@@ -191,7 +191,7 @@ def load_backend(config: RunConfig | ServiceConfig):
         raise ConfigError(
             f"speculation.tries_max_tokens_per_rank {speculation.tries_max_tokens_per_rank}: rollout.backend "
             f"{config.rollout.backend!r} does not draft tries (it reports no margins and takes no response prefix; "
-            "docs/plugins.md); use 0 with it, or the torch backend"
+            "docs/plugins.md); use 0 with it, or the torch or vllm backend"
         )
     if trees and not backend.supports_draft_trees:
         logger.warning(

@@ -47,6 +47,7 @@ from bubblespec.core.interfaces import (
 )
 from bubblespec.rollout.step import drafts_from, step_requests
 from bubblespec.tasks.arithmetic import ArithmeticTask
+from bubblespec.verify.margins import REPORTED_MARGIN_LIMIT
 
 
 class EngineConformance:
@@ -652,6 +653,77 @@ class RealVocabularyConformance:
             self._assert_same(plain, drafted, f"{setting}, drafts: {name}")
             followed[name] = sum(r.stats.branches_followed for r in drafted.values())
         assert followed["tries"] > 0, f"no response took a branch: {followed}"
+
+    def test_drafting_tries_reports_near_ties_and_takes_response_prefixes(self, engine):
+        """What drafting branches needs of an engine (docs/plugins.md, *Draft tries*). One with
+        ``supports_draft_tries``: asked for margins, the same outputs, and each sampled token's runner-up and margin
+        where the margin is at most ``REPORTED_MARGIN_LIMIT`` (-1 and inf elsewhere); the runner-up is what the engine
+        samples at that position, given the response before it as a prefix, with the winner suppressed; a response
+        prefix of its own tokens gives the same response, the given tokens with logprob 0. Any other engine refuses
+        a response prefix by name."""
+        setting = next(iter(self.sampling_settings))
+        requests = self.make_requests(setting)
+        if not getattr(engine, "supports_draft_tries", False):
+            prefixed = [dataclasses.replace(requests[0], response_prefix=(5, 6))]
+            with pytest.raises(RequestError, match="has a response prefix, which this engine does not take"):
+                engine.generate(prefixed)
+            return
+        plain = _by_key(self._timed(engine, requests, f"{setting}, no drafts"))
+        asked = [dataclasses.replace(r, margins=True) for r in requests]
+        reported = _by_key(self._timed(engine, asked, f"{setting}, margins asked for"))
+        self._assert_same(plain, reported, f"{setting}, margins asked for")
+        checks = []
+        for request in asked:
+            result = reported[request.key]
+            assert len(result.runner_up_ids) == len(result.margins) == len(result.token_ids), (
+                f"{request.key}: one runner-up and margin per token"
+            )
+            for index, (winner, runner_up, margin) in enumerate(
+                zip(result.token_ids, result.runner_up_ids, result.margins, strict=True)
+            ):
+                if runner_up < 0:
+                    assert margin == float("inf"), f"{request.key} position {index}: no runner-up, margin {margin}"
+                    continue
+                assert runner_up != winner and 0 <= margin <= REPORTED_MARGIN_LIMIT, (
+                    f"{request.key} position {index}: runner-up {runner_up} (winner {winner}) at margin {margin}"
+                )
+                if len(checks) < 8 and index > 0:
+                    sampling = dataclasses.replace(
+                        request.sampling,
+                        suppressed_token_ids=(*request.sampling.suppressed_token_ids, winner),
+                        max_new_tokens=index + 1,
+                    )
+                    prefix = tuple(result.token_ids[:index])
+                    again = dataclasses.replace(request, sampling=sampling, response_prefix=prefix, margins=False)
+                    checks.append((again, index, runner_up))
+        assert len(checks) >= 4, f"{setting}: too few near-ties to check ({len(checks)})"
+        halves = [
+            dataclasses.replace(
+                r, draft=Draft(r.key, tuple(plain[r.key].token_ids[: len(plain[r.key].token_ids) // 2]), 0)
+            )
+            for r in asked
+        ]
+        drafted = _by_key(self._timed(engine, halves, f"{setting}, margins asked for, half of each response drafted"))
+        self._assert_same(plain, drafted, f"{setting}, margins asked for, half of each response drafted")
+        moved = [key for key, result in drafted.items() if result.runner_up_ids != reported[key].runner_up_ids]
+        assert len(moved) <= int(self.max_mismatch_rate * len(drafted)), (
+            f"{setting}: with drafts verified, other runner-ups were reported than without, e.g. {moved[:1]}"
+        )
+        suppressed = self._timed(engine, [again for again, _, _ in checks], f"{setting}, the winner suppressed")
+        wrong = [(c[0].key, c[1]) for c, r in zip(checks, suppressed, strict=True) if r.token_ids[c[1]] != c[2]]
+        assert len(wrong) <= int(self.max_mismatch_rate * len(checks)), (
+            f"{setting}: with the winner suppressed, the engine did not sample the reported runner-up at {wrong}"
+        )
+        given = [
+            dataclasses.replace(r, response_prefix=tuple(plain[r.key].token_ids[: 2 + i % 5]))
+            for i, r in enumerate(requests)
+        ]
+        prefixed = _by_key(self._timed(engine, given, f"{setting}, a response prefix of its own tokens"))
+        self._assert_same(plain, prefixed, f"{setting}, a response prefix of its own tokens")
+        for i, request in enumerate(given):
+            result = prefixed[request.key]
+            assert result.logprobs[: 2 + i % 5] == [0.0] * (2 + i % 5), f"{request.key}: given tokens, logprob 0"
+            assert result.stats.given_tokens == 2 + i % 5
 
     def test_older_policy_drafts_are_accepted(self, engine, older_samples):
         """Coupled drafts of a policy one small step older are mostly right; the engine must take them."""
