@@ -451,8 +451,12 @@ class DecoderModel:
         cache: KVCache | None = None,
         select_BW: torch.Tensor | None = None,
         tree: TokenTree | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, W, V] at chunk indices ``select_BW`` (all indices when None).
+
+        ``return_hidden``: also the last layer's output before the final norm at every fed token, not only the
+        selected ones (``(logits_BWV, hidden_BTH)``): what a draft head reads (:mod:`bubblespec.models.draft_head`).
 
         With a cache, ``tokens_BT`` are fed at ``positions_BT`` into cache slots ``[0, B)`` and attend to
         everything cached before them. Without one (training), each row is a whole sequence from position 0,
@@ -480,8 +484,8 @@ class DecoderModel:
             if cfg.qk_norm:
                 q_BTND = self._rms_norm(q_BTND, w[p + "self_attn.q_norm.weight"])
                 k_BTND = self._rms_norm(k_BTND, w[p + "self_attn.k_norm.weight"])
-            q_BTND = _rotate(q_BTND, cos_BT1D, sin_BT1D)
-            k_BTND = _rotate(k_BTND, cos_BT1D, sin_BT1D)
+            q_BTND = rotate(q_BTND, cos_BT1D, sin_BT1D)
+            k_BTND = rotate(k_BTND, cos_BT1D, sin_BT1D)
             v_BTND = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
             mask = masks[cfg.layer_window(i)]
             attention_BNTD = self._attention(i, q_BTND, k_BTND, v_BTND, cache, (slots_BT, positions_BT), mask)
@@ -497,7 +501,8 @@ class DecoderModel:
         else:
             selected_BWH = torch.gather(hidden_BTH, 1, select_BW[:, :, None].expand(-1, -1, hidden_BTH.shape[-1]))
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return self._linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
+        logits_BWV = self._linear(self._rms_norm(selected_BWH, w["model.norm.weight"]), head)
+        return (logits_BWV, hidden_BTH) if return_hidden else logits_BWV
 
     def _mask(
         self, positions_BT: torch.Tensor, cache: KVCache | None, window: int | None, tree: TokenTree | None = None
@@ -593,18 +598,31 @@ class DecoderModel:
         return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Like Hugging Face: normalise in at least float32, scale in the model's dtype.
-        compute = x.to(torch.promote_types(x.dtype, torch.float32))
-        compute = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * compute.to(x.dtype)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles_BTd = positions_BT.to(torch.float64)[..., None] * self._inverse_frequency
-        angles_BTD = torch.cat([angles_BTd, angles_BTd], dim=-1)[:, :, None, :]
-        return angles_BTD.cos().to(self.dtype), angles_BTD.sin().to(self.dtype)
+        return rotary_cos_sin(positions_BT, self._inverse_frequency, self.dtype)
 
 
-def _rotate(x_BTND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension. Like Hugging Face: normalise in at least float32, scale in ``x``'s dtype."""
+    compute = x.to(torch.promote_types(x.dtype, torch.float32))
+    compute = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * compute.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions_BT: torch.Tensor, inverse_frequency: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, 1, D] of the rotary angles ``position * f_d`` (computed in float64, then cast to ``dtype``;
+    ``inverse_frequency``: :func:`rope_inverse_frequency`), each half of the head dimension taking the same angles."""
+    angles_BTd = positions_BT.to(torch.float64)[..., None] * inverse_frequency
+    angles_BTD = torch.cat([angles_BTd, angles_BTd], dim=-1)[:, :, None, :]
+    return angles_BTD.cos().to(dtype), angles_BTD.sin().to(dtype)
+
+
+def rotate(x_BTND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of queries or keys [B, T, N, D] (Hugging Face's rotate-half layout)."""
     half = x_BTND.shape[-1] // 2
     rotated = torch.cat([-x_BTND[..., half:], x_BTND[..., :half]], dim=-1)
     return x_BTND * cos + rotated * sin
