@@ -1,0 +1,455 @@
+"""An EAGLE-style draft head for the built-in decoder: one decoder layer that reads the policy's last hidden states and
+drafts the next tokens with the rollout key's own noise.
+
+The network. Let ``h_t`` be the policy's last hidden state (the last layer's output, before the final norm) at the
+position whose logits sampled token ``x_{t+1}``. The head pairs them:
+
+    f_t = fc([h_t, E x_{t+1}])                 fc: 2H -> H, E: the policy's embedding
+    g_t = layer(f_0 .. f_t)                    one decoder layer of the policy's shape (causal, RoPE, GQA,
+                                               q/k/v biases, qk-norm as the family has), attending the latest
+                                               ``window`` pairs only
+    logits_t = W_out norm(g_t)                 the policy's final norm and output head
+
+``g_t`` stands in for ``h_{t+1}`` and ``logits_t`` for the policy's logits of token ``x_{t+2}``. The embedding, the
+final norm and the output head are the policy's own tensors (the same storage, never copied; frozen for the head's
+training), so the head has no vocabulary matrix of its own and a weight sync into the policy, which copies into those
+tensors in place, reaches the head at once.
+
+Drafting (:meth:`DraftHead.draft`) goes on autoregressively: the pair ``(g_t, d_1)`` of the head's own output and its
+first draft token gives the second, and so on. Each draft token is the keyed sample of the head's logits at its
+response position, ``d_i = argmax_v(mask(logits / T)[v] + G(k, i, v))`` with the request's temperature, top-k and
+top-p, so verification accepts it exactly when it equals the policy's keyed sample (docs/design.md §4): the head
+needs no probabilities, and like every draft it changes speed only. The sampler is passed in
+(:data:`KeyedSampler`, the engine binds ``verify.sampling.keyed_sample``): ``models/`` sits below ``verify/`` in the
+layer contract (docs/design.md §7).
+
+Statelessness. The head attends over the latest ``window`` pairs, in training as in drafting (a sliding window), and
+keeps no cache between calls: each drafting call recomputes the keys and values of the window it is handed (and
+keeps those of its own draft tokens until it returns). A caller keeps the latest hidden states of each sequence and
+nothing else; weights, sequences and batches can change between calls without any bookkeeping.
+
+Learning (:meth:`DraftHead.loss`, :class:`DraftHeadTrainer`): from what a rollout already computed, the policy's
+hidden states and its sampled tokens, the cross-entropy of ``softmax(logits_t / T)`` against the policy's sampled
+``x_{t+2}``. The tokens are samples of the policy at temperature ``T``, so this is an unbiased estimate of the
+gradient of the forward KL divergence from the policy's distribution to the head's: what raises the chance that
+the two keyed samples are equal. Top-k and top-p are left out of the loss: the policy's sample is always inside its
+own filtered set, the head's may not be. Training is teacher-forced (the policy's hidden state at every pair); at a
+draft's later tokens the head reads its own output instead.
+
+Precision: the head's own parameters are float32 (AdamW's master weights); it computes in the policy's dtype.
+Shapes: B rows, T pairs, C context pairs, H hidden, N query heads, K key/value heads, D head dim, S keys, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bubblespec.models.decoder import (
+    DecoderConfig,
+    DecoderModel,
+    rms_norm,
+    rope_inverse_frequency,
+    rotary_cos_sin,
+    rotate,
+)
+
+KeyedSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``sample(logits_B1V, positions_B1) -> tokens_B1``: each row's keyed sample of the head's logits at the given
+response positions, with the rollout key's own noise and the request's sampling settings (temperature, top-k,
+top-p): ``verify.sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)[0]``."""
+
+DEFAULT_WINDOW = 64
+"""Pairs the head attends by default: recent enough to be cheap, long enough to hold the local context."""
+_INIT_STD = 0.02
+"""Standard deviation of the head's initial matrices (transformers' ``initializer_range`` default)."""
+
+
+def head_parameter_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The head's own parameters by name, in their initialisation order. q/k/v and gate/up are one matrix each
+    (as the decoder computes them)."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (hidden, 2 * hidden),
+        "layer.input_layernorm.weight": (hidden,),
+        "layer.self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden),
+        "layer.self_attn.o_proj.weight": (hidden, q_size),
+        "layer.post_attention_layernorm.weight": (hidden,),
+        "layer.mlp.gate_up_proj.weight": (2 * intermediate, hidden),
+        "layer.mlp.down_proj.weight": (hidden, intermediate),
+    }
+    if config.attention_bias:
+        shapes["layer.self_attn.qkv_proj.bias"] = (q_size + 2 * kv_size,)
+    if config.output_bias:
+        shapes["layer.self_attn.o_proj.bias"] = (hidden,)
+    if config.qk_norm:
+        shapes["layer.self_attn.q_norm.weight"] = (config.head_dim,)
+        shapes["layer.self_attn.k_norm.weight"] = (config.head_dim,)
+    return shapes
+
+
+@dataclass(frozen=True)
+class DraftHeadSize:
+    """A draft head's size and the matrix-product FLOPs of drafting (2 per multiply-add; norms, rotary angles,
+    softmax, biases and the sampler are not counted): see :func:`draft_head_size`."""
+
+    num_parameters: int
+    """The head's own parameters: fc and the decoder layer."""
+    num_shared_parameters: int
+    """The policy's tensors it borrows: embedding, final norm and output head (one matrix when tied)."""
+    layer_flops_per_token: int
+    """fc, q/k/v/o projections and the MLP, for one drafted token."""
+    attention_flops_per_key: int
+    """Scores and weighted sum of one query over one key: ``4 N D``."""
+    output_head_flops_per_token: int
+    """The shared output head: ``2 H V``, the largest part for every shipped family."""
+    context_flops_per_pair: int
+    """fc and the key/value projections of a context pair (all but the last of a drafting call's)."""
+
+    def flops_per_token(self, window: int = DEFAULT_WINDOW) -> int:
+        """One drafted token with ``window`` keys attended (the most it attends): layer + attention + output head."""
+        return self.layer_flops_per_token + window * self.attention_flops_per_key + self.output_head_flops_per_token
+
+    def drafting_call_flops(self, num_context: int, num_tokens: int, window: int = DEFAULT_WINDOW) -> int:
+        """One :meth:`DraftHead.draft` call that reads ``num_context`` pairs (at most ``window``) and drafts
+        ``num_tokens``: the keys and values of the context but its last pair, then per token one full step whose
+        query attends the latest ``min(window, num_context + step)`` keys."""
+        keys = sum(min(window, num_context + step) for step in range(num_tokens))
+        per_token = self.layer_flops_per_token + self.output_head_flops_per_token
+        return (
+            (num_context - 1) * self.context_flops_per_pair
+            + num_tokens * per_token
+            + keys * self.attention_flops_per_key
+        )
+
+
+def draft_head_size(config: DecoderConfig) -> DraftHeadSize:
+    """The parameter count and drafting FLOPs of a draft head for ``config``'s policy."""
+    shapes = head_parameter_shapes(config)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    kv_size = config.num_kv_heads * config.head_dim
+    matrices = sum(rows * columns for rows, columns in (s for s in shapes.values() if len(s) == 2))
+    shared = vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden
+    return DraftHeadSize(
+        num_parameters=sum(_numel(shape) for shape in shapes.values()),
+        num_shared_parameters=shared,
+        layer_flops_per_token=2 * matrices,
+        attention_flops_per_key=4 * config.num_heads * config.head_dim,
+        output_head_flops_per_token=2 * hidden * vocab,
+        context_flops_per_pair=2 * (2 * hidden * hidden + 2 * kv_size * hidden),
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+@dataclass(frozen=True)
+class HeadBatch:
+    """Responses to learn from, right-padded: ``hidden_BTH[b, t]`` is the policy's last hidden state (before the
+    final norm) at the position whose logits sampled ``tokens_BT[b, t]``; for a response that is the prompt's last
+    position for its first token, then the positions of its tokens. Entries at ``t >= lengths_B[b]`` are padding
+    and change nothing. ``temperature_B``: each response's sampling temperature (0: greedy, trained at 1)."""
+
+    hidden_BTH: torch.Tensor
+    tokens_BT: torch.Tensor
+    lengths_B: torch.Tensor
+    temperature_B: torch.Tensor
+
+    @classmethod
+    def pad(
+        cls, hidden: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], temperatures: Sequence[float]
+    ) -> HeadBatch:
+        """One batch of responses given one by one: ``hidden[r]`` [T_r, H] and ``tokens[r]`` [T_r]."""
+        lengths = [len(t) for t in tokens]
+        if [len(h) for h in hidden] != lengths or len(temperatures) != len(lengths):
+            raise ValueError(
+                f"each response needs one hidden state per token and a temperature: {len(hidden)} hidden of lengths "
+                f"{[len(h) for h in hidden]}, {len(tokens)} token rows of lengths {lengths}, "
+                f"{len(temperatures)} temperatures"
+            )
+        return cls(
+            torch.nn.utils.rnn.pad_sequence(list(hidden), batch_first=True),
+            torch.nn.utils.rnn.pad_sequence([t.to(torch.int64) for t in tokens], batch_first=True),
+            torch.tensor(lengths, dtype=torch.int64),
+            torch.tensor(temperatures, dtype=torch.float64),
+        )
+
+
+class DraftHead:
+    """A one-layer draft head over ``policy`` (a :class:`~bubblespec.models.decoder.DecoderModel`), initialised from
+    ``seed``; it attends the latest ``window`` pairs (or the family's sliding window, if shorter)."""
+
+    def __init__(self, policy: DecoderModel, seed: int = 0, window: int = DEFAULT_WINDOW) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive number of positions, got {window!r}")
+        cfg = policy.config
+        self.config, self.dtype, self.device = cfg, policy.dtype, policy.device
+        family_window = cfg.layer_window(cfg.num_layers - 1)
+        self.window = window if family_window is None else min(window, family_window)
+        shared = policy.weights
+        self.embedding = shared["model.embed_tokens.weight"]
+        self.final_norm = shared["model.norm.weight"]
+        self.output_head = shared["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        frequency = rope_inverse_frequency(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+        self._inverse_frequency = frequency.to(self.device)
+        self.parameters = _initial_parameters(cfg, seed, self.device)
+        self._inference: dict[str, torch.Tensor] | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the head's own parameters (float32) by name; the policy's shared tensors are not in it."""
+        return {name: p.detach().clone() for name, p in self.parameters.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Sets the head's parameters from :meth:`state_dict`'s names and shapes, exactly (any other name, a missing
+        one or a wrong shape is refused)."""
+        expected = {name: tuple(p.shape) for name, p in self.parameters.items()}
+        given = {name: tuple(t.shape) for name, t in state.items()}
+        if given != expected:
+            wrong = sorted(n for n in given.keys() | expected.keys() if given.get(n) != expected.get(n))
+            raise ValueError(
+                f"draft head state does not fit this head: {wrong[:5]} (given {[given.get(n) for n in wrong[:5]]}, "
+                f"expected {[expected.get(n) for n in wrong[:5]]})"
+            )
+        for name, tensor in state.items():
+            self.parameters[name].copy_(tensor)
+        self._parameters_changed()
+
+    def _parameters_changed(self) -> None:
+        self._inference = None
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The own parameters in the compute dtype: with gradients to the float32 parameters while they are
+        trained, else a copy kept until the parameters change (the parameters themselves in float32)."""
+        if torch.is_grad_enabled():
+            return {name: p.to(self.dtype) for name, p in self.parameters.items()}
+        if self._inference is None:
+            self._inference = {name: p.detach().to(self.dtype) for name, p in self.parameters.items()}
+        return self._inference
+
+    def forward(self, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The head's outputs ``g`` [B, T, H] over whole rows of pairs from their first (teacher-forced: the
+        policy's hidden state at every pair), right-padded rows allowed (a pair sees only pairs before it):
+        ``g[:, t]`` stands in for the policy's hidden state at the position after ``tokens_BT[:, t]``."""
+        w = self._weights()
+        batch, length = tokens_BT.shape
+        f_BTH = self._fc(w, hidden_BTH, tokens_BT)
+        positions_BT = torch.arange(length, device=self.device)[None, :].expand(batch, length)
+        q_BTND, k_BTND, v_BTND = self._queries_keys_values(w, f_BTH, positions_BT)
+        keys_1S, queries_T1 = positions_BT[0][None, :], positions_BT[0][:, None]
+        visible_TS = (keys_1S <= queries_T1) & (keys_1S > queries_T1 - self.window)
+        attention_BNTD = F.scaled_dot_product_attention(
+            q_BTND.transpose(1, 2), k_BTND.transpose(1, 2), v_BTND.transpose(1, 2), attn_mask=visible_TS,
+            enable_gqa=self.config.num_heads != self.config.num_kv_heads,
+        )  # fmt: skip
+        return self._layer_output(w, f_BTH, attention_BNTD)
+
+    def logits(self, output_BTH: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of head outputs: the policy's final norm and output head."""
+        normed_BTH = rms_norm(output_BTH, self.final_norm.detach(), self.config.rms_norm_eps)
+        return F.linear(normed_BTH, self.output_head.detach())
+
+    @torch.no_grad()
+    def draft(
+        self,
+        hidden_BTH: torch.Tensor,
+        tokens_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        first_positions_B: torch.Tensor,
+        num_tokens: int,
+        sample: KeyedSampler,
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``num_tokens`` draft tokens [B, num_tokens] per row, each the keyed sample of the head's logits at its
+        response position (``sample``, :data:`KeyedSampler`); with ``return_logits`` also those logits
+        [B, num_tokens, V].
+
+        Rows are right-padded as in :class:`HeadBatch` (``lengths_B`` >= 1 real pairs each): ``hidden_BTH[b, t]``
+        the policy's last hidden state at the position whose logits sampled ``tokens_BT[b, t]``; the last real
+        token of a row is the newest sampled one (not yet fed to the policy). Only the latest :attr:`window` pairs
+        of a row are read. ``first_positions_B``: the response position of each row's first draft token (the
+        newest token's plus one). The head keeps nothing between calls (see the module docstring).
+        """
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be at least 1, got {num_tokens}")
+        lengths_B = lengths_B.to(self.device, torch.int64)
+        if bool((lengths_B < 1).any()) or int(lengths_B.max()) > tokens_BT.shape[1]:
+            raise ValueError(f"each row needs 1 to {tokens_BT.shape[1]} pairs, got lengths {lengths_B.tolist()}")
+        w = self._weights()
+        hidden_BCH, tokens_BC, positions_BC, real_BC = self._latest_pairs(hidden_BTH, tokens_BT, lengths_B)
+        # Keys and values of the context but its last pair, which the first step feeds: [B, K, C - 1, D].
+        _, keys_BTKD, values_BTKD = self._queries_keys_values(
+            w, self._fc(w, hidden_BCH[:, :-1], tokens_BC[:, :-1]), positions_BC[:, :-1], queries=False
+        )
+        keys_BKSD, values_BKSD = keys_BTKD.transpose(1, 2), values_BTKD.transpose(1, 2)
+        real_BS = real_BC[:, :-1]
+        hidden_B1H, token_B1, position_B1 = hidden_BCH[:, -1:], tokens_BC[:, -1:], positions_BC[:, -1:]
+        first_positions_B1 = first_positions_B.to(self.device, torch.int64)[:, None]
+        drafted, logits = [], []
+        for step in range(num_tokens):
+            f_B1H = self._fc(w, hidden_B1H, token_B1)
+            q_B1ND, k_B1KD, v_B1KD = self._queries_keys_values(w, f_B1H, position_B1)
+            # The latest `window` keys, this pair's included: what the pair sees in training (forward's mask).
+            keys_BKSD = torch.cat([keys_BKSD, k_B1KD.transpose(1, 2)], dim=2)[:, :, -self.window :]
+            values_BKSD = torch.cat([values_BKSD, v_B1KD.transpose(1, 2)], dim=2)[:, :, -self.window :]
+            real_BS = torch.cat([real_BS, real_BS.new_ones(len(real_BS), 1)], dim=1)[:, -self.window :]
+            attention_BN1D = F.scaled_dot_product_attention(
+                q_B1ND.transpose(1, 2), keys_BKSD, values_BKSD, attn_mask=real_BS[:, None, None, :],
+                enable_gqa=self.config.num_heads != self.config.num_kv_heads,
+            )  # fmt: skip
+            hidden_B1H = self._layer_output(w, f_B1H, attention_BN1D)
+            logits_B1V = self.logits(hidden_B1H)
+            token_B1 = sample(logits_B1V, first_positions_B1 + step).to(self.device, torch.int64)
+            drafted.append(token_B1)
+            logits.append(logits_B1V)
+            position_B1 = position_B1 + 1
+        tokens_BN = torch.cat(drafted, dim=1)
+        return (tokens_BN, torch.cat(logits, dim=1)) if return_logits else tokens_BN
+
+    def _latest_pairs(self, hidden_BTH, tokens_BT, lengths_B):
+        """The latest ``min(window, longest row)`` pairs of each row, left-padded to C: hidden [B, C, H], tokens
+        [B, C], positions [B, C] (0 at a row's first pair read) and which entries are real [B, C]."""
+        num_context = min(self.window, int(lengths_B.max()))
+        index_BC = lengths_B[:, None] - num_context + torch.arange(num_context, device=self.device)
+        real_BC = index_BC >= 0
+        index_BC = index_BC.clamp(min=0)
+        hidden_BCH = torch.gather(
+            hidden_BTH.to(self.device), 1, index_BC[:, :, None].expand(-1, -1, hidden_BTH.shape[-1])
+        )
+        tokens_BC = torch.gather(tokens_BT.to(self.device, torch.int64), 1, index_BC)
+        positions_BC = (torch.arange(num_context, device=self.device) - (~real_BC).sum(1, keepdim=True)).clamp(min=0)
+        return hidden_BCH, tokens_BC, positions_BC, real_BC
+
+    def _fc(self, w, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """``fc([h_t, E x_{t+1}])`` [B, T, H] (the policy's hidden states are inputs: no gradient reaches them)."""
+        embedded_BTH = F.embedding(tokens_BT, self.embedding.detach())
+        return F.linear(torch.cat([hidden_BTH.detach().to(self.dtype), embedded_BTH], dim=-1), w["fc.weight"])
+
+    def _queries_keys_values(self, w, f_BTH: torch.Tensor, positions_BT: torch.Tensor, queries: bool = True):
+        """Queries [B, T, N, D] (None without ``queries``), keys and values [B, T, K, D] of the layer's attention,
+        normalised per head (qk-norm) and rotated as the policy's layers do."""
+        cfg = self.config
+        batch, length, _ = f_BTH.shape
+        x_BTH = rms_norm(f_BTH, w["layer.input_layernorm.weight"], cfg.rms_norm_eps)
+        q_size = 0 if queries else cfg.num_heads * cfg.head_dim
+        bias = w.get("layer.self_attn.qkv_proj.bias")
+        projected = F.linear(
+            x_BTH, w["layer.self_attn.qkv_proj.weight"][q_size:], None if bias is None else bias[q_size:]
+        )
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        q, k, v = projected.split([projected.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
+        k_BTKD = k.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        v_BTKD = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        q_BTND = q.view(batch, length, cfg.num_heads, cfg.head_dim) if queries else None
+        if cfg.qk_norm:
+            k_BTKD = rms_norm(k_BTKD, w["layer.self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            if queries:
+                q_BTND = rms_norm(q_BTND, w["layer.self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        cos_BT1D, sin_BT1D = rotary_cos_sin(positions_BT, self._inverse_frequency, self.dtype)
+        q_BTND = rotate(q_BTND, cos_BT1D, sin_BT1D) if queries else None
+        return q_BTND, rotate(k_BTKD, cos_BT1D, sin_BT1D), v_BTKD
+
+    def _layer_output(self, w, f_BTH: torch.Tensor, attention_BNTD: torch.Tensor) -> torch.Tensor:
+        """The layer's output [B, T, H] from its input and its attention: output projection and MLP, each with its
+        residual connection."""
+        batch, length, _ = f_BTH.shape
+        attention_BTH = attention_BNTD.transpose(1, 2).reshape(batch, length, -1)
+        output_bias = w.get("layer.self_attn.o_proj.bias")
+        hidden_BTH = f_BTH + F.linear(attention_BTH, w["layer.self_attn.o_proj.weight"], output_bias)
+        x_BTH = rms_norm(hidden_BTH, w["layer.post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        gate, up = F.linear(x_BTH, w["layer.mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+        return hidden_BTH + F.linear(F.silu(gate) * up, w["layer.mlp.down_proj.weight"])
+
+    def row_losses(self, batch: HeadBatch) -> torch.Tensor:
+        """Each row's mean cross-entropy [B] float32 over its targets (0 for a row of fewer than 2 tokens)."""
+        losses_BT, targets_BT = self._token_losses(batch)
+        return losses_BT.sum(1) / targets_BT.sum(1).clamp(min=1)
+
+    def loss(self, batch: HeadBatch) -> torch.Tensor:
+        """The mean cross-entropy over every target of the batch: ``-log softmax(logits_t / T)[x_{t+2}]`` with
+        ``logits_t`` the head's at the pair of ``tokens[t]`` (0-d float32)."""
+        losses_BT, targets_BT = self._token_losses(batch)
+        return losses_BT.sum() / targets_BT.sum().clamp(min=1)
+
+    def _token_losses(self, batch: HeadBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy [B, T - 1] float32 of pair t's logits against token t + 1 (0 at padding), and where a
+        target is real [B, T - 1]."""
+        tokens_BT = batch.tokens_BT.to(self.device, torch.int64)
+        logits_BTV = self.logits(self.forward(batch.hidden_BTH[:, :-1].to(self.device), tokens_BT[:, :-1]))
+        temperature_B = batch.temperature_B.to(self.device, torch.float32)
+        divisor_B = torch.where(temperature_B > 0, temperature_B, 1.0)
+        scaled_BVT = (logits_BTV.float() / divisor_B[:, None, None]).transpose(1, 2)
+        losses_BT = F.cross_entropy(scaled_BVT, tokens_BT[:, 1:], reduction="none")
+        length = tokens_BT.shape[1] - 1
+        targets_BT = torch.arange(length, device=self.device)[None, :] < batch.lengths_B.to(self.device)[:, None] - 1
+        return torch.where(targets_BT, losses_BT, 0.0), targets_BT
+
+
+def _initial_parameters(config: DecoderConfig, seed: int, device) -> dict[str, torch.Tensor]:
+    """float32 parameters from ``seed`` (drawn on the CPU, so every device starts alike): matrices normal with
+    standard deviation 0.02, norm weights 1, biases 0."""
+    generator = torch.Generator().manual_seed(seed)
+    parameters = {}
+    for name, shape in head_parameter_shapes(config).items():
+        if name.endswith("bias"):
+            value = torch.zeros(shape)
+        elif len(shape) == 1:
+            value = torch.ones(shape)
+        else:
+            value = _INIT_STD * torch.randn(shape, generator=generator)
+        parameters[name] = value.to(device)
+    return parameters
+
+
+class DraftHeadTrainer:
+    """AdamW on a :class:`DraftHead`'s own parameters (the policy's shared tensors are never in it)."""
+
+    def __init__(
+        self,
+        head: DraftHead,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        self.head = head
+        self.max_grad_norm = max_grad_norm
+        parameters = [p.requires_grad_() for p in head.parameters.values()]
+        self.optimizer = torch.optim.AdamW(
+            parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay, foreach=False
+        )
+
+    def step(self, batch: HeadBatch) -> float:
+        """One optimizer step on ``batch``'s loss (:meth:`DraftHead.loss`); returns the loss before the step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.head.loss(batch)
+        loss.backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.head.parameters.values()), self.max_grad_norm, foreach=False)
+        self.optimizer.step()
+        self.head._parameters_changed()
+        return float(loss.detach())
+
+    def state_dict(self) -> dict:
+        """The optimizer's state (moments and step counts), copied: with :meth:`DraftHead.state_dict` what a
+        checkpoint stores to resume training exactly."""
+        state = self.optimizer.state_dict()
+        return {
+            "state": {i: {k: v.clone() for k, v in s.items()} for i, s in state["state"].items()},
+            "param_groups": [dict(group) for group in state["param_groups"]],
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.optimizer.load_state_dict(state)
