@@ -327,3 +327,62 @@ def test_bench_engine_finds_every_divergence_of_the_older_policy_along_the_newer
     branched = decode_steps_with_branches(older, newer, requests, branches_per_draft=3)
     assert branched["identical"] and branched["branches_drafted"] > 0
     assert branched["decode_steps_with_branches"] <= branched["decode_steps_single"]
+
+
+def test_the_tries_plan_hands_out_several_near_ties_of_a_key_at_once_and_merges_each_where_it_belongs(engines):
+    """One round of branch requests drafts the best near-ties of every key, several per key (a result is told
+    apart by its response prefix); each result grows its own node; a result for a draft that was replaced meanwhile
+    is dropped; the budget stops the hand-out; a branch the barrier cut is continued before new near-ties."""
+    from bubblespec.policies.tries import TailMargin
+    from bubblespec.rollout.step import drafts_from
+    from bubblespec.rollout.tries_plan import TriesPlan
+
+    _, older = engines
+    requests = _requests(3, margins=True)
+    drafts = drafts_from(older.generate(requests), 0)
+    plan = TriesPlan(TailMargin(), requests, max_tokens=10_000, drafts=drafts)
+    assert not plan.available(policy_version=1), "another policy's drafts branched"
+    chunk = plan.take(12, policy_version=0)
+    per_key = {r.key: sum(c.key == r.key for c in chunk) for r in requests}
+    assert len(chunk) == 12 and max(per_key.values()) > 1, per_key
+    assert len({(c.key, c.response_prefix) for c in chunk}) == 12, "two requests for one near-tie"
+    results = older.generate(chunk)
+    assert all(plan.is_branch(r) for r in results)
+    assert not any(plan.is_branch(r) for r in older.generate(requests[:1])), "a key's own draft taken for a branch"
+    grown = plan.merge(results[::-1])  # in any order
+    assert sorted(t.key for t in grown) == sorted({c.key for c in chunk})  # one trie per key
+    for request, result in zip(chunk, results, strict=True):
+        trie = plan.tries[request.key]
+        index = len(request.response_prefix) - 1
+        branch = node_at(trie, (index,))  # the draft's own near-ties: route ()
+        assert branch.token_ids == tuple(result.token_ids[index:])
+        assert path_at(trie, (index,))[: index + 1] == request.response_prefix
+    assert plan.tokens == sum(
+        len(r.token_ids) - len(c.response_prefix) + 1 for c, r in zip(chunk, results, strict=True)
+    )
+    again = plan.take(12, policy_version=0)
+    assert not {(c.key, c.response_prefix) for c in again} & {(c.key, c.response_prefix) for c in chunk}
+
+    # the key's draft replaced while a branch of the old one was out: the branch is dropped
+    key = again[0].key
+    replaced = dataclasses.replace(plan.tries[key], token_ids=(7, *plan.tries[key].token_ids[1:]), branches=())
+    plan.observe([replaced])
+    assert plan.merge(older.generate(again[:1])) == [] and plan.tries[key] == replaced
+
+    # the budget: nothing more is handed out once it is spent
+    plan.tokens = plan.max_tokens
+    assert not plan.available(0) and plan.take(4, 0) == []
+
+    # a cut branch: continued before any new near-tie
+    fresh = TriesPlan(TailMargin(), requests, max_tokens=10_000, drafts=drafts)
+    first = fresh.take(1, 0)[0]
+    cut = older.generate([dataclasses.replace(first, sampling=dataclasses.replace(
+        first.sampling, max_new_tokens=len(first.response_prefix) + 2))])[0]  # fmt: skip
+    fresh.merge([dataclasses.replace(cut, finish_reason="preempted")])
+    following = fresh.take(3, 0)
+    assert following[0].draft is not None and following[0].response_prefix == first.response_prefix
+    continued = fresh.merge(older.generate(following[:1]))[0]
+    index = len(first.response_prefix) - 1
+    whole = older.generate([first])[0]
+    assert node_at(continued, (index,)).token_ids == tuple(whole.token_ids[index:])
+    assert node_at(continued, (index,)).finished
