@@ -8,6 +8,17 @@ because the cache is addressed by absolute position (see :mod:`bubblespec.models
 sequences leave the batch at once and queued requests take their slots (continuous batching), so a shard's
 long tail does not hold short requests hostage. Drafts align by position: after a mismatch the next step
 proposes the draft's tokens at the following positions.
+
+A draft head (:meth:`TorchEngine.set_draft_head`, :mod:`bubblespec.models.draft_head`) fills the room a sequence's
+own proposal leaves in a pass. While the engine holds one, every pass also returns the policy's last hidden states,
+and each sequence keeps its latest ``window`` valid (hidden state, token) pairs: the hidden state at a fed position
+whose logits emitted a token, with that token. After a pass that fed ``[last, d_1 .. d_K]`` and accepted ``a``
+draft tokens, those are the fed positions 0..a, paired with ``d_1 .. d_a`` and the sample after them (a prompt's
+pass: from the prompt's last position on); the rest were rejected and are dropped. Before a pass, the sequences whose
+own proposal (request draft, dynamic sources) is shorter than their draft room are extended by the head, in one
+batched call: it reads each one's pairs, takes its own proposal as given and drafts the rest with the key's noise
+and the request's sampling settings at the response positions they take. Those tokens are verified as any draft, so
+they change no output. Token-tree passes (``draft_candidates`` > 1) do not take a head.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from bubblespec.models.decoder import (
     read_checkpoint,
     read_model_config,
 )
+from bubblespec.models.draft_head import DEFAULT_WINDOW, DraftHead
 from bubblespec.verify.sequence import (
     ProposalSettings,
     Sequence,
@@ -101,6 +113,9 @@ class _Slot(Sequence):
 
     pending: list[int] = field(default_factory=list)  # tokens to feed next, not yet in the cache
     cache_length: int = 0  # positions [0, cache_length) of this slot hold valid keys and values
+    # with a draft head: the policy's last hidden states [P, H] of the latest valid pairs, and the token each emitted
+    head_hidden: torch.Tensor | None = field(default=None, repr=False)
+    head_tokens: list[int] = field(default_factory=list, repr=False)
 
 
 class TorchEngine(Engine):
@@ -131,6 +146,8 @@ class TorchEngine(Engine):
         self._cache: KVCache | None = None
         self.num_forward_passes = 0  # engine-wide counter, for benchmarks and metrics
         self._proposal = ProposalSettings.of(config)
+        self._head: DraftHead | None = None
+        self._head_max_tokens = 0
 
     @classmethod
     def check_model(cls, model_path: str) -> None:
@@ -163,6 +180,39 @@ class TorchEngine(Engine):
 
     def select_rank(self, rank: int) -> None:
         self._proposal.select_rank(rank)
+
+    @property
+    def draft_head(self) -> DraftHead | None:
+        """The draft head the engine drafts with (:meth:`set_draft_head`), or None."""
+        return self._head
+
+    def set_draft_head(
+        self,
+        state: Mapping[str, torch.Tensor] | None,
+        window: int = DEFAULT_WINDOW,
+        max_tokens: int | None = None,
+    ) -> None:
+        """From the next ``generate`` on, drafts with a :class:`~bubblespec.models.draft_head.DraftHead` over this
+        engine's model with ``state`` (its :meth:`~bubblespec.models.draft_head.DraftHead.state_dict`) attending the
+        latest ``window`` pairs; None removes the head. In each pass the head proposes up to ``max_tokens`` tokens
+        (default ``max_draft_tokens_per_step``) after a sequence's own proposal, within the sequence's draft room.
+        The head shares the model's embedding and output head, so weight updates reach it. It drafts with the key's
+        own noise under one-hot verification too (as a bubble draft is drafted)."""
+        if state is None:
+            self._head, self._head_max_tokens = None, 0
+            return
+        if self._proposal.draft_candidates > 1:
+            raise ValueError(
+                f"a draft head drafts in linear verify passes only, got draft_candidates "
+                f"{self._proposal.draft_candidates} (speculation.draft_candidates); use 1 with a draft head"
+            )
+        counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+        if max_tokens is not None and not (counted and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
+        head = DraftHead(self.model, window=window)
+        head.load_state_dict(state)
+        self._head = head
+        self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
 
     def release(self) -> None:
         self._cache = None
@@ -243,6 +293,9 @@ class TorchEngine(Engine):
             return self._tree_step(active, cache, on_forward)
         batch = len(active)
         drafts = [s.propose(self._proposal) for s in active]
+        own = [len(d) for d in drafts]
+        if self._head is not None:
+            drafts = self._head_drafts(active, drafts)
         chunks = [s.pending + d for s, d in zip(active, drafts, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(d) for d in drafts) + 1
@@ -253,18 +306,72 @@ class TorchEngine(Engine):
         positions = cache_lengths[:, None] + torch.arange(length)
         first_sampled = torch.tensor([len(s.pending) - 1 for s in active])
         select = (first_sampled[:, None] + torch.arange(width)).clamp(max=length - 1)
-        logits = self.model.forward(tokens.to(self.device), positions.to(self.device), cache, select.to(self.device))
+        logits = self.model.forward(
+            tokens.to(self.device), positions.to(self.device), cache, select.to(self.device),
+            return_hidden=self._head is not None,
+        )  # fmt: skip
+        if self._head is not None:
+            logits, hidden_BTH = logits
         self.num_forward_passes += 1
         if on_forward is not None:
             on_forward(_forward_pass(active, chunks, width * self.vocab_size))
         sampled, logprobs, near_ties = self._sample(active, logits, drafts)
         for row, (sequence, draft) in enumerate(zip(active, drafts, strict=True)):
-            fed = len(sequence.pending)
+            fed, before = len(sequence.pending), len(sequence.tokens)
             ties = None if near_ties is None else (near_ties[0][row], near_ties[1][row])
             accepted = sequence.record(draft, sampled[row], logprobs[row], self._proposal, near_ties=ties)
+            if self._head is not None:
+                kept = len(sequence.tokens) - before
+                sequence.stats.head_tokens_proposed += len(draft) - own[row]
+                sequence.stats.head_tokens_accepted += max(0, min(accepted, kept) - own[row])
+                if sequence.finish is None:
+                    self._keep_pairs(sequence, hidden_BTH[row], before)
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
+
+    def _head_drafts(self, active: list[_Slot], drafts: list[list[int]]) -> list[list[int]]:
+        """Each sequence's proposal, extended by the draft head where it leaves room (up to the head's
+        ``max_tokens`` more): one head call for every such sequence that holds pairs (a sequence's first pass has
+        none), its own proposal given, each token the keyed sample of the head's logits at its response position."""
+        room = [min(self._head_max_tokens, s.proposal_length(self._proposal) - len(d)) for s, d in
+                zip(active, drafts, strict=True)]  # fmt: skip
+        rows = [row for row, sequence in enumerate(active) if room[row] > 0 and sequence.head_hidden is not None]
+        if not rows:
+            return drafts
+        chosen = [active[row] for row in rows]
+        given = [drafts[row] for row in rows]
+        num_tokens = max(len(drafts[row]) + room[row] for row in rows)
+        drafted_BN = self._head.draft(
+            torch.nn.utils.rnn.pad_sequence([s.head_hidden for s in chosen], batch_first=True),
+            torch.nn.utils.rnn.pad_sequence([torch.tensor(s.head_tokens) for s in chosen], batch_first=True),
+            torch.tensor([len(s.head_tokens) for s in chosen]),
+            torch.tensor([len(s.tokens) for s in chosen]),
+            num_tokens,
+            _head_sampler(chosen),
+            given=given,
+        ).tolist()
+        extended = list(drafts)
+        for row, tokens in zip(rows, drafted_BN, strict=True):
+            extended[row] = tokens[: len(drafts[row]) + room[row]]
+        return extended
+
+    def _keep_pairs(self, sequence: _Slot, hidden_TH: torch.Tensor, before: int) -> None:
+        """After a pass that fed ``sequence``'s chunk (its hidden states ``hidden_TH``) and emitted the tokens from
+        response position ``before`` on: appends the valid pairs (each fed position whose logits emitted a token,
+        with it) and keeps the head's window. A prompt's pass pairs from the prompt's last position on (its response
+        prefix, if any, then the emitted tokens); a later pass from its pending token on."""
+        kept = len(sequence.tokens) - before
+        fed = len(sequence.pending)
+        if sequence.head_hidden is None:
+            first, tokens = len(sequence.request.prompt_token_ids) - 1, sequence.tokens
+            hidden = hidden_TH[first : fed - 1 + kept].clone()  # not a view that keeps the whole pass's alive
+        else:
+            tokens = sequence.tokens[before:]
+            hidden = torch.cat([sequence.head_hidden, hidden_TH[fed - 1 : fed - 1 + kept]])
+        window = self._head.window
+        sequence.head_hidden = hidden[-window:]
+        sequence.head_tokens = [*sequence.head_tokens, *tokens][-window:]
 
     def _tree_step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass in which every sequence verifies its candidates as a token tree
@@ -333,6 +440,18 @@ class TorchEngine(Engine):
             tokens, logprobs, runner_ups, margins = keyed_samples_with_near_ties(logits, active, drafts, offsets)
             return tokens, logprobs, (runner_ups, margins)
         return (*keyed_samples(logits, active, drafts, offsets), None)
+
+
+def _head_sampler(sequences: list[_Slot]):
+    """The keyed sampler a draft head drafts ``sequences``' rows with: each row's key noise and sampling settings
+    at the given response positions (the repetition penalty over the prompt and the response so far)."""
+
+    def sample(logits_B1V: torch.Tensor, positions_B1: torch.Tensor) -> torch.Tensor:
+        offsets = [p - len(s.tokens) for p, s in zip(positions_B1[:, 0].tolist(), sequences, strict=True)]
+        tokens, _ = keyed_samples(logits_B1V, sequences, [[] for _ in sequences], offsets)
+        return torch.tensor(tokens)
+
+    return sample
 
 
 def _forward_pass(

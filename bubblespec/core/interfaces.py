@@ -212,6 +212,12 @@ class RequestStats:
     """Times the response left its draft's path onto one of the draft's branches (draft tries)."""
     given_tokens: int = 0
     """Response tokens the request gave rather than sampled (:attr:`GenerationRequest.response_prefix`)."""
+    head_tokens_proposed: int = 0
+    """Draft tokens an engine's draft head proposed after the sequence's own proposal, in the passes where that left
+    room (counted in :attr:`draft_tokens_proposed` too)."""
+    head_tokens_accepted: int = 0
+    """Of :attr:`head_tokens_proposed`, those verification accepted and the response kept (counted in
+    :attr:`draft_tokens_accepted` too)."""
 
     @property
     def acceptance_length_mean(self) -> float:

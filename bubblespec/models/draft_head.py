@@ -271,6 +271,7 @@ class DraftHead:
         num_tokens: int,
         sample: KeyedSampler,
         return_logits: bool = False,
+        given: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``num_tokens`` draft tokens [B, num_tokens] per row, each the keyed sample of the head's logits at its
         response position (``sample``, :data:`KeyedSampler`); with ``return_logits`` also those logits
@@ -281,6 +282,10 @@ class DraftHead:
         token of a row is the newest sampled one (not yet fed to the policy). Only the latest :attr:`window` pairs
         of a row are read. ``first_positions_B``: the response position of each row's first draft token (the
         newest token's plus one). The head keeps nothing between calls (see the module docstring).
+
+        ``given``: per row, its first draft tokens (at most ``num_tokens``), taken instead of sampled and read as
+        the head reads its own: the head continues a proposal from elsewhere. A step where every row's token is
+        given computes no logits, unless ``return_logits`` asks for them.
         """
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be at least 1, got {num_tokens}")
@@ -297,6 +302,7 @@ class DraftHead:
         real_BS = real_BC[:, :-1]
         hidden_B1H, token_B1, position_B1 = hidden_BCH[:, -1:], tokens_BC[:, -1:], positions_BC[:, -1:]
         first_positions_B1 = first_positions_B.to(self.device, torch.int64)[:, None]
+        given_BN, num_given_B = self._given(given, len(lengths_B), num_tokens)
         drafted, logits = [], []
         for step in range(num_tokens):
             f_B1H = self._fc(w, hidden_B1H, token_B1)
@@ -310,13 +316,32 @@ class DraftHead:
                 enable_gqa=self.config.num_heads != self.config.num_kv_heads,
             )  # fmt: skip
             hidden_B1H = self._layer_output(w, f_B1H, attention_BN1D)
-            logits_B1V = self.logits(hidden_B1H)
-            token_B1 = sample(logits_B1V, first_positions_B1 + step).to(self.device, torch.int64)
+            if return_logits or bool((num_given_B <= step).any()):
+                logits_B1V = self.logits(hidden_B1H)
+                token_B1 = sample(logits_B1V, first_positions_B1 + step).to(self.device, torch.int64)
+                token_B1 = torch.where(num_given_B[:, None] > step, given_BN[:, step : step + 1], token_B1)
+                logits.append(logits_B1V)
+            else:  # every row continues a given proposal: no output head, no sampling
+                token_B1 = given_BN[:, step : step + 1]
             drafted.append(token_B1)
-            logits.append(logits_B1V)
             position_B1 = position_B1 + 1
         tokens_BN = torch.cat(drafted, dim=1)
         return (tokens_BN, torch.cat(logits, dim=1)) if return_logits else tokens_BN
+
+    def _given(self, given, batch: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draft`'s given tokens as [B, num_tokens] int64 (0 past a row's own) and their counts [B]."""
+        given_BN = torch.zeros(batch, num_tokens, dtype=torch.int64)
+        num_given_B = torch.zeros(batch, dtype=torch.int64)
+        if given is not None:
+            if len(given) != batch or any(len(row) > num_tokens for row in given):
+                raise ValueError(
+                    f"given needs one row of at most {num_tokens} tokens per drafting row ({batch}), got lengths "
+                    f"{[len(row) for row in given]}"
+                )
+            for row, tokens in enumerate(given):
+                given_BN[row, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64)
+                num_given_B[row] = len(tokens)
+        return given_BN.to(self.device), num_given_B.to(self.device)
 
     def _latest_pairs(self, hidden_BTH, tokens_BT, lengths_B):
         """The latest ``min(window, longest row)`` pairs of each row, left-padded to C: hidden [B, C, H], tokens

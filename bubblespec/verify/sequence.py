@@ -203,8 +203,9 @@ class Sequence:
 
     # -- proposing -----------------------------------------------------------------------------------------------
 
-    def _proposal_length(self, settings: ProposalSettings) -> int:
-        """Tokens one proposal may hold: room is left for the sampled token that always follows them."""
+    def proposal_length(self, settings: ProposalSettings) -> int:
+        """Tokens one proposal may hold: room is left for the sampled token that always follows them (0: the next
+        pass decodes plainly). An engine that extends a proposal (a draft head) fills it up to this."""
         limit = settings.max_draft_tokens_per_step
         if self.proposal_limit is not None:
             limit = min(limit, self.proposal_limit)
@@ -214,7 +215,7 @@ class Sequence:
         """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain
         (:meth:`_chain_proposals`), leaving room for the sampled token that always follows them. Empty for a plain
         decode step."""
-        limit = self._proposal_length(settings)
+        limit = self.proposal_length(settings)
         if limit <= 0:
             return []
         for name, chunk in self._chain_proposals(settings, limit, every=False):
@@ -228,7 +229,7 @@ class Sequence:
         """Up to ``settings.draft_candidates`` distinct (source, tokens) proposals in the chain's priority order
         (:meth:`_chain_proposals` with every proposal of each source, e.g. one per sibling), to verify together as
         a token tree. Empty for a plain decode step."""
-        limit = self._proposal_length(settings)
+        limit = self.proposal_length(settings)
         if limit <= 0:
             return []
         found: list[tuple[str, list[int]]] = []
