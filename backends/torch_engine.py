@@ -18,7 +18,8 @@ pass: from the prompt's last position on); the rest were rejected and are droppe
 own proposal (request draft, dynamic sources) is shorter than their draft room are extended by the head, in one
 batched call: it reads each one's pairs, takes its own proposal as given and drafts the rest with the key's noise
 and the request's sampling settings at the response positions they take. Those tokens are verified as any draft, so
-they change no output. Token-tree passes (``draft_candidates`` > 1) do not take a head.
+they change no output. In a token-tree pass (``draft_candidates`` > 1) the head extends the first candidate (nodes
+0, 1, ... of the tree; the others stay as they are) and the pairs follow the accepted path.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from pydantic import field_validator, model_validator
 
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
+from bubblespec.core.draft_sources import REQUEST_DRAFT
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 from bubblespec.models.decoder import (
@@ -201,11 +203,6 @@ class TorchEngine(Engine):
         if state is None:
             self._head, self._head_max_tokens = None, 0
             return
-        if self._proposal.draft_candidates > 1:
-            raise ValueError(
-                f"a draft head drafts in linear verify passes only, got draft_candidates "
-                f"{self._proposal.draft_candidates} (speculation.draft_candidates); use 1 with a draft head"
-            )
         counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         if max_tokens is not None and not (counted and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
@@ -321,11 +318,7 @@ class TorchEngine(Engine):
             ties = None if near_ties is None else (near_ties[0][row], near_ties[1][row])
             accepted = sequence.record(draft, sampled[row], logprobs[row], self._proposal, near_ties=ties)
             if self._head is not None:
-                kept = len(sequence.tokens) - before
-                sequence.stats.head_tokens_proposed += len(draft) - own[row]
-                sequence.stats.head_tokens_accepted += max(0, min(accepted, kept) - own[row])
-                if sequence.finish is None:
-                    self._keep_pairs(sequence, hidden_BTH[row], before)
+                self._after_head_pass(sequence, hidden_BTH[row], before, list(range(accepted)), own[row], len(draft))
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
             sequence.pending = sequence.tokens[-1:]
@@ -356,22 +349,46 @@ class TorchEngine(Engine):
             extended[row] = tokens[: len(drafts[row]) + room[row]]
         return extended
 
-    def _keep_pairs(self, sequence: _Slot, hidden_TH: torch.Tensor, before: int) -> None:
-        """After a pass that fed ``sequence``'s chunk (its hidden states ``hidden_TH``) and emitted the tokens from
-        response position ``before`` on: appends the valid pairs (each fed position whose logits emitted a token,
-        with it) and keeps the head's window. A prompt's pass pairs from the prompt's last position on (its response
-        prefix, if any, then the emitted tokens); a later pass from its pending token on."""
+    def _after_head_pass(
+        self, sequence: _Slot, hidden_TH: torch.Tensor, before: int, path: list[int], own: int, proposed: int
+    ) -> None:
+        """After a pass that fed ``sequence``'s chunk (its hidden states ``hidden_TH``), accepted the draft nodes
+        ``path`` (a linear chunk's: ``0 .. a-1``; a tree's first candidate holds nodes ``0, 1, ...``) and emitted the
+        tokens from response position ``before`` on: counts the head's tokens (nodes ``own`` to ``proposed - 1``
+        of the first candidate) and keeps the valid pairs: each fed position whose logits emitted a token, with it
+        (the pending token's, then each accepted node's), within the head's window. A prompt's pass pairs from the
+        prompt's last position on (its response prefix, if any, then the emitted tokens)."""
         kept = len(sequence.tokens) - before
+        stats = sequence.stats
+        stats.head_tokens_proposed += proposed - own
+        stats.head_tokens_accepted += sum(1 for j, node in enumerate(path[:kept]) if node == j and own <= j < proposed)
+        if sequence.finish is not None:
+            return
         fed = len(sequence.pending)
+        emitted_at = [fed - 1, *(fed + node for node in path)][:kept]  # chunk indices whose logits emitted a token
         if sequence.head_hidden is None:
-            first, tokens = len(sequence.request.prompt_token_ids) - 1, sequence.tokens
-            hidden = hidden_TH[first : fed - 1 + kept].clone()  # not a view that keeps the whole pass's alive
+            emitted_at = [*range(len(sequence.request.prompt_token_ids) - 1, fed - 1), *emitted_at]
+            hidden, tokens = hidden_TH[emitted_at], sequence.tokens
         else:
-            tokens = sequence.tokens[before:]
-            hidden = torch.cat([sequence.head_hidden, hidden_TH[fed - 1 : fed - 1 + kept]])
+            hidden, tokens = torch.cat([sequence.head_hidden, hidden_TH[emitted_at]]), sequence.tokens[before:]
         window = self._head.window
         sequence.head_hidden = hidden[-window:]
         sequence.head_tokens = [*sequence.head_tokens, *tokens][-window:]
+
+    def _tree_candidates(self, active: list[_Slot]) -> tuple[list[list[tuple[str, list[int]]]], list[int]]:
+        """Each sequence's candidates (:meth:`~bubblespec.verify.sequence.Sequence.propose_candidates`), the first
+        extended by the draft head where it leaves room (the tree stores it as nodes 0, 1, ...; a head's proposal
+        alone counts as the request's, as in a linear pass), and the first candidate's own length."""
+        candidates = [s.propose_candidates(self._proposal) for s in active]
+        own = [len(c[0][1]) if c else 0 for c in candidates]
+        if self._head is None:
+            return candidates, own
+        firsts = self._head_drafts(active, [c[0][1] if c else [] for c in candidates])
+        extended = [
+            [(c[0][0] if c else REQUEST_DRAFT, first), *c[1:]] if first else c
+            for c, first in zip(candidates, firsts, strict=True)
+        ]
+        return extended, own
 
     def _tree_step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass in which every sequence verifies its candidates as a token tree
@@ -381,7 +398,8 @@ class TorchEngine(Engine):
         the accepted path's keys and values are moved to their positions afterwards."""
         batch = len(active)
         budgets = tree_budgets(active, self._proposal)
-        trees = [DraftTree.of(s.propose_candidates(self._proposal), b) for s, b in zip(active, budgets, strict=True)]
+        candidates, own = self._tree_candidates(active)
+        trees = [DraftTree.of(c, b) for c, b in zip(candidates, budgets, strict=True)]
         chunks = [s.pending + t.tokens for s, t in zip(active, trees, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(t) for t in trees) + 1
@@ -399,8 +417,11 @@ class TorchEngine(Engine):
         select = (first_sampled[:, None] + torch.arange(width)).clamp(max=length - 1)
         token_tree = TokenTree((cache_lengths[:, None] + depths).to(self.device), visible.to(self.device))
         logits = self.model.forward(
-            tokens.to(self.device), positions.to(self.device), cache, select.to(self.device), token_tree
-        )
+            tokens.to(self.device), positions.to(self.device), cache, select.to(self.device), token_tree,
+            return_hidden=self._head is not None,
+        )  # fmt: skip
+        if self._head is not None:
+            logits, hidden_BTH = logits
         self.num_forward_passes += 1
         if on_forward is not None:
             attended = [t.attention_pairs(len(s.pending), s.cache_length) for s, t in zip(active, trees, strict=True)]
@@ -421,8 +442,11 @@ class TorchEngine(Engine):
             row_logprobs = [row[0] for row in logprobs[scored]]
             ties = None if near_ties is None else tuple([row[0] for row in values[scored]] for values in near_ties)
             first = scored.stop
-            fed = len(sequence.pending)
+            fed, before = len(sequence.pending), len(sequence.tokens)
             path = sequence.record_tree(tree, samples, row_logprobs, self._proposal, ties)
+            if self._head is not None:
+                proposed = len(tree.candidates[0][1]) if tree.candidates else 0
+                self._after_head_pass(sequence, hidden_BTH[slot], before, path, own[slot], proposed)
             moved = [(fed + node, fed + j) for j, node in enumerate(path) if node != j]
             if moved:
                 base = sequence.cache_length

@@ -16,7 +16,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import (
+    Draft,
+    DraftBranch,
+    GenerationRequest,
+    GenerationResult,
+    RolloutKey,
+    SamplingParams,
+)
 from bubblespec.models.decoder import DecoderModel
 from bubblespec.models.draft_head import DraftHead, DraftHeadTrainer, HeadBatch
 from bubblespec.testing.random_checkpoints import write_perturbed_copy, write_random_checkpoint
@@ -102,7 +109,8 @@ def assert_same(plain: list[GenerationResult], other: list[GenerationResult], dt
     for expected, got in zip(plain, other, strict=True):
         assert got.token_ids == expected.token_ids, expected.key
         assert got.finish_reason == expected.finish_reason, expected.key
-        atol = 0.0 if dtype == "float32" else 1e-6  # logprobs are float64 of the same logits
+        # float32 batch-invariant passes give bit-identical logits; float64 tree passes round attention otherwise
+        atol = {"float32": 0.0, "float64": 1e-12, "bfloat16": 1e-6}[dtype]
         torch.testing.assert_close(
             torch.tensor(got.logprobs, dtype=torch.float64), torch.tensor(expected.logprobs, dtype=torch.float64),
             rtol=0.0, atol=atol,
@@ -126,10 +134,20 @@ def head_batch(model: DecoderModel, requests: list[GenerationRequest], results: 
     )  # fmt: skip
 
 
+TRAINED: dict[str, dict[str, torch.Tensor]] = {}
+
+
 def trained_head(engine: TorchEngine) -> dict[str, torch.Tensor]:
     """A head trained on ``engine``'s own samples (32 responses), from a warm start: ``fc`` passing the next token's
     embedding through and the layer's output projections zero, so that it starts as the policy's "bigram" (learning
-    from nothing is tests/test_draft_head.py's); then :data:`TRAINING_STEPS` AdamW steps of 8 responses."""
+    from nothing is tests/test_draft_head.py's); then :data:`TRAINING_STEPS` AdamW steps of 8 responses. One per
+    checkpoint for the module."""
+    if engine.config.model_path not in TRAINED:
+        TRAINED[engine.config.model_path] = _train_head(engine)
+    return TRAINED[engine.config.model_path]
+
+
+def _train_head(engine: TorchEngine) -> dict[str, torch.Tensor]:
     requests = requests_of(1000, 32, max_new_tokens=24)
     batch = head_batch(engine.model, requests, engine.generate(requests))
     head = DraftHead(engine.model, seed=0, window=WINDOW)
@@ -194,13 +212,51 @@ def test_any_head_leaves_the_outputs_of_plain_decoding_and_a_trained_one_saves_s
     assert figures["untrained"][1][2] <= figures["untrained"][1][1] // 10
 
 
-def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines):
+def tree_engine(policy: TorchEngine, chain: tuple[str, ...] = ("request", "ngram")) -> TorchEngine:
+    """The policy in an engine that verifies token trees of up to 3 candidates (request draft and n-gram matches, in
+    the order of ``chain``), in float64."""
+    return TorchEngine.from_pretrained(
+        policy.config.model_path, dtype="float64", draft_candidates=3, draft_chain=chain, max_batch_size=6
+    )
+
+
+def test_tree_passes_extend_their_first_candidate_and_change_no_output(engines):
+    """Token-tree passes (float64, 3 candidates): an untrained and a trained head leave plain tree decoding's outputs
+    (without a head), and the trained head's tokens, on the tree's first candidate, are accepted and save steps."""
+    policy, other = engines
+    tree = tree_engine(policy)
+    requests = hard_batch(tree, other, seed=9)
+    plain = tree.generate(requests)
+    figures = {}
+    for name, state in (("untrained", DraftHead(tree.model, seed=5).state_dict()), ("trained", trained_head(policy))):
+        tree.set_draft_head(state, window=WINDOW, max_tokens=HEAD_TOKENS)
+        drafted = tree.generate(requests)
+        assert_same(plain, drafted, "float64")
+        figures[name] = totals(drafted)
+        print(f"tree passes, {name} head: (decode steps, head tokens proposed, accepted) {figures[name]} "
+              f"(plain {totals(plain)[0]})")  # fmt: skip
+    assert figures["untrained"][1] > 0 and figures["untrained"][2] <= figures["untrained"][1] // 10
+    assert figures["trained"][2] > 0 and figures["trained"][0] < totals(plain)[0]
+    tree.close()
+
+
+@pytest.mark.parametrize("passes", ["linear", "tree"])
+def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines, passes):
     """What the head reads at each drafting call is the policy's own last hidden state at every response position
     so far (the prompt's last position first) paired with the token sampled there: the latest ``window`` of them,
-    the rejected draft tokens' dropped, as a training pass over prompt + response computes them (to rounding).
-    Two requests carry a wrong draft of 7 tokens: the head continues it (given) while it lasts."""
-    policy, _ = engines
+    the rejected draft tokens' dropped (in a tree pass: all but the accepted path's), as a training pass over prompt
+    + response computes them (to rounding). Two requests carry a wrong draft of 7 tokens: the head continues it
+    (given) while it lasts. In tree passes the others' drafts are tries whose path is wrong at response position 2
+    and whose branch there holds the response's next 4 tokens: the accepted path runs through the second candidate's
+    nodes."""
+    policy = engines[0] if passes == "linear" else tree_engine(engines[0])
     requests = requests_of(11, 6)
+    own = policy.generate(requests) if passes == "tree" else []
+    for i, response in enumerate(own):
+        tokens = response.token_ids
+        wrong = next(t for t in range(100, 110) if t != tokens[2])
+        trie = Draft(requests[i].key, (*tokens[:2], wrong), 0, branches=(DraftBranch(2, tuple(tokens[2:6])),))
+        requests[i] = dataclasses.replace(requests[i], draft=trie)
     for i in (0, 3):
         requests[i] = dataclasses.replace(requests[i], draft=Draft(requests[i].key, tuple(range(100, 107)), 0))
     policy.set_draft_head(DraftHead(policy.model, seed=5).state_dict(), window=WINDOW, max_tokens=HEAD_TOKENS)
@@ -218,7 +274,7 @@ def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines
     reference = head_batch(policy.model, requests, results)
     checked = 0
     scale = float(reference.hidden_BTH.float().abs().max())
-    tolerance = 1e-5 if policy.model.dtype == torch.float32 else 2.0**-6
+    tolerance = 2.0**-6 if policy.model.dtype == torch.bfloat16 else 1e-5
     for hidden_BTH, tokens_BT, lengths_B, first_positions_B in calls:
         for row in range(len(lengths_B)):
             length, first = int(lengths_B[row]), int(first_positions_B[row])
@@ -235,6 +291,9 @@ def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines
             checked += 1
     assert checked > 20
     assert any(continued), "no drafting call continued a request draft"
+    if passes == "tree":
+        assert sum(r.stats.branches_followed for r in results) >= 3
+        policy.close()
 
 
 def test_the_head_continues_a_given_proposal():
@@ -296,9 +355,9 @@ def policy_model() -> DecoderModel:
     return DecoderModel(config, weights, torch.float32, "cpu")
 
 
-def test_setting_a_head_is_checked_and_none_removes_it(engines, tmp_path):
-    """A head's state must fit the engine's model; ``max_tokens`` is a positive count; a token-tree engine refuses a
-    head by name; None removes the head (no head tokens afterwards)."""
+def test_setting_a_head_is_checked_and_none_removes_it(engines):
+    """A head's state must fit the engine's model; ``max_tokens`` is a positive count; None removes the head (no
+    head tokens afterwards)."""
     policy, _ = engines
     state = DraftHead(policy.model, seed=1).state_dict()
     with pytest.raises(ValueError, match="draft head state does not fit"):
@@ -311,8 +370,3 @@ def test_setting_a_head_is_checked_and_none_removes_it(engines, tmp_path):
     assert totals(policy.generate(requests))[1] > 0
     policy.set_draft_head(None)
     assert policy.draft_head is None and totals(policy.generate(requests))[1:] == (0, 0)
-
-    folder = write_random_checkpoint(tmp_path / "tree", "llama", vocab_size=VOCAB, num_layers=1)
-    tree_engine = TorchEngine.from_pretrained(str(folder), draft_candidates=2)
-    with pytest.raises(ValueError, match="a draft head drafts in linear verify passes only, got draft_candidates 2"):
-        tree_engine.set_draft_head(DraftHead(tree_engine.model).state_dict())
