@@ -211,6 +211,13 @@ def engine(
         int | None,
         typer.Option(min=0, help="Requests of the exactness table; 0 skips it (default 64, 16 with --model)."),
     ] = None,
+    head_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Training steps of the draft head learned from the policy step's samples, with --config (default 32).",
+        ),
+    ] = None,
     vllm_ngram: Annotated[
         bool,
         typer.Option(
@@ -235,7 +242,9 @@ def engine(
             "--config takes the policy step and the response limit from the run config: leave out --weight-noise and "
             "--max-new-tokens (--set task.options.max_new_tokens=N sets the limit)"
         )
-    optional = {"max_new_tokens": max_new_tokens, "weight_noise": weight_noise}
+    if config is None and head_steps is not None:
+        raise ConfigError("--head-steps trains the draft head on a run config's policy step: give --config")
+    optional = {"max_new_tokens": max_new_tokens, "weight_noise": weight_noise, "head_training_steps": head_steps}
     settings = EngineBenchSettings(
         backends=parse_backends(backend),
         adaptive_draft_length=adaptive_draft_length,

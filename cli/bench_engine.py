@@ -10,6 +10,9 @@
 (d) Keyed sampling's share of a decode forward pass at the model's vocabulary.
 (e) With ``--vllm-ngram``: vLLM's own n-gram speculative decoding and vLLM on its own sampler without drafts, timed in
     the same interleaving beside the vllm backend's rows (:mod:`bubblespec.cli.bench_engine_ngram`).
+(f) With ``--config``: where pi_t+1's responses left pi_t's drafts and what draft tries win back
+    (:mod:`bubblespec.cli.bench_engine_tries`), and a draft head learned from pi_t's samples of the policy step
+    drafting for pi_t+1 alone and after pi_t's drafts (:mod:`bubblespec.cli.bench_engine_head`).
 
 ``--backend torch,vllm`` runs several backends; every backend gets the same requests and the same drafts and
 reports the same fields. ``--config CONFIG`` takes the model, the prompts and the sampling from a run config, and
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from bubblespec.cli import bench_engine_head as head
 from bubblespec.cli import bench_engine_ngram as ngram
 from bubblespec.cli import bench_engine_tries as tries
 from bubblespec.cli.bench_engine_measures import (
@@ -110,6 +114,9 @@ class EngineBenchSettings:
     """The torch engine's dtypes in the exactness table."""
     hf_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes at which HF generate runs; None: every batch size on the shipped model, 16 on a model folder."""
+    head_training_steps: int = head.TRAINING_STEPS
+    """With ``--config``: AdamW steps of the draft head learned from pi_t's samples of the policy step
+    (:mod:`bubblespec.cli.bench_engine_head`; 0: an untrained head)."""
     vllm_ngram: bool = False
     """Also time vLLM's own n-gram drafts (prompt lookup) and vLLM without drafts on its own sampler, beside the vllm
     backend's rows (:mod:`bubblespec.cli.bench_engine_ngram`); needs ``vllm`` among the backends."""
@@ -140,6 +147,8 @@ class EngineBenchSettings:
         for name in ("max_new_tokens", "repeats", "threads", "max_draft_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.head_training_steps < 0:
+            raise ConfigError(f"head training steps must be >= 0, got {self.head_training_steps!r}")
         if self.weight_noise < 0:
             raise ConfigError(f"weight noise must be >= 0, got {self.weight_noise!r}")
         if self.config_path is None and self.overrides:
@@ -245,11 +254,14 @@ def _run_engine_bench(settings: EngineBenchSettings, run: ConfigRun | None) -> d
     report["exactness"] = table
     report |= exactness_summary(report["exactness"])
     seconds["exactness"] = time.perf_counter() - clock
-    report["draft_tries"] = None
+    report["draft_tries"] = report["draft_head"] = None
     if run is not None:  # where a real policy step left the drafts, and what draft tries win back
         clock = time.perf_counter()
         report["draft_tries"] = _draft_tries(settings, new_state, timed[: settings.max_batch_size])
         seconds["draft tries"] = time.perf_counter() - clock
+        clock = time.perf_counter()  # a head learned from pi_t's samples, drafting for pi_t+1
+        report["draft_head"] = head.measure_config_step(settings, run, new_state, timed[: settings.max_batch_size])
+        seconds["draft head"] = time.perf_counter() - clock
     report["benchmark_seconds"] = seconds
     return report
 
@@ -518,6 +530,8 @@ def print_report(report: dict, console=None) -> None:
     tables = [speed, with_drafts, drafts, exactness]
     if report.get("draft_tries"):
         tables.append(_tries_table(report["draft_tries"]))
+    if report.get("draft_head"):
+        tables.extend(head.head_tables(report["draft_head"]))
     if report.get("vllm_ngram"):
         baseline, note = ngram.baseline_table(report["vllm_ngram"], report["backends"]["vllm"])
         tables.insert(2, baseline)

@@ -33,6 +33,7 @@ SUMMARY_FIELDS = {
 REPORT_FIELDS = {
     "settings",
     "draft_tries",
+    "draft_head",
     "workload",
     "policy_update",
     "keyed_sampling",
@@ -96,6 +97,13 @@ def test_vllm_ngram_without_the_vllm_backend_is_one_error_line():
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --vllm-ngram times vLLM's own n-gram drafts"), lines
+
+
+def test_head_steps_without_a_run_config_is_one_error_line():
+    result = runner.invoke(app, ["bench", "engine", "--head-steps", "4", "--quick"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --head-steps trains the draft head"), lines
 
 
 def test_random_prompts_have_the_asked_lengths_no_eos_and_depend_on_the_seed_only(small_folder):
@@ -236,6 +244,16 @@ def test_quick_torch_run_on_a_run_config_verifies_drafts_made_before_a_real_grpo
     assert left == 16 - report["backends"]["torch"]["fully_accepted_responses"]
     assert tries["divergences"]["divergences"] >= left and tries["divergences"]["median_reported_margin_per_response"]
     assert tries["branches"]["identical"] and tries["branches"]["branches_drafted"] > 0
+    head = report["draft_head"]  # a head learned from pi_t's 64 samples of the GRPO step, drafting for pi_t+1
+    assert head["requests"] == 16 and head["identical"]
+    assert head["training"]["steps"] == 32 and head["training"]["responses"] == 64
+    assert head["training"]["final_loss"] < head["training"]["first_loss"]
+    arms = head["arms"]
+    assert arms["plain"]["decode_steps"] == arms["plain"]["tokens"]
+    assert arms["drafts"]["decode_steps"] == report["backends"]["torch"]["decode_steps_with_draft"]
+    assert arms["head"]["head_tokens_proposed"] == arms["head"]["draft_tokens_proposed"] > 0
+    assert arms["head"]["head_tokens_accepted"] <= arms["head"]["head_tokens_proposed"]
+    assert "draft head" in report["benchmark_seconds"]
     result = runner.invoke(app, ["bench", "engine", *config, "--weight-noise", "0.01"])
     assert result.exit_code != 0 and "leave out --weight-noise" in result.output
 
