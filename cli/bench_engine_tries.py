@@ -8,7 +8,7 @@ Given pi_t (the drafting policy, a torch engine that reports margins) and pi_t+1
   samples otherwise, the response's token there is compared with pi_t's runner-up, and the walk goes on with the
   response's tokens up to and including that one given as a response prefix, so each divergence costs one more
   batched call. A divergence's *margin rank* is its place among the response's positions by pi_t's Gumbel-max margin
-  (1: the smallest); margins above the engine's reporting limit
+  (1: the smallest; positions past the response's end are not walked); margins above the engine's reporting limit
   (:data:`~bubblespec.verify.margins.REPORTED_MARGIN_LIMIT`) are not known, so a divergence there has no rank.
 - **Decode steps with and without branches.** pi_t's drafts verified by pi_t+1 as single paths, then as tries with a
   branch at each draft's ``branches_per_draft`` smallest near-ties (one round, drafted by pi_t as the bubble does).
@@ -38,8 +38,12 @@ def divergences(older, requests: Sequence[GenerationRequest], newer: Sequence[Ge
         for i in walking:
             tokens = tuple(newer[i].token_ids)
             draft = Draft(requests[i].key, tokens, 0)
+            # no position past the response's end is needed: pi_t stops there instead of decoding on to its limit
+            sampling = dataclasses.replace(requests[i].sampling, max_new_tokens=len(tokens))
             calls.append(
-                dataclasses.replace(requests[i], draft=draft, response_prefix=tokens[: given[i]], margins=True)
+                dataclasses.replace(
+                    requests[i], sampling=sampling, draft=draft, response_prefix=tokens[: given[i]], margins=True
+                )
             )
         results = older.generate(calls)
         still = []
@@ -48,8 +52,6 @@ def divergences(older, requests: Sequence[GenerationRequest], newer: Sequence[Ge
             for position in range(given[i], len(result.token_ids)):
                 if result.runner_up_ids[position] >= 0:
                     found[i]["margins"][position] = result.margins[position]
-                if position >= len(tokens):
-                    break
                 if result.token_ids[position] != tokens[position]:
                     found[i]["divergences"].append(
                         {
