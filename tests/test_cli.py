@@ -89,7 +89,7 @@ def test_each_bench_sub_command_lists_only_its_own_options():
     assert shown["engine"] == {
         "--json", "--threads", "--repeats", "--quick", "--no-quick", "--backend", "--model", "--dtype", "--device",
         "--batch-sizes", "--max-new-tokens", "--weight-noise", "--adaptive-draft-length", "--fixed-draft-length",
-        "--exactness-requests", "--config", "--set", "--vllm-ngram",
+        "--exactness-requests", "--config", "--set", "--vllm-ngram", "--head-steps",
     }  # fmt: skip
     assert shown["run"] == {"--json", "--set", "--output-dir"}
     assert shown["peers"] == {"--json", "--set", "--output-dir", "--sources", "--plot-dir", "--plot-prefix"}
