@@ -9,14 +9,12 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from bubblespec.cli.bench_engine_head import ARMS, head_batch, measure
 from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.testing.random_checkpoints import write_perturbed_copy, write_random_checkpoint
+from bubblespec.testing.conformance import write_policy_pair
 
 VOCAB = 32_000
-COMMON_TOKENS = 256
 HEAD_SCALE = 200.0
 """The output head's rows of a random set of "common" tokens are scaled by this, so the policy's mass sits on a few
 likely tokens (as a trained model's does) and a head can learn where it sits."""
@@ -32,17 +30,10 @@ def engines(tmp_path_factory):
     """(pi_t, pi_t+1): float64 torch engines (verification gives plain decoding's tokens bit for bit)."""
     from bubblespec.backends.torch_engine import TorchEngine
 
-    folder = tmp_path_factory.mktemp("head-bench")
-    newer = write_random_checkpoint(
-        folder / "newer", "llama", vocab_size=VOCAB, hidden_size=64, num_layers=1, num_heads=1, head_dim=64,
-        tie_word_embeddings=False, initializer_range=INIT_RANGE,
+    newer, older = write_policy_pair(
+        tmp_path_factory.mktemp("head-bench"), "llama", VOCAB, HEAD_SCALE, 0.05, hidden_size=64, num_layers=1,
+        num_heads=1, head_dim=64, initializer_range=INIT_RANGE,
     )  # fmt: skip
-    weights = load_file(str(newer / "model.safetensors"))
-    common = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:COMMON_TOKENS]
-    head = weights["lm_head.weight"].clone()
-    head[common] *= HEAD_SCALE
-    save_file(weights | {"lm_head.weight": head}, str(newer / "model.safetensors"), metadata={"format": "pt"})
-    older = write_perturbed_copy(newer, folder / "older", 0.05, seed=1)
     made = [TorchEngine.from_pretrained(str(path), dtype="float64", max_batch_size=16) for path in (older, newer)]
     yield made
     for engine in made:

@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.core.interfaces import (
@@ -26,13 +25,12 @@ from bubblespec.core.interfaces import (
 )
 from bubblespec.models.decoder import DecoderModel
 from bubblespec.models.draft_head import DraftHead, DraftHeadTrainer, HeadBatch
-from bubblespec.testing.random_checkpoints import write_perturbed_copy, write_random_checkpoint
+from bubblespec.testing.conformance import write_policy_pair
 from bubblespec.verify.sampling import keyed_sample
 
 VOCAB = 32_000
 WINDOW = 16
 HEAD_TOKENS = 4
-COMMON_TOKENS = 256
 HEAD_SCALE = 200.0
 """The output head's rows of a random set of "common" tokens are scaled by this, so the policy's mass sits on a few
 likely tokens (as a trained model's does): a head must then learn where it sits to be accepted."""
@@ -45,30 +43,18 @@ CASES = [("llama", "float32"), ("qwen3", "bfloat16")]
 TRAINING_STEPS = 16
 
 
-def write_pair(folder, family: str) -> tuple[str, str]:
-    """A random untied ``family`` checkpoint with a peaked output head (the policy) and a copy one small random step
-    away (another policy); returns their folders."""
-    newer = write_random_checkpoint(
-        folder / "newer", family, vocab_size=VOCAB, tie_word_embeddings=False, initializer_range=INIT_RANGE
-    )
-    weights = load_file(str(newer / "model.safetensors"))
-    common = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:COMMON_TOKENS]
-    head = weights["lm_head.weight"].clone()
-    head[common] *= HEAD_SCALE
-    save_file(weights | {"lm_head.weight": head}, str(newer / "model.safetensors"), metadata={"format": "pt"})
-    older = write_perturbed_copy(newer, folder / "older", 0.05, seed=1)
-    return str(newer), str(older)
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{d}" for f, d in CASES])
 def engines(request, tmp_path_factory):
     """(policy, other policy) engines of one case; the policy's batch holds at most 6 sequences (continuous
     batching over 10 requests)."""
     family, dtype = request.param
-    newer, older = write_pair(tmp_path_factory.mktemp(family), family)
+    # The policy (a peaked output head) and another policy one small random step away.
+    newer, older = write_policy_pair(
+        tmp_path_factory.mktemp(family), family, VOCAB, HEAD_SCALE, 0.05, initializer_range=INIT_RANGE
+    )
     invariant = dtype == "float32"  # float32 verify passes round like decode passes: bit-identical outputs
     made = [
-        TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=invariant, max_batch_size=size)
+        TorchEngine.from_pretrained(str(path), dtype=dtype, batch_invariant=invariant, max_batch_size=size)
         for path, size in ((newer, 6), (older, 64))
     ]
     yield made

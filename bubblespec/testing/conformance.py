@@ -784,16 +784,19 @@ _COMMON_TOKENS = 256
 
 
 def write_policy_pair(
-    folder: Path, family: str, vocab_size: int, head_scale: float, policy_step: float
+    folder: Path, family: str, vocab_size: int, head_scale: float, policy_step: float, **checkpoint_options
 ) -> tuple[Path, Path]:
     """A random ``family`` checkpoint with a peaked output head (``newer``) and a copy of it one small random step
     away (``older``: :func:`~bubblespec.testing.random_checkpoints.write_perturbed_copy` by ``policy_step``); returns
-    (newer, older)."""
+    (newer, older). ``checkpoint_options``: more arguments of
+    :func:`~bubblespec.testing.random_checkpoints.write_random_checkpoint` (sizes, ``initializer_range``)."""
     from safetensors.torch import load_file, save_file
 
     from bubblespec.testing.random_checkpoints import write_perturbed_copy, write_random_checkpoint
 
-    newer = write_random_checkpoint(folder / "newer", family, vocab_size=vocab_size, tie_word_embeddings=False)
+    newer = write_random_checkpoint(
+        folder / "newer", family, vocab_size=vocab_size, tie_word_embeddings=False, **checkpoint_options
+    )
     weights_file = newer / "model.safetensors"
     weights = load_file(str(weights_file))
     # A trained model's next-token mass sits on a few hundred likely tokens far above the rest of the vocabulary;
