@@ -21,6 +21,10 @@ Stages:
   profile         the virtual clock's h100-7b profile's seconds for the same passes (trees included), each pass's
                   error, and a profile fitted to this GPU's passes (fixed cost, bandwidth, flops; h100-7b itself is
                   not changed)
+  draft_head      a draft head over the same 7B shape (window 64, each row a full window of pairs): seconds of a
+                  drafting call by rows (1, 8, 64) and draft tokens (1, 8), per call and per drafted token, against
+                  a decode pass of the same rows at a context of 1,024 (both with their keyed sampling); each call's
+                  FLOPs as draft_head_size counts them and the h100-7b profile's charge for it (head_seconds)
   sampling_cost   keyed sampling against torch.multinomial at 151,936 tokens
   engine_speed    the torch engine's tokens/s without and with drafts at the Qwen2.5-0.5B shape (batch 1, 16, 64)
 
@@ -74,6 +78,9 @@ class Sizes:
         self.tree_contexts = (64, 128) if dry_run else (1024, 4096)
         self.repeats = 2 if dry_run else 5
         self.sampling_batches = (1, 4) if dry_run else (1, 16, 64)
+        self.head_batches = (1, 8) if dry_run else (1, 8, 64)
+        self.head_tokens = (1, 8)
+        self.head_window = 64
         self.speed_preset = {"vocab_size": 4096, "hidden_size": 128, "num_layers": 2, "num_heads": 2,
                              "num_kv_heads": 1, "intermediate_size": 256, "bos_token_id": 1,
                              "eos_token_id": 2} if dry_run else {}  # fmt: skip
@@ -458,6 +465,95 @@ def _line(x: list[float], y: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+def draft_head(sizes: Sizes, scratch: Path, done: dict) -> dict:
+    """Seconds of :meth:`~bubblespec.models.draft_head.DraftHead.draft` over the 7B shape (an untrained head: its
+    cost does not depend on its weights) by rows and draft tokens, every row holding a full window of pairs, against
+    a decode pass of the policy of the same rows at ``premise_context`` cached tokens; both include the keyed
+    sampling of their logits (temperature 1, each row its own seeds), as an engine's calls do. ``flops``: the
+    call's matrix-product FLOPs, :meth:`~bubblespec.models.draft_head.DraftHeadSize.drafting_call_flops` times the
+    rows; ``h100_7b_seconds``: what the virtual clock's h100-7b profile charges for the call
+    (:meth:`~bubblespec.rollout.clocks.CostProfile.head_seconds`)."""
+    import torch
+
+    from bubblespec.models.draft_head import DraftHead, draft_head_size
+    from bubblespec.rollout.clocks import PROFILES
+    from bubblespec.verify.sampling import keyed_sample
+
+    model = _random_model(sizes.premise_shape, sizes.device)
+    config, device, context = model.config, model.device, sizes.premise_context
+    head = DraftHead(model, window=sizes.head_window)
+    size = draft_head_size(config)
+    rows = []
+    with torch.inference_mode():
+        for batch in sizes.head_batches:
+            seeds_B2 = torch.randint(2**31, (batch, 2), device=device)
+            settings = (
+                torch.ones(batch, dtype=torch.float64, device=device),
+                torch.zeros(batch, dtype=torch.int64, device=device),
+                torch.ones(batch, dtype=torch.float64, device=device),
+            )
+
+            def sample(logits_B1V, positions_B1, seeds_B2=seeds_B2, settings=settings):
+                return keyed_sample(logits_B1V, seeds_B2, positions_B1, *settings)[0]
+
+            decode_seconds = _decode_pass_seconds(model, batch, context, sample, sizes)
+            pairs = head.window
+            hidden_BCH = torch.randn(batch, pairs, config.hidden_size, device=device, dtype=torch.bfloat16)
+            tokens_BC = torch.randint(config.vocab_size, (batch, pairs), device=device)
+            lengths_B = torch.full((batch,), pairs, device=device)
+            first_positions_B = torch.full((batch,), context, device=device)
+            for num_tokens in sizes.head_tokens:
+                call = functools.partial(head.draft, hidden_BCH, tokens_BC, lengths_B, first_positions_B, num_tokens,
+                                         sample)  # fmt: skip
+                seconds = _timed(call, sizes.device, sizes.repeats)
+                flops = batch * size.drafting_call_flops(pairs, num_tokens, head.window)
+                predicted = PROFILES["h100-7b"].head_seconds(_head_call(batch, num_tokens, pairs, head.window, config))
+                rows.append({
+                    "batch": batch, "num_tokens": num_tokens, "context_pairs": pairs, "seconds": seconds,
+                    "seconds_per_token": seconds / num_tokens, "decode_pass_seconds": decode_seconds,
+                    "against_a_decode_pass": seconds / decode_seconds, "flops": flops, "flops_per_s": flops / seconds,
+                    "h100_7b_seconds": predicted, "h100_7b_error": predicted / seconds - 1,
+                })  # fmt: skip
+    shape = {k: v for k, v in sizes.premise_shape.items() if k != "eos_token_ids"}
+    return {
+        "shape": shape, "window": head.window, "decode_context": context,
+        "num_parameters": size.num_parameters, "num_shared_parameters": size.num_shared_parameters,
+        "flops_per_token": size.flops_per_token(head.window), "rows": rows,
+    }  # fmt: skip
+
+
+def _head_call(batch: int, num_tokens: int, pairs: int, window: int, config):
+    """A :class:`~bubblespec.core.interfaces.ForwardPass` of nothing but the draft-head call the stage timed:
+    ``batch`` rows of ``pairs`` pairs each drafting ``num_tokens`` tokens, in the pass's ``head_*`` counts."""
+    from bubblespec.core.interfaces import ForwardPass
+
+    context = min(window, pairs)
+    return ForwardPass(
+        num_sequences=0,
+        num_tokens=0,
+        context_tokens=0,
+        attention_pairs=0,
+        head_steps=num_tokens,
+        head_tokens=batch * num_tokens,
+        head_context_pairs=batch * (context - 1),
+        head_attention_pairs=batch * sum(min(window, context + step) for step in range(num_tokens)),
+        head_sampled_logits=batch * num_tokens * config.vocab_size,
+    )
+
+
+def _decode_pass_seconds(model, batch: int, context: int, sample, sizes: Sizes) -> float:
+    """Seconds of a decode pass of ``batch`` rows after ``context`` cached tokens each, with ``sample`` of its
+    logits."""
+    import torch
+
+    from bubblespec.models.decoder import KVCache
+
+    cache = KVCache(model.config, batch, context + 1, torch.bfloat16, model.device)
+    ids_B1 = torch.randint(model.config.vocab_size, (batch, 1), device=model.device)
+    positions_B1 = torch.full((batch, 1), context, device=model.device)
+    return _timed(lambda: sample(model.forward(ids_B1, positions_B1, cache), positions_B1), sizes.device, sizes.repeats)
+
+
 def sampling_cost(sizes: Sizes, scratch: Path, done: dict) -> dict:
     """Seconds of keyed sampling (temperature 1, and with top-k 40 and top-p 0.9) against softmax +
     torch.multinomial on the same [rows, 151,936] logits."""
@@ -540,6 +636,7 @@ STAGES = {
     "learner_step": learner_step,
     "premise": premise,
     "profile": profile,
+    "draft_head": draft_head,
     "sampling_cost": sampling_cost,
     "engine_speed": engine_speed,
 }
@@ -578,6 +675,12 @@ def print_table(report: dict) -> None:
             )
             summary = (
                 f"h100-7b median error {h100:.0%}, fitted {fitted:.0%}; tree passes {trees[0]:.0%}, {trees[1]:.0%}"
+            )
+        elif name == "draft_head":
+            summary = ", ".join(
+                f"b{r['batch']}x{r['num_tokens']} {r['seconds_per_token'] * 1e3:.2f} ms/token, "
+                f"{r['against_a_decode_pass']:.2f}x a decode, h100-7b error {r['h100_7b_error']:.0%}"
+                for r in stage["rows"]
             )
         elif name == "sampling_cost":
             summary = ", ".join(

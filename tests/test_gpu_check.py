@@ -27,7 +27,7 @@ def test_the_dry_run_runs_every_stage_and_writes_its_figures(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stages = report["stages"]
     assert list(stages) == ["environment", "keyed_sampling", "engine_drafts", "learner_step", "premise", "profile",
-                            "sampling_cost", "engine_speed"]  # fmt: skip
+                            "draft_head", "sampling_cost", "engine_speed"]  # fmt: skip
     assert all(stage["status"] == "ok" for stage in stages.values())
     assert report["device"] == "cpu" and report["dry_run"] is True
     assert {(r["vocabulary"], r["tokens_equal"]) for r in stages["keyed_sampling"]["rows"]} == {
@@ -45,6 +45,18 @@ def test_the_dry_run_runs_every_stage_and_writes_its_figures(tmp_path):
     assert len(stages["profile"]["passes"]) == 4 + len(trees)  # the fit covers the tree passes
     assert stages["profile"]["tree_passes_fitted_median_absolute_error"] >= 0
     assert set(stages["profile"]["fitted"]) == {"fixed_s", "bandwidth_bytes_per_s", "flops_per_s"}
+    head = stages["draft_head"]  # rows 1 and 8, 1 and 8 draft tokens, each row a full window of 64 pairs
+    assert {(r["batch"], r["num_tokens"], r["context_pairs"]) for r in head["rows"]} == {
+        (b, n, 64) for b in (1, 8) for n in (1, 8)
+    }  # fmt: skip
+    assert all(
+        r[k] > 0 for r in head["rows"] for k in ("seconds", "seconds_per_token", "decode_pass_seconds",
+                                                 "against_a_decode_pass", "flops", "h100_7b_seconds")
+    )  # fmt: skip
+    assert all(r["seconds_per_token"] == r["seconds"] / r["num_tokens"] for r in head["rows"])
+    # By hand at the tiny shape: 63 context pairs x 393,216 + per token (1,441,792 layer + 2,097,152 output head
+    # + 64 keys x 1,024).
+    assert {r["flops"] for r in head["rows"] if r["batch"] == 1} == {28_377_088, 53_608_448}
     assert all(row["identical"] for row in stages["engine_speed"]["rows"])
     assert "engine_speed    ok" in done.stdout  # the table
 

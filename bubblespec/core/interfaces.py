@@ -274,6 +274,21 @@ class ForwardPass:
     padded_attention_pairs: int = 0
     """(query, key) pairs computed, padding and masked pairs included, where the engine pads (every row's padded
     chunk over the longest context); 0 where it does not pad."""
+    head_steps: int = 0
+    """Sequential steps of the draft-head call that ran just before this pass to extend its proposals (one
+    :meth:`~bubblespec.models.draft_head.DraftHead.draft` call per pass at most: its ``num_tokens``); 0: no head
+    call."""
+    head_tokens: int = 0
+    """Draft tokens the head computed, summed over its rows (rows x steps: given tokens included, the layer still
+    runs for them)."""
+    head_context_pairs: int = 0
+    """Context pairs the head call fed through fc and the key/value projections, summed over rows (each row's
+    ``min(window, pairs) - 1``)."""
+    head_attention_pairs: int = 0
+    """(query, key) pairs the head call's steps attended, summed over rows."""
+    head_sampled_logits: int = 0
+    """Logits the head call's output head computed and keyed sampling drew from: rows x vocabulary per step where
+    they ran, summed over steps."""
 
     @property
     def computed_tokens(self) -> int:
@@ -344,12 +359,16 @@ class Engine:
     """Whether the engine runs dynamic draft sources inside itself (takes the ``draft_chain`` and
     ``draft_source_options`` settings)."""
     supports_draft_trees: ClassVar[bool] = False
+    """Whether the engine verifies several candidates per sequence and forward pass as a token tree
+    (``draft_candidates`` > 1); an engine without it verifies the first candidate only."""
     supports_draft_tries: ClassVar[bool] = False
     """Whether the engine reports margins (:attr:`GenerationRequest.margins`) and takes a
     :attr:`GenerationRequest.response_prefix`, so that the bubble can draft a trie's branches on it. Following a
     draft's branches needs neither: every engine on :class:`bubblespec.verify.sequence.Sequence` follows them."""
-    """Whether the engine verifies several candidates per sequence and forward pass as a token tree
-    (``draft_candidates`` > 1); an engine without it verifies the first candidate only."""
+    supports_draft_head: ClassVar[bool] = False
+    """Whether the engine drafts with a draft head it learns online (``speculation.draft_head``, docs/design.md §14):
+    it has ``learn_draft_head(samples, learning)``, ``draft_head_state()`` and ``load_draft_head_state(state,
+    learning)`` (the torch engine's)."""
     unsupported_sampling: ClassVar[tuple[str, ...]] = ()
     """:class:`SamplingParams` fields the engine refuses where they are not at their defaults (a ``RequestError``
     naming them) rather than applies; a run refuses them before anything starts."""

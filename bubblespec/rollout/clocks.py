@@ -6,6 +6,11 @@ A cost profile is a roofline: ``fixed + max(bytes moved / bandwidth, flops / pea
 where bytes are the weights plus the KV cache read, flops are the matrix products of every fed token plus
 attention over every (query, context) pair, and sampling is a cost per sampled logit (rows x positions x
 vocabulary), which makes wide verification at large vocabularies cost what it does.
+
+A draft-head call that ran before a pass (``ForwardPass.head_steps`` > 0) is charged on the same device by the same
+roofline over the whole call: a fixed cost per sequential step, then ``max(bytes, flops)`` where every step reads the
+head's weights (its layer and the shared output head) and the flops are the head's per drafted token, per context
+pair and per attended (query, key) pair, then the sampling of its logits.
 """
 
 from __future__ import annotations
@@ -40,8 +45,21 @@ class CostProfile:
     """Ranks that load at once (one node's GPUs); the rest wait their turn."""
     sampling_s_per_logit: float = 0.0
     """Seconds per sampled logit (``ForwardPass.sampled_logits``): keyed sampling after the pass."""
+    head_fixed_s: float = 0.0
+    """Per draft-head step (``ForwardPass.head_steps``): launch overhead, its keyed sampling's included."""
+    head_weight_bytes: float = 0.0
+    """Bytes each draft-head step reads: the head's own parameters, the shared output head and final norm."""
+    head_flops_per_token: float = 0.0
+    """Per token a draft-head step computes (``ForwardPass.head_tokens``): fc, the layer's projections and MLP,
+    the output head."""
+    head_flops_per_context_pair: float = 0.0
+    """Per context pair a draft-head call reads (``ForwardPass.head_context_pairs``): fc and the key/value
+    projections."""
+    head_attention_flops_per_pair: float = 0.0
+    """Per (query, key) pair the head's steps attend (``ForwardPass.head_attention_pairs``)."""
 
     def forward_seconds(self, forward: ForwardPass) -> float:
+        """A pass and the draft-head call that ran just before it (:meth:`head_seconds`)."""
         memory = (self.weight_bytes + self.kv_bytes_per_context_token * forward.context_tokens) / (
             self.bandwidth_bytes_per_s
         )
@@ -49,7 +67,30 @@ class CostProfile:
             self.flops_per_token * forward.num_tokens + self.attention_flops_per_pair * forward.attention_pairs
         ) / self.flops_per_s
         sampling = self.sampling_s_per_logit * forward.sampled_logits
-        return self.fixed_s + max(memory, compute) + sampling
+        return self.fixed_s + max(memory, compute) + sampling + self.head_seconds(forward)
+
+    def head_seconds(self, forward: ForwardPass) -> float:
+        """The draft-head call of ``forward`` (0 without one): ``steps x head_fixed_s + max(steps x head weight
+        bytes / bandwidth, head flops / peak) + sampling``, the head's flops those of its tokens, context pairs
+        and attended pairs."""
+        if forward.head_steps == 0:
+            return 0.0
+        memory = forward.head_steps * self.head_weight_bytes / self.bandwidth_bytes_per_s
+        compute = (
+            self.head_flops_per_token * forward.head_tokens
+            + self.head_flops_per_context_pair * forward.head_context_pairs
+            + self.head_attention_flops_per_pair * forward.head_attention_pairs
+        ) / self.flops_per_s
+        sampling = self.sampling_s_per_logit * forward.head_sampled_logits
+        return forward.head_steps * self.head_fixed_s + max(memory, compute) + sampling
+
+    def head_learning_seconds(self, trained_pairs: int, steps: int, window: int) -> float:
+        """``steps`` AdamW steps of a draft head's online learning over ``trained_pairs`` pairs in all (the
+        policy's passes that computed their hidden states are charged as forward passes): per pair three times a
+        drafted token's flops (forward, and a backward of about twice that) with ``window`` keys attended, per step
+        three head steps' fixed cost. Estimated from the drafting figures, not measured."""
+        flops = 3 * (self.head_flops_per_token + window * self.head_attention_flops_per_pair) * trained_pairs
+        return 3 * steps * self.head_fixed_s + flops / self.flops_per_s
 
     def train_seconds(self, num_tokens: int, num_workers: int) -> float:
         return self.train_fixed_s + self.train_flops_per_token * num_tokens / (self.flops_per_s * num_workers)
@@ -71,7 +112,9 @@ def _h100_7b() -> CostProfile:
     """A Qwen2.5-7B-shaped model (7.6e9 parameters, 28 layers, 4 KV heads of 128, hidden 3584) in bfloat16 on one
     H100 SXM (3.35 TB/s HBM, 989 TFLOP/s dense bf16), at 70% of peak bandwidth and 50% of peak flops. Keyed
     sampling runs as eager tensor operations that read and write 242 bytes per float32 logit (counted by
-    ``python benchmarks/calibrate_cpu.py --sampling-only``), memory bound at the same 70% of bandwidth."""
+    ``python benchmarks/calibrate_cpu.py --sampling-only``), memory bound at the same 70% of bandwidth. A draft
+    head of the same shape (``draft_head_size``; one decoder layer, the shared output head) reads 1.6 GB a step and
+    computes 1.6 GFLOP per drafted token, so it is memory bound at small batches."""
     parameters, layers, kv_dim, hidden = 7.6e9, 28, 4 * 128, 3584
     bandwidth = 0.7 * 3.35e12
     return CostProfile(
@@ -93,6 +136,16 @@ def _h100_7b() -> CostProfile:
         weight_sync_load_bytes_per_s=25e9,
         weight_sync_parallel_ranks=8,
         sampling_s_per_logit=242 / bandwidth,
+        # Assumed, not measured: fixed_s spread over a pass's eager operations (about 1,180: 28 layers of 35, the
+        # sampler's 175) and charged for a head step's 231 (operations counted on the CPU at this shape).
+        head_fixed_s=3e-4,
+        # draft_head_size(DecoderConfig of Qwen2.5-7B's shape) (tests/test_clocks.py checks them): 258,747,904
+        # parameters of its own and the output head + final norm (152,064 x 3,584 + 3,584) in bf16; per token
+        # layer_flops_per_token + output_head_flops_per_token; context_flops_per_pair; attention_flops_per_key.
+        head_weight_bytes=2 * (258_747_904 + 545_000_960),
+        head_flops_per_token=517_472_256 + 1_089_994_752,
+        head_flops_per_context_pair=58_720_256,
+        head_attention_flops_per_pair=14_336,
     )
 
 
@@ -105,7 +158,13 @@ def _cpu_tiny() -> CostProfile:
     0.08 s of calls, one put into the object store at 9.3 GB/s, each rank's load at 6.9 GB/s). Keyed sampling is
     fitted by ``python benchmarks/calibrate_cpu.py --sampling-only`` over 1-272 rows and vocabularies of
     19-151,936 (median error 11%; its per-call overhead of 0.66 ms is not in ``fixed_s``, which times the model's
-    forward only)."""
+    forward only). Draft-head calls are fitted by ``python benchmarks/calibrate_cpu.py --head`` (an untrained head
+    over the shipped model, keyed sampling; 1-16 rows, 1-8 steps, 1-64 context pairs; CPU time, beside another
+    benchmark on the same 2 cores, so noisy: six runs gave 5.5-6.5e-4 s a step, 0.73-1.2e-5 a token, 1.9-2.7e-6 a
+    context pair, median errors 4.1-5.4% over 80 calls; the middle run's). A head step's fixed cost includes its
+    sampler's overhead (a step whose tokens are all given skips the sampler: charged about 20% too much, checked
+    by ``--head-check``); its attention is the forward fit's per pair over the model's 4 layers (too small at
+    these windows to fit)."""
     return CostProfile(
         name="cpu-tiny",
         description=_cpu_tiny.__doc__.strip(),
@@ -122,6 +181,10 @@ def _cpu_tiny() -> CostProfile:
         weight_sync_put_bytes_per_s=9.3e9,
         weight_sync_load_bytes_per_s=6.9e9,
         sampling_s_per_logit=1.3e-8,
+        head_fixed_s=5.5e-4,
+        head_flops_per_token=8.6e-6,
+        head_flops_per_context_pair=2.2e-6,
+        head_attention_flops_per_pair=1.3e-8,
     )
 
 
