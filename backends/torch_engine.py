@@ -45,7 +45,15 @@ from bubblespec.models.decoder import (
     read_checkpoint,
     read_model_config,
 )
-from bubblespec.models.draft_head import DEFAULT_WINDOW, DraftHead
+from bubblespec.models.draft_head import (
+    DEFAULT_WINDOW,
+    DraftHead,
+    DraftHeadTrainer,
+    HeadLearning,
+    HeadLearningReport,
+    Sample,
+    learn_online,
+)
 from bubblespec.verify.sequence import (
     ProposalSettings,
     Sequence,
@@ -131,6 +139,8 @@ class TorchEngine(Engine):
     supports_draft_tries = True
     """Reports runner-ups and margins where a request asks (:meth:`_sample`) and begins a response with a given
     prefix (its tokens are fed with the prompt)."""
+    supports_draft_head = True
+    """Drafts with a draft head (:meth:`set_draft_head`) and learns one online (:meth:`learn_draft_head`)."""
 
     def __init__(self, config: TorchEngineConfig) -> None:
         self.config = config
@@ -150,6 +160,10 @@ class TorchEngine(Engine):
         self._proposal = ProposalSettings.of(config)
         self._head: DraftHead | None = None
         self._head_max_tokens = 0
+        self._head_trainer: DraftHeadTrainer | None = None
+        """The head learned online (:meth:`learn_draft_head`) and its optimizer; None until the first round."""
+        self._head_call: dict[str, int] = {}
+        """The draft-head call before the current pass, for its ForwardPass (what a cost model charges)."""
 
     @classmethod
     def check_model(cls, model_path: str) -> None:
@@ -208,8 +222,43 @@ class TorchEngine(Engine):
             raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
         head = DraftHead(self.model, window=window)
         head.load_state_dict(state)
-        self._head = head
+        self._head, self._head_trainer = head, None
         self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
+
+    def learn_draft_head(self, samples: Seq[Sample], learning: HeadLearning) -> HeadLearningReport:
+        """One round of online learning (docs/design.md §14): the draft head learns from ``samples``, responses of
+        the policy this engine holds ((prompt ids, response ids, temperature) each), by
+        :func:`~bubblespec.models.draft_head.learn_online`, and drafts from the next ``generate`` on. The first round
+        starts a head from ``learning.seed`` (as does a round after :meth:`set_draft_head`); later rounds go on
+        training it, its optimizer state kept."""
+        if self._head_trainer is None:
+            if not any(len(response) for _, response, _ in samples):  # nothing to learn from: no untrained head
+                return HeadLearningReport(0, 0, 0, 0, None, None, 0.0)
+            head = DraftHead(self.model, seed=learning.seed, window=learning.window)
+            self._head_trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
+        report = learn_online(self._head_trainer, samples, learning)
+        self._head = self._head_trainer.head
+        self._head_max_tokens = learning.max_tokens or self._proposal.max_draft_tokens_per_step
+        return report
+
+    def draft_head_state(self) -> dict | None:
+        """What resumes online learning exactly (a checkpoint's): the learned head's parameters and its optimizer's
+        state (:meth:`DraftHead.state_dict`, :meth:`DraftHeadTrainer.state_dict`); None before the first round."""
+        if self._head_trainer is None:
+            return None
+        return {"head": self._head_trainer.head.state_dict(), "optimizer": self._head_trainer.state_dict()}
+
+    def load_draft_head_state(self, state: Mapping | None, learning: HeadLearning) -> None:
+        """Back to :meth:`draft_head_state`'s ``state`` (None: no head, learning starts from nothing again)."""
+        if state is None:
+            self._head, self._head_trainer, self._head_max_tokens = None, None, 0
+            return
+        head = DraftHead(self.model, seed=learning.seed, window=learning.window)
+        head.load_state_dict(state["head"])
+        trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
+        trainer.load_state_dict(state["optimizer"])
+        self._head, self._head_trainer = head, trainer
+        self._head_max_tokens = learning.max_tokens or self._proposal.max_draft_tokens_per_step
 
     def release(self) -> None:
         self._cache = None
@@ -286,6 +335,7 @@ class TorchEngine(Engine):
     def _step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass over every active sequence: each feeds its pending tokens and its draft chunk, and
         is sampled at its last pending token and at every draft token."""
+        self._head_call = {}
         if self._proposal.draft_candidates > 1:
             return self._tree_step(active, cache, on_forward)
         batch = len(active)
@@ -311,7 +361,7 @@ class TorchEngine(Engine):
             logits, hidden_BTH = logits
         self.num_forward_passes += 1
         if on_forward is not None:
-            on_forward(_forward_pass(active, chunks, width * self.vocab_size))
+            on_forward(_forward_pass(active, chunks, width * self.vocab_size, head_call=self._head_call))
         sampled, logprobs, near_ties = self._sample(active, logits, drafts)
         for row, (sequence, draft) in enumerate(zip(active, drafts, strict=True)):
             fed, before = len(sequence.pending), len(sequence.tokens)
@@ -347,6 +397,7 @@ class TorchEngine(Engine):
         extended = list(drafts)
         for row, tokens in zip(rows, drafted_BN, strict=True):
             extended[row] = tokens[: len(drafts[row]) + room[row]]
+        self._head_call = _head_call(chosen, given, num_tokens, self._head.window, self.vocab_size)
         return extended
 
     def _after_head_pass(
@@ -425,7 +476,7 @@ class TorchEngine(Engine):
         self.num_forward_passes += 1
         if on_forward is not None:
             attended = [t.attention_pairs(len(s.pending), s.cache_length) for s, t in zip(active, trees, strict=True)]
-            on_forward(_forward_pass(active, chunks, width * self.vocab_size, attended))
+            on_forward(_forward_pass(active, chunks, width * self.vocab_size, attended, self._head_call))
         # One sample per scored position, each with its own path before it (the repetition penalty sees it).
         rows = [(row, sequence, index) for row, sequence in enumerate(active) for index in range(len(trees[row]) + 1)]
         paths = [trees[row].path_tokens(index - 1) if index else [] for row, _, index in rows]
@@ -478,11 +529,32 @@ def _head_sampler(sequences: list[_Slot]):
     return sample
 
 
+def _head_call(
+    chosen: list[_Slot], given: list[list[int]], num_tokens: int, window: int, vocab_size: int
+) -> dict[str, int]:
+    """What one :meth:`DraftHead.draft` call computed (``ForwardPass``'s head fields): every row runs every step;
+    a row reads its latest ``window`` pairs, the last fed at the first step, and each step's query attends the
+    latest ``window`` keys; the output head and sampler run at the steps where some row's token is not given."""
+    contexts = [min(window, len(s.head_tokens)) for s in chosen]
+    sampled_steps = num_tokens - min(len(g) for g in given)
+    return {
+        "head_steps": num_tokens,
+        "head_tokens": len(chosen) * num_tokens,
+        "head_context_pairs": sum(c - 1 for c in contexts),
+        "head_attention_pairs": sum(min(window, c + step) for c in contexts for step in range(num_tokens)),
+        "head_sampled_logits": sampled_steps * len(chosen) * vocab_size,
+    }
+
+
 def _forward_pass(
-    active: list[_Slot], chunks: list[list[int]], logits_per_row: int, attended: list[int] | None = None
+    active: list[_Slot],
+    chunks: list[list[int]],
+    logits_per_row: int,
+    attended: list[int] | None = None,
+    head_call: dict[str, int] | None = None,
 ) -> ForwardPass:
     """What a pass computed; ``attended``: per sequence, the (query, key) pairs its chunk attended (default: a
-    causal chunk after its cache)."""
+    causal chunk after its cache); ``head_call``: the draft-head call before it (:func:`_head_call`)."""
     fed = [len(chunk) for chunk in chunks]
     starts = [s.cache_length for s in active]
     if attended is None:
@@ -497,4 +569,5 @@ def _forward_pass(
         sampled_logits=len(active) * logits_per_row,
         padded_tokens=padded,
         padded_attention_pairs=padded * max(contexts),
+        **(head_call or {}),
     )

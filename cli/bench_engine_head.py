@@ -34,39 +34,32 @@ import torch
 
 from bubblespec.cli.bench_engine_requests import with_drafts
 from bubblespec.core.interfaces import GenerationRequest, GenerationResult, acceptance_length
-from bubblespec.models.draft_head import DEFAULT_WINDOW, DraftHead, DraftHeadTrainer, HeadBatch
+from bubblespec.models.draft_head import (
+    DEFAULT_WINDOW,
+    HIDDEN_ROWS_PER_PASS,
+    DraftHead,
+    DraftHeadTrainer,
+    HeadBatch,
+    HeadLearning,
+    hidden_pairs,
+)
 
-TRAINING_STEPS = 32
-"""Default AdamW steps of the head (``--head-steps``): 8 passes over 32 responses of :data:`ROWS_PER_STEP`."""
-ROWS_PER_STEP = 8
+TRAINING_STEPS = HeadLearning.steps
+"""Default AdamW steps of the head (``--head-steps``), as a run's online learning takes per rollout
+(:class:`~bubblespec.models.draft_head.HeadLearning`): 8 passes over 32 responses of :data:`ROWS_PER_STEP`."""
+ROWS_PER_STEP = HeadLearning.rows_per_step
 """Responses per training step."""
-LEARNING_RATE = 3e-3
-"""The head's AdamW learning rate (from nothing, a few dozen steps: tests/test_draft_head.py learns at it)."""
-HIDDEN_ROWS_PER_PASS = 4
-"""Responses per forward pass that computes the hidden states (bounds the pass's memory at long responses)."""
+LEARNING_RATE = HeadLearning.learning_rate
+"""The head's AdamW learning rate."""
 ARMS = ("plain", "drafts", "head", "drafts_and_head")
 
 
 def head_batch(model, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult]) -> HeadBatch:
-    """The responses' (hidden state, token) pairs: ``model``'s last hidden states (before the final norm) over
-    prompt + response, from the prompt's last position on (the position whose logits sampled the first token), one
-    forward pass per :data:`HIDDEN_ROWS_PER_PASS` responses, no gradients; responses of no tokens are left out."""
-    kept = [(r, x) for r, x in zip(requests, results, strict=True) if x.token_ids]
-    hidden, tokens = [], []
-    for start in range(0, len(kept), HIDDEN_ROWS_PER_PASS):
-        chunk = kept[start : start + HIDDEN_ROWS_PER_PASS]
-        rows = [torch.tensor([*r.prompt_token_ids, *x.token_ids]) for r, x in chunk]
-        tokens_BT = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(model.device)
-        positions_BT = torch.arange(tokens_BT.shape[1], device=model.device)[None].expand(len(rows), -1)
-        select_BW = torch.zeros(len(rows), 1, dtype=torch.int64, device=model.device)  # no logits needed
-        with torch.no_grad():
-            _, hidden_BTH = model.forward(tokens_BT, positions_BT, select_BW=select_BW, return_hidden=True)
-        for row, (request, result) in enumerate(chunk):
-            first = len(request.prompt_token_ids) - 1
-            hidden.append(hidden_BTH[row, first : first + len(result.token_ids)])
-            tokens.append(torch.tensor(result.token_ids))
-    temperatures = [r.sampling.temperature for r, _ in kept]
-    return HeadBatch.pad(hidden, tokens, temperatures)
+    """The responses' (hidden state, token) pairs (:func:`~bubblespec.models.draft_head.hidden_pairs`, one forward
+    pass per :data:`HIDDEN_ROWS_PER_PASS` responses); responses of no tokens are left out."""
+    pairs = zip(requests, results, strict=True)
+    samples = [(r.prompt_token_ids, x.token_ids, r.sampling.temperature) for r, x in pairs]
+    return hidden_pairs(model, samples, HIDDEN_ROWS_PER_PASS)
 
 
 def train_head(
@@ -78,21 +71,8 @@ def train_head(
     head = DraftHead(model, seed=seed, window=window)
     trainer = DraftHeadTrainer(head, learning_rate=LEARNING_RATE)
     num_rows = len(batch.lengths_B)
-    losses = []
     clock = time.perf_counter()
-    for step in range(steps):
-        rows = [(step * ROWS_PER_STEP + i) % num_rows for i in range(min(ROWS_PER_STEP, num_rows))]
-        longest = int(batch.lengths_B[rows].max())
-        losses.append(
-            trainer.step(
-                HeadBatch(
-                    batch.hidden_BTH[rows, :longest],
-                    batch.tokens_BT[rows, :longest],
-                    batch.lengths_B[rows],
-                    batch.temperature_B[rows],
-                )
-            )
-        )
+    losses, _ = trainer.train(batch, steps, ROWS_PER_STEP)
     summary = {
         "responses": num_rows,
         "pairs": int(batch.lengths_B.sum()),

@@ -89,6 +89,35 @@ def test_draft_tries_change_no_rollout_or_weight_and_their_branches_are_followed
         assert all(steps[i].decode_steps < single_steps[i].decode_steps for i in took), candidates
 
 
+HEAD = {"enabled": True, "window": 16, "steps_per_rollout": 8, "responses_per_step": 4}
+
+
+def test_a_draft_head_learned_online_changes_no_rollout_or_weight_and_drafts(tmp_path, baseline):
+    """The last rank learns a draft head from each step's responses while the trainer trains (docs/design.md §14);
+    from step 1 on it drafts beside the bubble drafts, and the run is the plain one."""
+    plain_steps, plain_weights = baseline
+    steps, weights = _run(
+        tmp_path, "head", speculation={"enabled": True, "draft_during_training": True, "draft_head": HEAD}
+    )
+    assert _rollouts(steps) == _rollouts(plain_steps)
+    assert _same_weights(weights, plain_weights)
+    learned = [s.draft_head for s in steps]
+    assert all(h is not None and h.rank == 1 and h.steps == 8 and h.responses == 8 for h in learned), learned
+    assert all(h.seconds > 0 and h.wait_seconds <= h.seconds for h in learned)
+    proposed = [sum(rank.head_tokens_proposed for rank in s.ranks) for s in steps]
+    assert proposed[0] == 0 and all(p > 0 for p in proposed[1:]), proposed
+    accepted = sum(rank.head_tokens_accepted for s in steps for rank in s.ranks)
+    assert 0 < accepted <= sum(proposed)
+
+
+def test_a_draft_head_without_its_backend_or_clock_is_refused_by_name(tmp_path):
+    head = {"enabled": True, "draft_head": {"enabled": True}}
+    with pytest.raises(ConfigError, match="does not draft with a draft head"):
+        run(_config(tmp_path, "sglang", speculation=head, rollout={"backend": "sglang"}))
+    with pytest.raises(ConfigError, match="virtual clock only"):
+        run(_config(tmp_path, "wall", speculation=head, clock={"kind": "wall"}))
+
+
 @pytest.mark.parametrize(
     "advantage", ["dr_grpo", "rloo", "reinforce_pp", {"advantage": "grpo", "scale_rewards": "batch"}]
 )
@@ -332,8 +361,10 @@ def test_draft_trees_need_a_backend_that_runs_draft_chains(tmp_path):
         {"model": {"dtype": "bfloat16"}, "trainer": {"optimizer": {"learning_rate": 1e-5}}},
         # draft tries come back with the checkpoint: branches and near-ties of the pending drafts
         {"speculation": {"tries_max_tokens_per_rank": 400, "draft_during_training": True}},
+        # the draft head comes back with the checkpoint: its parameters and optimizer state
+        {"speculation": {"draft_head": HEAD}},
     ],
-    ids=["bubble", "history", "bfloat16", "tries"],
+    ids=["bubble", "history", "bfloat16", "tries", "draft-head"],
 )
 def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2, **changes)

@@ -144,6 +144,31 @@ to its tokens there, so one candidate a pass). ``gpu``: ``examples/bench-long.ya
 measured on a real GPU."""
 
 
+class DraftHeadConfig(Section):
+    """``speculation.draft_head``: a draft head learned online (docs/design.md §14). After each rollout the first
+    rank learns from the step's responses (the policy's hidden states along them, one pass per 4 responses, then
+    AdamW steps) while the trainer trains, and drafts with it from the next rollout on, after every other source of a
+    pass (its proposals extend what the others leave of a pass's draft room). Its learning costs the step nothing
+    where the ranks draft while the trainer trains (``draft_during_training``) and it ends before the trainer; the
+    rest is charged on the step. Not measured yet on a benchmark: off by default."""
+
+    enabled: bool = False
+    window: int = Field(64, ge=1)
+    """(hidden state, token) pairs the head attends, in learning as in drafting (capped by a family's sliding
+    window)."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens the head proposes a pass at most, after a sequence's own proposal; None: up to
+    ``rollout.max_draft_tokens_per_step``."""
+    learning_rate: float = Field(3e-3, gt=0)
+    """AdamW's, on the head's own parameters (float32)."""
+    steps_per_rollout: int = Field(32, ge=1)
+    """AdamW steps after each rollout."""
+    responses_per_step: int = Field(8, ge=1)
+    """Responses an AdamW step learns from (the rollout's responses in turn)."""
+    seed: int = Field(0, ge=0)
+    """The head's initialisation."""
+
+
 class SpeculationConfig(Section):
     preset: Literal["cpu", "gpu"] | None = None
     """Sets the speculation settings measured best where the run's hardware is like the benchmark's
@@ -206,6 +231,9 @@ class SpeculationConfig(Section):
     tries_policy: str = "tail-margin"
     """Which near-ties get a branch first (a tries policy plugin; ``tail-margin``: the smallest margins on the
     longest responses, :mod:`bubblespec.policies.tries`)."""
+    draft_head: DraftHeadConfig = DraftHeadConfig()
+    """A draft head learned online (:class:`DraftHeadConfig`); needs a backend that drafts with one (torch) and the
+    virtual clock for now."""
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +308,11 @@ class SpeculationConfig(Section):
                 f"bubble drafts nothing ({why}); use 0, or draft in the bubble"
             )
         return self
+
+    @property
+    def uses_draft_head(self) -> bool:
+        """Whether a draft head learns online and drafts (speculation enabled and ``draft_head.enabled``)."""
+        return bool(self.enabled) and self.draft_head.enabled
 
     @property
     def uses_tries(self) -> bool:

@@ -42,6 +42,7 @@ Shapes: B rows, T pairs, C context pairs, H hidden, N query heads, K key/value h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ top-p): ``verify.sampling.keyed_sample(logits, seeds, positions, temperature, to
 
 DEFAULT_WINDOW = 64
 """Pairs the head attends by default: recent enough to be cheap, long enough to hold the local context."""
+HIDDEN_ROWS_PER_PASS = 4
+"""Responses per forward pass that computes hidden states to learn from (bounds the pass's memory at long
+responses)."""
 _INIT_STD = 0.02
 """Standard deviation of the head's initial matrices (transformers' ``initializer_range`` default)."""
 
@@ -191,7 +195,7 @@ class DraftHead:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of positions, got {window!r}")
         cfg = policy.config
-        self.config, self.dtype, self.device = cfg, policy.dtype, policy.device
+        self.policy, self.config, self.dtype, self.device = policy, cfg, policy.dtype, policy.device
         family_window = cfg.layer_window(cfg.num_layers - 1)
         self.window = window if family_window is None else min(window, family_window)
         shared = policy.weights
@@ -478,3 +482,106 @@ class DraftHeadTrainer:
 
     def load_state_dict(self, state: Mapping) -> None:
         self.optimizer.load_state_dict(state)
+
+    def train(self, batch: HeadBatch, steps: int, rows_per_step: int) -> tuple[list[float], int]:
+        """``steps`` optimizer steps on ``batch``'s responses, ``rows_per_step`` a step in turn (the responses in
+        order, around again where they run out), each step's rows cut to its longest; returns each step's loss and
+        the pairs the steps trained on (summed over steps: what their cost grows with)."""
+        num_rows = len(batch.lengths_B)
+        if num_rows == 0 or steps < 1:
+            return [], 0
+        per_step = min(rows_per_step, num_rows)
+        losses, trained = [], 0
+        for step in range(steps):
+            rows = [(step * per_step + i) % num_rows for i in range(per_step)]
+            longest = int(batch.lengths_B[rows].max())
+            chunk = HeadBatch(batch.hidden_BTH[rows, :longest], batch.tokens_BT[rows, :longest],
+                              batch.lengths_B[rows], batch.temperature_B[rows])  # fmt: skip
+            losses.append(self.step(chunk))
+            trained += int(chunk.lengths_B.sum())
+        return losses, trained
+
+
+@dataclass(frozen=True)
+class HeadLearning:
+    """How a head learns online (``speculation.draft_head``): from ``seed``'s initialisation, ``steps`` AdamW steps
+    at ``learning_rate`` per rollout on its responses, ``rows_per_step`` responses a step; it attends ``window``
+    pairs and proposes up to ``max_tokens`` tokens a pass (None: the engine's ``max_draft_tokens_per_step``)."""
+
+    window: int = DEFAULT_WINDOW
+    max_tokens: int | None = None
+    learning_rate: float = 3e-3
+    """From nothing, a few dozen steps: tests/test_draft_head.py and ``bench engine``'s ``draft_head`` learn at it."""
+    steps: int = 32
+    rows_per_step: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class HeadLearningReport:
+    """What one round of online learning did: responses and pairs learned from, optimizer steps, the pairs those
+    steps trained on (summed over steps: what their cost grows with), the first and last step's loss, wall seconds,
+    and the policy's passes that computed the hidden states (as :class:`~bubblespec.core.interfaces.ForwardPass`
+    counts, for a cost model), one per ``rows_per_pass`` responses."""
+
+    responses: int
+    pairs: int
+    steps: int
+    trained_pairs: int
+    first_loss: float | None
+    final_loss: float | None
+    seconds: float
+    hidden_passes: tuple[tuple[int, ...], ...] = ()
+    """Per pass, each row's tokens (prompt + response) fed without a cache."""
+
+
+Sample = tuple[Sequence[int], Sequence[int], float]
+"""One response to learn from: its prompt's token ids, its own token ids and its sampling temperature."""
+
+
+@torch.no_grad()
+def hidden_pairs(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass: int = 4) -> HeadBatch:
+    """The (hidden state, token) pairs of ``samples``: ``policy``'s last hidden states (before the final norm) over
+    prompt + response, from the prompt's last position on (the position whose logits sampled the first token), one
+    forward pass per ``rows_per_pass`` responses (bounds a pass's memory at long responses); responses of no tokens
+    are left out. What a training pass computes over the same responses, without gradients."""
+    kept = [(prompt, response, temperature) for prompt, response, temperature in samples if len(response)]
+    hidden, tokens = [], []
+    for start in range(0, len(kept), rows_per_pass):
+        chunk = kept[start : start + rows_per_pass]
+        rows = [torch.tensor([*prompt, *response]) for prompt, response, _ in chunk]
+        tokens_BT = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(policy.device)
+        positions_BT = torch.arange(tokens_BT.shape[1], device=policy.device)[None].expand(len(rows), -1)
+        select_BW = torch.zeros(len(rows), 1, dtype=torch.int64, device=policy.device)  # no logits needed
+        _, hidden_BTH = policy.forward(tokens_BT, positions_BT, select_BW=select_BW, return_hidden=True)
+        for row, (prompt, response, _) in enumerate(chunk):
+            first = len(prompt) - 1
+            hidden.append(hidden_BTH[row, first : first + len(response)])
+            tokens.append(torch.tensor(list(response)))
+    return HeadBatch.pad(hidden, tokens, [temperature for _, _, temperature in kept])
+
+
+def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning: HeadLearning) -> HeadLearningReport:
+    """One round of online learning: the hidden states of ``samples`` under the policy the trainer's head reads
+    (:func:`hidden_pairs`), then ``learning.steps`` optimizer steps on them (:meth:`DraftHeadTrainer.train`)."""
+    clock = time.perf_counter()
+    kept = [sample for sample in samples if len(sample[1])]
+    if not kept:
+        return HeadLearningReport(0, 0, 0, 0, None, None, time.perf_counter() - clock)
+    rows_per_pass = HIDDEN_ROWS_PER_PASS
+    batch = hidden_pairs(trainer.head.policy, kept, rows_per_pass)
+    losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
+    passes = tuple(
+        tuple(len(prompt) + len(response) for prompt, response, _ in kept[start : start + rows_per_pass])
+        for start in range(0, len(kept), rows_per_pass)
+    )
+    return HeadLearningReport(
+        responses=len(kept),
+        pairs=int(batch.lengths_B.sum()),
+        steps=len(losses),
+        trained_pairs=trained,
+        first_loss=losses[0] if losses else None,
+        final_loss=losses[-1] if losses else None,
+        seconds=time.perf_counter() - clock,
+        hidden_passes=passes,
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bubblespec.core.errors import CheckpointError
-from bubblespec.rollout.step import RankRecord
+from bubblespec.rollout.step import HeadLearningRecord, RankRecord
 
 Timeline = list[tuple[str, float, float]]
 """One rank's (activity, start, end): activity in generate, draft, idle; seconds from the phase's start."""
@@ -117,6 +117,8 @@ class StepRecord(BaseModel):
     trained): the drafts of earlier steps had not paid (:mod:`bubblespec.rollout.speculation_gate`)."""
     carried_groups: int = 0
     """Prompts (groups of samples) cut short in this step and carried to a later one (``schedule.cut_*``)."""
+    draft_head: HeadLearningRecord | None = None
+    """The draft head's learning on this step's responses (``speculation.draft_head``); None without a head."""
 
     @property
     def rollout_seconds_without_drafts(self) -> float | None:

@@ -30,6 +30,8 @@ from bubblespec.core.interfaces import Draft, DraftBranch, NearTie, RolloutKey
 from bubblespec.observe.records import PromptSamples, StepRecord, read_step_lines
 
 CHECKPOINT_FILES = ("weights.safetensors", "trainer.pt", "drafts.json", "state.json")
+DRAFT_HEAD_FILE = "draft_head.pt"
+"""A checkpoint's draft head (``speculation.draft_head``), where one has learned."""
 
 
 class RunDirectory:
@@ -144,9 +146,11 @@ class RunDirectory:
         drafts: list[Draft],
         state: dict,
         history: list[Draft] | None = None,
+        draft_head: dict | None = None,
     ) -> Path:
         """Writes the checkpoint of ``step``: weights, trainer state, the drafts pending for later steps, the run
-        state and, with the history draft source, the responses it remembers (as drafts of their own keys)."""
+        state, with the history draft source the responses it remembers (as drafts of their own keys) and with a
+        draft head its parameters and optimizer state (``draft_head.pt``)."""
         from safetensors.torch import save_file
 
         final = self.checkpoints / f"step-{step:06d}"
@@ -159,6 +163,8 @@ class RunDirectory:
         (partial / "state.json").write_text(json.dumps(state | {"step": step}))
         if history is not None:
             (partial / "history.json").write_text(json.dumps([_draft_to_json(d) for d in history]))
+        if draft_head is not None:
+            torch.save(draft_head, partial / DRAFT_HEAD_FILE)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
@@ -205,6 +211,16 @@ class RunDirectory:
         try:
             return [_draft_from_json(d) for d in json.loads(file.read_text())]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"cannot read {file}: {error}") from None
+
+    def load_draft_head(self, folder: Path) -> dict | None:
+        """The draft head's state saved with a checkpoint; None if none was (no head, or none learned yet)."""
+        file = folder / DRAFT_HEAD_FILE
+        if not file.is_file():
+            return None
+        try:
+            return torch.load(file, weights_only=True)
+        except Exception as error:
             raise CheckpointError(f"cannot read {file}: {error}") from None
 
     def write_summary(self, summary: dict) -> None:

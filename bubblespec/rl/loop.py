@@ -164,7 +164,11 @@ class Controller:
         dtype = DTYPES[self.config.model.dtype]
         parts.service.update_weights({name: t.to(dtype) for name, t in weights.items()}, version=step + 1)
         parts.service.restore(
-            drafts, run_dir.load_history(checkpoint), state.get("response_lengths", []), state.get("speculation_gate")
+            drafts,
+            run_dir.load_history(checkpoint),
+            state.get("response_lengths", []),
+            state.get("speculation_gate"),
+            run_dir.load_draft_head(checkpoint),
         )
         run_dir.truncate_steps(step)
         self.schedule = self._schedule(finished_at(run_dir.read_steps()), step + 1)
@@ -221,6 +225,7 @@ class Controller:
             stale_tokens=sum(group.stale_tokens for group in trained),
             carried_groups=schedule.carried(),
             drafting_paused=parts.service.drafting_paused,
+            draft_head=parts.service.head_record,
         )
         self.run_dir.append_step(record)
         self._latest_weights = weights
@@ -335,6 +340,7 @@ class Controller:
                 "speculation_gate": drafting["gate"],
             },  # fmt: skip
             history=drafting["history"],
+            draft_head=self.parts.service.draft_head_state(),
         )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from bubblespec.core.interfaces import Draft, GenerationRequest, GenerationResult, RolloutKey
 from bubblespec.rollout.step import DraftPlan, RankRecord, RolloutOutcome, drafted_tokens
@@ -299,6 +299,20 @@ class RankPool(Protocol):
 
     def update_weights(self, state_dict, version: int) -> float:
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
+        ...
+
+    def learn_head(self, samples, learning) -> tuple[float, Any]:
+        """The draft head's online learning on a rollout's responses (``speculation.draft_head``), on the last rank
+        as the trainer starts; returns its seconds and the engine's ``HeadLearningReport``. The virtual pool only for
+        now: the config refuses a head on Ray Serve ranks."""
+        ...
+
+    def draft_head_state(self) -> dict | None:
+        """The learned head's parameters and optimizer state, for a checkpoint (None: none learned yet)."""
+        ...
+
+    def load_draft_head_state(self, state: dict | None, learning) -> None:
+        """Back to :meth:`draft_head_state`'s ``state`` (None: no head)."""
         ...
 
     def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from bubblespec.core import fault_gates
+from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout.bubble_scheduler import (
     REPLACED,
@@ -39,6 +40,11 @@ from bubblespec.rollout.step import DraftPlan, RolloutOutcome
 from bubblespec.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
+
+_NO_HEAD = (
+    "speculation.draft_head: Ray Serve ranks do not learn a draft head yet (the virtual clock's ranks do); use "
+    "clock.kind: virtual, or speculation.draft_head.enabled: false"
+)
 
 
 class StalePolicy(RuntimeError):
@@ -244,6 +250,15 @@ class ServeRankPool:
 
     def resume(self) -> None:
         self._on_every_rank(lambda handle: handle.resume.remote())
+
+    def learn_head(self, samples, learning):
+        raise ConfigError(_NO_HEAD)
+
+    def draft_head_state(self) -> dict | None:
+        raise ConfigError(_NO_HEAD)
+
+    def load_draft_head_state(self, state, learning) -> None:
+        raise ConfigError(_NO_HEAD)
 
     def placement(self) -> list[dict]:
         """Each rank's node, GPUs and releases (:meth:`RankReplica.placement`)."""

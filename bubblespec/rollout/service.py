@@ -40,10 +40,18 @@ from bubblespec.core.interfaces import (
     ShardingPolicyBase,
     TriesPolicyBase,
 )
+from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout.speculation_gate import SpeculationGate
-from bubblespec.rollout.step import DraftPlan, RolloutOutcome, TrainingDrafting, attach_drafts, step_requests
+from bubblespec.rollout.step import (
+    DraftPlan,
+    HeadLearningRecord,
+    RolloutOutcome,
+    TrainingDrafting,
+    attach_drafts,
+    step_requests,
+)
 from bubblespec.rollout.tries_plan import TriesPlan
 
 logger = logging.getLogger(__name__)
@@ -118,6 +126,13 @@ class RolloutService:
         self._since_phase_end = 0.0
         """Seconds since the ranks' last phase ended (the trainer's, while ranks did not draft): how long late
         drafting passes have had to finish on the virtual clock."""
+        self.head_learning = head_learning(speculation)
+        """How the draft head learns online (``speculation.draft_head``); None: no head."""
+        self.head_record: HeadLearningRecord | None = None
+        """The draft head's last round of learning (the last step's), for the step record."""
+        self._head_samples: list[Sample] = []
+        self._head_learned: tuple[float, HeadLearningReport] | None = None
+        self._head_wait = 0.0
 
     @classmethod
     def build(
@@ -208,12 +223,22 @@ class RolloutService:
         for _, source in self.static_sources:
             source.observe(outcome.results)
         self.response_lengths.observe(outcome.results)
+        if self.head_learning is not None:  # the head learns from them while the trainer trains
+            self._head_samples = [
+                (r.prompt_token_ids, x.token_ids, r.sampling.temperature)
+                for r, x in zip(requests, outcome.results, strict=True)
+            ]
         return outcome
 
     def training_starts(self) -> None:
         """The trainer is about to train. Colocated ranks release their generation memory to it; ranks on
-        hardware of their own go on drafting the rest of the last step's plan (``draft_during_training``)."""
+        hardware of their own go on drafting the rest of the last step's plan (``draft_during_training``). The draft
+        head (``speculation.draft_head``) learns from the last rollout's responses on the last rank first."""
         self._drafting = False
+        self.head_record, self._head_learned = None, None
+        if self._head_samples:
+            self._head_learned = self.ranks.learn_head(self._head_samples, self.head_learning)
+            self._head_samples = []
         if self.colocated:
             self.ranks.release()
             self._released = True
@@ -230,6 +255,8 @@ class RolloutService:
         if self._released:
             self.ranks.resume()
             self._released = False
+        if self._head_learned is not None:
+            self._record_head_learning(train_seconds)
         if not self._drafting:
             self._since_phase_end += train_seconds
             return None
@@ -246,15 +273,36 @@ class RolloutService:
         if self._outcome is not None:
             self._outcome.late_wait_seconds += waited
         self._judge()  # the last rollout's outcome is complete: the gate judges it before a checkpoint keeps its state
+        waited, self._head_wait = waited + self._head_wait, 0.0
         return waited + self.ranks.update_weights(state_dict, version=version)
+
+    def _record_head_learning(self, train_seconds: float) -> None:
+        """The head's round of learning, once the trainer is done: the step waits for what of it ran on hardware
+        the trainer used (ranks that do not draft while it trains share it, :meth:`ServiceConfig.training_drafting`)
+        or outlasted the trainer; the weight sync starts after it (:meth:`update_weights`)."""
+        seconds, report = self._head_learned  # type: ignore[misc]
+        beside = self.draft_during_training > 0 and not self.colocated
+        self._head_wait = max(seconds - train_seconds, 0.0) if beside else seconds
+        self.head_record = HeadLearningRecord(
+            self.num_ranks - 1, report.responses, report.pairs, report.steps, report.first_loss, report.final_loss,
+            seconds, self._head_wait,
+        )  # fmt: skip
+        self._head_learned = None
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generates held-out requests with the current weights (no drafts, not timed)."""
         return self.ranks.evaluate(requests)
 
-    def restore(self, drafts: Sequence[Draft], history: list, response_lengths: list, gate: dict | None = None) -> None:
-        """Back to a checkpoint's drafting state: its pending drafts, history, response lengths and the gate's state
-        (None: a new run's)."""
+    def restore(
+        self,
+        drafts: Sequence[Draft],
+        history: list,
+        response_lengths: list,
+        gate: dict | None = None,
+        draft_head: dict | None = None,
+    ) -> None:
+        """Back to a checkpoint's drafting state: its pending drafts, history, response lengths, the gate's state
+        (None: a new run's) and the draft head's (:meth:`draft_head_state`; None: no head learned yet)."""
         try:
             self.ranks.settle()  # late drafting passes end before the rewind, and their drafts are forgotten
         except Exception as error:  # a rewind follows a failure; what the late passes raised is logged, not raised
@@ -266,6 +314,14 @@ class RolloutService:
         self.response_lengths.restore(response_lengths)
         self.gate.restore(gate or {})
         self._outcome, self._judged = None, True
+        if self.head_learning is not None:
+            self.ranks.load_draft_head_state(draft_head, self.head_learning)
+        self._head_samples, self._head_learned, self._head_wait, self.head_record = [], None, 0.0, None
+
+    def draft_head_state(self) -> dict | None:
+        """What resumes the draft head's online learning exactly (a checkpoint's): its parameters and optimizer
+        state; None without a head or before its first round."""
+        return None if self.head_learning is None else self.ranks.draft_head_state()
 
     def pending_drafts(self, step: int) -> list[Draft]:
         """The stored drafts of the keys the steps after ``step`` will ask for (what a checkpoint keeps)."""
@@ -369,6 +425,16 @@ class RolloutService:
         self.store.put(
             [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
         )
+
+
+def head_learning(speculation: SpeculationConfig) -> HeadLearning | None:
+    """``speculation.draft_head`` as the engine takes it; None where no head learns."""
+    if not speculation.uses_draft_head:
+        return None
+    head = speculation.draft_head
+    return HeadLearning(
+        head.window, head.max_tokens, head.learning_rate, head.steps_per_rollout, head.responses_per_step, head.seed
+    )
 
 
 def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tuple[str, StaticDraftSource]]:

@@ -85,6 +85,9 @@ class RankRecord:
     record; those of the bubble are also in :attr:`draft_tokens_produced`)."""
     branches_followed: int = 0
     """Times its shard's responses left a draft's path onto one of the draft's branches (draft tries)."""
+    head_tokens_proposed: int = 0
+    head_tokens_accepted: int = 0
+    """Of the draft tokens proposed and accepted, those the draft head drafted (``speculation.draft_head``)."""
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""
@@ -113,6 +116,8 @@ class RankRecord:
             self.draft_tokens_proposed += result.stats.draft_tokens_proposed
             self.draft_tokens_accepted += result.stats.draft_tokens_accepted
             self.branches_followed += result.stats.branches_followed
+            self.head_tokens_proposed += result.stats.head_tokens_proposed
+            self.head_tokens_accepted += result.stats.head_tokens_accepted
             if result.stats.decode_steps > (self.slowest_response_decode_steps or -1):
                 self.slowest_response_decode_steps = result.stats.decode_steps
                 self.slowest_response_tokens = len(result.token_ids)
@@ -133,6 +138,23 @@ class RankRecord:
     @property
     def bubble_utilization(self) -> float:
         return bubble_use([self])
+
+
+@pydantic.dataclasses.dataclass(frozen=True)
+class HeadLearningRecord:
+    """One round of the draft head's online learning (``speculation.draft_head``, docs/design.md §14), after a
+    step's rollout on that step's responses: what it learned from, its first and last loss, the seconds it took on
+    the run's clock (the policy's passes that computed the hidden states and the AdamW steps), and of those the
+    seconds the step waited for it (its learning ran on hardware the trainer used, or outlasted the trainer)."""
+
+    rank: int
+    responses: int
+    pairs: int
+    steps: int
+    first_loss: float | None
+    final_loss: float | None
+    seconds: float
+    wait_seconds: float = 0.0
 
 
 def bubble_use(ranks: Iterable[RankRecord]) -> float:

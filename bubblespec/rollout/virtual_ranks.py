@@ -21,7 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from bubblespec.core.interfaces import Engine, GenerationRequest, GenerationResult
+from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
+from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
 from bubblespec.rollout.bubble_scheduler import (
     ActivityListener,
     Command,
@@ -63,6 +64,27 @@ class VirtualRankPool:
         self.engine.update_weights(state_dict, version)
         state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
         return self.profile.weight_sync_seconds(state_bytes, self.num_ranks)
+
+    def learn_head(self, samples: Sequence[Sample], learning: HeadLearning) -> tuple[float, HeadLearningReport]:
+        """The draft head's online learning on ``samples`` (docs/design.md §14), on the last rank, as the trainer
+        starts: returns its simulated seconds (the policy's passes over the responses on the profile, then the AdamW
+        steps, :meth:`CostProfile.head_learning_seconds`) and the engine's report. That rank's drafting while the
+        trainer trains starts once it is done."""
+        report = self.engine.learn_draft_head(samples, learning)
+        passes = [
+            ForwardPass(len(rows), sum(rows), sum(rows), sum(length * (length + 1) // 2 for length in rows))
+            for rows in report.hidden_passes
+        ]
+        seconds = sum(self.profile.forward_seconds(p) for p in passes)
+        seconds += self.profile.head_learning_seconds(report.trained_pairs, report.steps, learning.window)
+        self._busy_until[-1] += seconds
+        return seconds, report
+
+    def draft_head_state(self) -> dict | None:
+        return self.engine.draft_head_state()
+
+    def load_draft_head_state(self, state: dict | None, learning: HeadLearning) -> None:
+        self.engine.load_draft_head_state(state, learning)
 
     def release(self) -> None:
         self.engine.release()

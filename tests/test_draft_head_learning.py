@@ -1,0 +1,131 @@
+"""A draft head learned online by the torch engine (``TorchEngine.learn_draft_head``, docs/design.md §14): from the
+responses of the policy it holds, it learns and drafts from the next generate on, changing no output; its state
+resumes learning exactly; with nothing to learn from it installs no head. A random Llama checkpoint at a 32,000-token
+vocabulary in float64 (outputs bit-identical with and without drafts) and in bfloat16, prompts of 1-10 tokens,
+responses of 4-24 tokens, temperature 1, top-k with top-p, and greedy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bubblespec.backends.torch_engine import TorchEngine
+from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.models.draft_head import HeadLearning
+from bubblespec.testing.random_checkpoints import write_random_checkpoint
+
+VOCAB = 32_000
+LEARNING = HeadLearning(window=8, max_tokens=3, learning_rate=3e-3, steps=4, rows_per_step=3)
+SETTINGS = [(1.0, 0, 1.0), (0.8, 50, 0.9), (0.0, 0, 1.0)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_random_checkpoint(tmp_path_factory.mktemp("head") / "llama", "llama", vocab_size=VOCAB))
+
+
+def requests_of(seed: int, num: int = 6) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num):
+        temperature, top_k, top_p = SETTINGS[i % len(SETTINGS)]
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=rng.randint(4, 24), ignore_eos=True
+        )
+        prompt = tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 10)))
+        requests.append(GenerationRequest(prompt, RolloutKey(seed, 1, f"p{i}", 0), sampling))
+    return requests
+
+
+def samples_of(requests, results):
+    return [(r.prompt_token_ids, x.token_ids, r.sampling.temperature) for r, x in zip(requests, results, strict=True)]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["head"].keys() == b["head"].keys()
+    assert all(torch.equal(a["head"][name], b["head"][name]) for name in a["head"])
+    moments_a, moments_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert moments_a.keys() == moments_b.keys()
+    for index, moments in moments_a.items():
+        assert all(torch.equal(value, moments_b[index][name]) for name, value in moments.items())
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_head_learned_online_drafts_without_changing_outputs(checkpoint, dtype):
+    engine = TorchEngine.from_pretrained(checkpoint, dtype=dtype)
+    requests = requests_of(1)
+    plain = engine.generate(requests)
+    report = engine.learn_draft_head(samples_of(requests, plain), LEARNING)
+    assert report.responses == len(requests) and report.pairs == sum(len(x.token_ids) for x in plain)
+    assert report.steps == LEARNING.steps and report.first_loss is not None and report.final_loss is not None
+    # each step trains 3 responses in turn, cut to their own lengths
+    lengths = [len(x.token_ids) for x in plain]
+    assert report.trained_pairs == sum(lengths[(s * 3 + i) % 6] for s in range(4) for i in range(3))
+    assert [len(rows) for rows in report.hidden_passes] == [4, 2]  # 4 responses a pass
+    assert engine.draft_head is not None
+    later = requests_of(2)
+    without = TorchEngine.from_pretrained(checkpoint, dtype=dtype).generate(later)
+    with_head = engine.generate(later)
+    if dtype == "float64":
+        assert [x.token_ids for x in with_head] == [x.token_ids for x in without]
+    else:  # bfloat16: a verify pass may round a near-tie otherwise (docs/design.md §3.2)
+        assert sum(x.token_ids != y.token_ids for x, y in zip(with_head, without, strict=True)) <= 1
+    proposed = sum(x.stats.head_tokens_proposed for x in with_head)
+    assert proposed > 0 and proposed <= sum(x.stats.draft_tokens_proposed for x in with_head)
+    assert all(x.stats.head_tokens_accepted <= x.stats.head_tokens_proposed for x in with_head)
+
+
+def test_online_learning_resumes_exactly_from_its_state(checkpoint):
+    """Two rounds in one engine equal one round, the state saved and loaded into a fresh engine, then the second
+    round there: the same losses, parameters, optimizer moments and drafts."""
+    first, second = requests_of(3), requests_of(4)
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    engine.learn_draft_head(samples_of(first, engine.generate(first)), LEARNING)
+    saved = engine.draft_head_state()
+    round_two = samples_of(second, engine.generate(second))
+    whole = engine.learn_draft_head(round_two, LEARNING)
+
+    resumed = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    resumed.load_draft_head_state(saved, LEARNING)
+    again = resumed.learn_draft_head(round_two, LEARNING)
+    assert (again.first_loss, again.final_loss) == (whole.first_loss, whole.final_loss)
+    assert_same_state(resumed.draft_head_state(), engine.draft_head_state())
+    later = requests_of(5)
+    assert [x.stats.head_tokens_proposed for x in resumed.generate(later)] == [
+        x.stats.head_tokens_proposed for x in engine.generate(later)
+    ]
+
+    resumed.load_draft_head_state(None, LEARNING)  # a checkpoint without a head: learning starts from nothing
+    assert resumed.draft_head is None and resumed.draft_head_state() is None
+
+
+def test_nothing_to_learn_from_installs_no_head(checkpoint):
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    requests = requests_of(6, num=2)
+    report = engine.learn_draft_head([(r.prompt_token_ids, (), 1.0) for r in requests], LEARNING)
+    assert (report.responses, report.pairs, report.steps) == (0, 0, 0)
+    assert engine.draft_head is None and engine.draft_head_state() is None
+
+
+def test_a_head_call_is_reported_with_the_pass_after_it(checkpoint):
+    """Each pass whose proposals the head extended reports the head call's steps, tokens, context and sampled
+    logits (what the virtual clock charges, :meth:`CostProfile.head_seconds`); a pass without one reports none."""
+    from bubblespec.rollout.clocks import PROFILES
+
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    requests = requests_of(7)
+    engine.learn_draft_head(samples_of(requests, engine.generate(requests)), LEARNING)
+    passes = []
+    results = engine.generate(requests_of(8), on_forward=passes.append)
+    with_head = [p for p in passes if p.head_steps]
+    assert with_head and passes[0].head_steps == 0  # the first pass (prompts) has no pairs yet
+    assert all(1 <= p.head_steps <= LEARNING.max_tokens for p in with_head)
+    assert all(p.head_tokens >= p.head_steps and p.head_tokens % p.head_steps == 0 for p in with_head)
+    assert all(p.head_sampled_logits % VOCAB == 0 and p.head_sampled_logits > 0 for p in with_head)
+    assert sum(p.head_tokens for p in passes) >= sum(x.stats.head_tokens_proposed for x in results)
+    assert all(p.head_context_pairs <= (LEARNING.window - 1) * p.head_tokens // p.head_steps for p in with_head)
+    profile = PROFILES["h100-7b"]
+    assert all(profile.head_seconds(p) > 0 for p in with_head)
+    assert all(profile.head_seconds(p) == 0 for p in passes if not p.head_steps)
