@@ -51,6 +51,7 @@ from bubblespec.models.draft_head import (
     DraftHeadTrainer,
     HeadLearning,
     HeadLearningReport,
+    HeadSizing,
     Sample,
     learn_online,
 )
@@ -164,6 +165,8 @@ class TorchEngine(Engine):
         """The head learned online (:meth:`learn_draft_head`) and its optimizer; None until the first round."""
         self._head_call: dict[str, int] = {}
         """The draft-head call before the current pass, for its ForwardPass (what a cost model charges)."""
+        self._head_sizing: HeadSizing | None = None
+        """How many tokens the learned head proposes a pass (:meth:`learn_draft_head`'s ``learning.step_cost``)."""
 
     @classmethod
     def check_model(cls, model_path: str) -> None:
@@ -215,14 +218,14 @@ class TorchEngine(Engine):
         The head shares the model's embedding and output head, so weight updates reach it. It drafts with the key's
         own noise under one-hot verification too (as a bubble draft is drafted)."""
         if state is None:
-            self._head, self._head_max_tokens = None, 0
+            self._head, self._head_max_tokens, self._head_sizing = None, 0, None
             return
         counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         if max_tokens is not None and not (counted and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
         head = DraftHead(self.model, window=window)
         head.load_state_dict(state)
-        self._head, self._head_trainer = head, None
+        self._head, self._head_trainer, self._head_sizing = head, None, None
         self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
 
     def learn_draft_head(self, samples: Seq[Sample], learning: HeadLearning) -> HeadLearningReport:
@@ -237,28 +240,43 @@ class TorchEngine(Engine):
             head = DraftHead(self.model, seed=learning.seed, window=learning.window)
             self._head_trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
         report = learn_online(self._head_trainer, samples, learning)
-        self._head = self._head_trainer.head
-        self._head_max_tokens = learning.max_tokens or self._proposal.max_draft_tokens_per_step
+        self._install_learned(self._head_trainer, learning)
         return report
+
+    def _install_learned(self, trainer: DraftHeadTrainer, learning: HeadLearning) -> None:
+        """Drafts with ``trainer``'s head from the next ``generate`` on, sized by its acceptance (a new round of an
+        installed head's learning keeps its measured acceptance, halved; :class:`HeadSizing`)."""
+        max_tokens = learning.max_tokens or self._proposal.max_draft_tokens_per_step
+        if self._head_sizing is None or self._head is not trainer.head:
+            self._head_sizing = HeadSizing(max_tokens, learning.step_cost)
+        else:
+            self._head_sizing.new_round()
+        self._head_trainer, self._head, self._head_max_tokens = trainer, trainer.head, max_tokens
 
     def draft_head_state(self) -> dict | None:
         """What resumes online learning exactly (a checkpoint's): the learned head's parameters and its optimizer's
         state (:meth:`DraftHead.state_dict`, :meth:`DraftHeadTrainer.state_dict`); None before the first round."""
         if self._head_trainer is None:
             return None
-        return {"head": self._head_trainer.head.state_dict(), "optimizer": self._head_trainer.state_dict()}
+        sizing = self._head_sizing
+        return {
+            "head": self._head_trainer.head.state_dict(),
+            "optimizer": self._head_trainer.state_dict(),
+            "acceptance": [sizing.accepted, sizing.rejected],
+        }
 
     def load_draft_head_state(self, state: Mapping | None, learning: HeadLearning) -> None:
         """Back to :meth:`draft_head_state`'s ``state`` (None: no head, learning starts from nothing again)."""
         if state is None:
-            self._head, self._head_trainer, self._head_max_tokens = None, None, 0
+            self._head, self._head_trainer, self._head_max_tokens, self._head_sizing = None, None, 0, None
             return
         head = DraftHead(self.model, seed=learning.seed, window=learning.window)
         head.load_state_dict(state["head"])
         trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
         trainer.load_state_dict(state["optimizer"])
-        self._head, self._head_trainer = head, trainer
-        self._head_max_tokens = learning.max_tokens or self._proposal.max_draft_tokens_per_step
+        self._install_learned(trainer, learning)
+        if "acceptance" in state:
+            self._head_sizing.accepted, self._head_sizing.rejected = state["acceptance"]
 
     def release(self) -> None:
         self._cache = None
@@ -377,7 +395,8 @@ class TorchEngine(Engine):
         """Each sequence's proposal, extended by the draft head where it leaves room (up to the head's
         ``max_tokens`` more): one head call for every such sequence that holds pairs (a sequence's first pass has
         none), its own proposal given, each token the keyed sample of the head's logits at its response position."""
-        room = [min(self._head_max_tokens, s.proposal_length(self._proposal) - len(d)) for s, d in
+        budget = self._head_max_tokens if self._head_sizing is None else self._head_sizing.tokens()
+        room = [min(budget, s.proposal_length(self._proposal) - len(d)) for s, d in
                 zip(active, drafts, strict=True)]  # fmt: skip
         rows = [row for row, sequence in enumerate(active) if room[row] > 0 and sequence.head_hidden is not None]
         if not rows:
@@ -411,8 +430,12 @@ class TorchEngine(Engine):
         prompt's last position on (its response prefix, if any, then the emitted tokens)."""
         kept = len(sequence.tokens) - before
         stats = sequence.stats
+        along = next((j for j, node in enumerate(path[:kept]) if node != j), len(path[:kept]))  # first candidate's
+        accepted = max(min(along, proposed) - own, 0)
         stats.head_tokens_proposed += proposed - own
-        stats.head_tokens_accepted += sum(1 for j, node in enumerate(path[:kept]) if node == j and own <= j < proposed)
+        stats.head_tokens_accepted += accepted
+        if self._head_sizing is not None and proposed > own and along >= own:  # verification reached the head's
+            self._head_sizing.observe(accepted, rejected=accepted < proposed - own and sequence.finish is None)
         if sequence.finish is not None:
             return
         fed = len(sequence.pending)

@@ -18,6 +18,10 @@ nothing). Variants without a suffix run coupled whatever the config says.
 A variant may end its sources with ``*N`` (``bubble+suffix+ngram*4``): ``speculation.draft_candidates: N``, up to N
 proposals of a pass verified together as a token tree (the torch backend); without it the config's setting holds.
 
+``head`` among a variant's sources (``head``, ``bubble+head``) turns on the draft head learned online
+(``speculation.draft_head``, docs/design.md §14): ``head`` alone is what TLT and FastGRPO do (a drafter trained online
+on the policy's hidden states, no bubble drafts); per step it adds the head's tokens proposed and accepted.
+
 Variants that use ``group`` run with ``prompt-grouped`` sharding (every sample of a prompt on one rank, as Seer
 deploys it: siblings can only propose for each other inside one engine); the others keep the config's.
 """
@@ -44,6 +48,7 @@ DEFAULT_VARIANTS = (
     "bubble+ngram",
     "bubble+group+ngram",
     "bubble:one-hot",
+    "head",
 )
 
 VERIFICATION_SUFFIXES = {"one-hot": "one_hot"}
@@ -116,10 +121,16 @@ def with_baselines(variants: list[str]) -> list[str]:
     return ordered
 
 
+HEAD = "head"
+"""The variant name that turns on the draft head (not a draft source)."""
+
+
 def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
-    sources, verification = parse_variant(variant)
+    named, verification = parse_variant(variant)
+    sources = [name for name in named if name != HEAD] or ["none"]
     options = {k: v for k, v in config.speculation.draft_source_options.items() if k in sources}
-    update = {"enabled": True, "draft_sources": sources, "draft_source_options": options}
+    head = config.speculation.draft_head.model_dump() | {"enabled": HEAD in named}
+    update = {"enabled": True, "draft_sources": sources, "draft_source_options": options, "draft_head": head}
     if candidates_of(variant) is not None:
         update["draft_candidates"] = candidates_of(variant)
     elif sources == ["none"]:
@@ -131,8 +142,7 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
     data = config.model_dump() | {
         "speculation": speculation,
         "rollout": config.rollout.model_dump() | {"verification": verification},
-        "name": f"{config.name}-{'.'.join(sources)}{suffix}"
-        + (f"-x{candidates_of(variant)}" if "*" in variant else ""),
+        "name": f"{config.name}-{'.'.join(named)}{suffix}" + (f"-x{candidates_of(variant)}" if "*" in variant else ""),
         "output_dir": str(output_dir),
     }
     return RunConfig.model_validate(data)  # validates the source names too
@@ -203,6 +213,8 @@ def _compare(off: StepRecord, on: StepRecord, variant: str) -> dict:
         "rollout_seconds": on.phase_seconds.rollout,
         "throughput_ratio": on.generated_tokens / on.phase_seconds.rollout / tokens_per_second_off,
         "identical_rollouts": same,  # against the variant's own baseline (none, or none:one-hot)
+        "head_tokens_proposed": sum(rank.head_tokens_proposed for rank in on.ranks),
+        "head_tokens_accepted": sum(rank.head_tokens_accepted for rank in on.ranks),
     }
 
 

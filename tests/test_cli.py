@@ -254,12 +254,17 @@ def test_bench_peers_runs_every_source_on_the_same_keys(tmp_path):
     small = ["num_steps=3", "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.options.dataset_size=4"]
     small += ["rollout.num_ranks=2", "rollout.sampling.max_new_tokens=40"]
     sources = ["--sources", "ngram", "--sources", "history+group", "--sources", "bubble+suffix+ngram * 3"]
+    sources += ["--sources", "head"]  # the draft head learned online, without bubble drafts (TLT's, FastGRPO's)
     result = runner.invoke(app, args + sources + [arg for s in small for arg in ("--set", s)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert report["variants"] == ["none", "ngram", "history+group", "bubble+suffix+ngram*3"]
+    assert report["variants"] == ["none", "ngram", "history+group", "bubble+suffix+ngram*3", "head"]
     assert report["identical_rollouts"] is True  # token trees of three candidates too
-    assert [len(report["per_step"][v]) for v in report["variants"]] == [3, 3, 3, 3]
+    assert [len(report["per_step"][v]) for v in report["variants"]] == [3, 3, 3, 3, 3]
+    head = report["per_step"]["head"]
+    assert head[0]["head_tokens_proposed"] == 0 and all(s["head_tokens_proposed"] > 0 for s in head[1:])
+    assert all(s["draft_coverage"] == 0 for s in head)  # no bubble drafts: what it drafts is the head's
+    assert all(s["head_tokens_proposed"] == 0 for v in report["variants"][:-1] for s in report["per_step"][v])
     assert report["steady_state"]["history+group"]["draft_coverage"] == 1.0  # prompts repeat every step
     assert report["steady_state"]["ngram"]["decode_step_reduction"] > 0
     assert (tmp_path / "peers-decode-steps.png").is_file() and (tmp_path / "peers-throughput.png").is_file()

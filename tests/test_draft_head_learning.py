@@ -13,7 +13,7 @@ import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.models.draft_head import HeadLearning
+from bubblespec.models.draft_head import PROBE_EVERY, HeadLearning, HeadSizing
 from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
 VOCAB = 32_000
@@ -46,6 +46,7 @@ def samples_of(requests, results):
 def assert_same_state(a: dict, b: dict) -> None:
     assert a["head"].keys() == b["head"].keys()
     assert all(torch.equal(a["head"][name], b["head"][name]) for name in a["head"])
+    assert a["acceptance"] == b["acceptance"]
     moments_a, moments_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert moments_a.keys() == moments_b.keys()
     for index, moments in moments_a.items():
@@ -79,7 +80,7 @@ def test_a_head_learned_online_drafts_without_changing_outputs(checkpoint, dtype
 
 def test_online_learning_resumes_exactly_from_its_state(checkpoint):
     """Two rounds in one engine equal one round, the state saved and loaded into a fresh engine, then the second
-    round there: the same losses, parameters, optimizer moments and drafts."""
+    round there: the same losses, parameters, optimizer moments, measured acceptance and drafts."""
     first, second = requests_of(3), requests_of(4)
     engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     engine.learn_draft_head(samples_of(first, engine.generate(first)), LEARNING)
@@ -89,6 +90,7 @@ def test_online_learning_resumes_exactly_from_its_state(checkpoint):
 
     resumed = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     resumed.load_draft_head_state(saved, LEARNING)
+    assert samples_of(second, resumed.generate(second)) == round_two  # its measured acceptance grows alike
     again = resumed.learn_draft_head(round_two, LEARNING)
     assert (again.first_loss, again.final_loss) == (whole.first_loss, whole.final_loss)
     assert_same_state(resumed.draft_head_state(), engine.draft_head_state())
@@ -129,3 +131,37 @@ def test_a_head_call_is_reported_with_the_pass_after_it(checkpoint):
     profile = PROFILES["h100-7b"]
     assert all(profile.head_seconds(p) > 0 for p in with_head)
     assert all(profile.head_seconds(p) == 0 for p in passes if not p.head_steps)
+
+
+def test_the_head_proposes_what_its_measured_acceptance_pays_for():
+    """k tokens where a^k >= the step's cost in passes: 3 at a = 0.5 and cost 0.123; none where a <= cost, but one
+    every PROBE_EVERY passes; max_tokens where the cost is not known."""
+    assert [HeadSizing(6, None).tokens() for _ in range(3)] == [6, 6, 6]
+    sizing = HeadSizing(6, 0.123)
+    assert sizing.acceptance == 0.5 and sizing.tokens() == 3
+    sizing.observe(accepted=0, rejected=True)
+    sizing.observe(accepted=0, rejected=True)  # a = 1/4: one token (0.25 >= 0.123 > 0.0625)
+    assert sizing.tokens() == 1
+    for _ in range(10):
+        sizing.observe(accepted=0, rejected=True)  # a = 1/14 < 0.123: none, but a probe every 16 passes
+    proposals = [sizing.tokens() for _ in range(3 * PROBE_EVERY)]
+    assert sum(proposals) == 3 and set(proposals) == {0, 1}
+    sizing.new_round()  # a new round of learning halves the evidence
+    assert (sizing.accepted, sizing.rejected) == (0.0, 6.0)
+    sizing.observe(accepted=60, rejected=False)  # a = 61/68: log(0.123) / log(0.897) = 19.2, capped at 6
+    assert sizing.tokens() == 6
+
+
+def test_a_head_that_is_not_accepted_stops_proposing(checkpoint):
+    """An untrained head over a random policy is almost never accepted: at a step cost of 0.45 passes it soon
+    proposes only its probes, and the outputs stay plain decoding's."""
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    requests = requests_of(9)
+    plain = engine.generate(requests)
+    engine.learn_draft_head(samples_of(requests, plain), HeadLearning(window=8, max_tokens=3, steps=1, step_cost=0.45))
+    passes = []
+    results = engine.generate(requests, on_forward=passes.append)
+    assert [x.token_ids for x in results] == [x.token_ids for x in plain]
+    calls = [p.head_steps for p in passes]
+    assert calls[:2] == [0, 1]  # the prompts' pass has no pairs; then a = 0.5 pays one token (0.5 >= 0.45 > 0.25)
+    assert engine._head_sizing.rejected > 0 and calls.count(0) > len(calls) // 2, calls

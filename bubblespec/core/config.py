@@ -167,6 +167,10 @@ class DraftHeadConfig(Section):
     """Responses an AdamW step learns from (the rollout's responses in turn)."""
     seed: int = Field(0, ge=0)
     """The head's initialisation."""
+    sizing: Literal["acceptance", "fixed"] = "acceptance"
+    """How many tokens it proposes a pass: ``acceptance``, as many as its measured acceptance pays for at the clock's
+    cost of a head step against a decode pass (none where one token does not pay, but one every 16 passes to measure
+    it again; ``models.draft_head.HeadSizing``); ``fixed``: ``max_tokens`` every pass."""
 
 
 class SpeculationConfig(Section):

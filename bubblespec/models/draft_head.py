@@ -42,6 +42,7 @@ Shapes: B rows, T pairs, C context pairs, H hidden, N query heads, K key/value h
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -515,6 +516,9 @@ class HeadLearning:
     steps: int = 32
     rows_per_step: int = 8
     seed: int = 0
+    step_cost: float | None = None
+    """A head step's cost over a decode pass's (a cost model's): the head then proposes as many tokens a pass as
+    its measured acceptance pays for (:class:`HeadSizing`); None: ``max_tokens`` every pass."""
 
 
 @dataclass(frozen=True)
@@ -533,6 +537,50 @@ class HeadLearningReport:
     seconds: float
     hidden_passes: tuple[tuple[int, ...], ...] = ()
     """Per pass, each row's tokens (prompt + response) fed without a cache."""
+
+
+PROBE_EVERY = 16
+"""Where a head's measured acceptance does not pay for one token, it still proposes one every this many passes, so
+that a head that has learned more since is measured again."""
+
+
+class HeadSizing:
+    """How many tokens the head proposes in a pass: the k-th token of a proposal is accepted with probability about
+    ``a^k`` (``a``: the head's measured per-token acceptance, each accepted token given the ones before it) and saves
+    a pass where it is, while each head step costs ``step_cost`` passes; so it proposes the k with ``a^k >= step_cost``,
+    ``floor(log(step_cost) / log(a))``, at most ``max_tokens`` (``max_tokens`` every pass where ``step_cost`` is None).
+
+    ``a`` is ``(accepted + 1) / (accepted + rejected + 2)`` over the head's tokens that verification reached (a
+    proposal's own tokens all accepted before them): 0.5 before any evidence. A new round of learning halves the
+    counts, so the estimate follows the head as it learns."""
+
+    def __init__(self, max_tokens: int, step_cost: float | None) -> None:
+        self.max_tokens, self.step_cost = max_tokens, step_cost
+        self.accepted = self.rejected = 0.0
+        self._passes = 0
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+    def tokens(self) -> int:
+        """The head's tokens for the next pass (called once a pass)."""
+        self._passes += 1
+        if self.step_cost is None:
+            return self.max_tokens
+        a = self.acceptance
+        paid = 0 if a <= self.step_cost else self.max_tokens if a >= 1 else int(math.log(self.step_cost) / math.log(a))
+        if paid == 0 and self._passes % PROBE_EVERY == 0:
+            return 1
+        return min(paid, self.max_tokens)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A proposal's head tokens that verification reached: ``accepted`` of them, then a rejected one or not."""
+        self.accepted += accepted
+        self.rejected += rejected
+
+    def new_round(self) -> None:
+        self.accepted, self.rejected = self.accepted / 2, self.rejected / 2
 
 
 Sample = tuple[Sequence[int], Sequence[int], float]

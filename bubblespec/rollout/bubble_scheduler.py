@@ -307,6 +307,10 @@ class RankPool(Protocol):
         now: the config refuses a head on Ray Serve ranks."""
         ...
 
+    def head_step_cost(self) -> float:
+        """A draft-head step's cost over a decode pass's on this pool's clock (what sizes the head's proposals)."""
+        ...
+
     def draft_head_state(self) -> dict | None:
         """The learned head's parameters and optimizer state, for a checkpoint (None: none learned yet)."""
         ...

@@ -84,6 +84,15 @@ class CostProfile:
         sampling = self.sampling_s_per_logit * forward.head_sampled_logits
         return forward.head_steps * self.head_fixed_s + max(memory, compute) + sampling
 
+    def head_step_cost(self, window: int = 64, context_tokens: int = 1024) -> float:
+        """One draft-head step of one row (``window`` pairs read and attended) over a decode pass of one row at
+        ``context_tokens``: what a head token costs in passes (the head's sizing, ``models.draft_head.HeadSizing``).
+        Sampling is left out of both (about the same logits)."""
+        head = ForwardPass(1, 1, context_tokens, context_tokens, head_steps=1, head_tokens=1,
+                           head_context_pairs=window - 1, head_attention_pairs=window)  # fmt: skip
+        decode = ForwardPass(1, 1, context_tokens, context_tokens)
+        return self.head_seconds(head) / self.forward_seconds(decode)
+
     def head_learning_seconds(self, trained_pairs: int, steps: int, window: int) -> float:
         """``steps`` AdamW steps of a draft head's online learning over ``trained_pairs`` pairs in all (the
         policy's passes that computed their hidden states are charged as forward passes): per pair three times a

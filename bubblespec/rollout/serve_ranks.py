@@ -254,6 +254,9 @@ class ServeRankPool:
     def learn_head(self, samples, learning):
         raise ConfigError(_NO_HEAD)
 
+    def head_step_cost(self) -> float:
+        raise ConfigError(_NO_HEAD)
+
     def draft_head_state(self) -> dict | None:
         raise ConfigError(_NO_HEAD)
 

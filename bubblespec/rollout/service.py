@@ -126,7 +126,7 @@ class RolloutService:
         self._since_phase_end = 0.0
         """Seconds since the ranks' last phase ended (the trainer's, while ranks did not draft): how long late
         drafting passes have had to finish on the virtual clock."""
-        self.head_learning = head_learning(speculation)
+        self.head_learning = head_learning(speculation, ranks)
         """How the draft head learns online (``speculation.draft_head``); None: no head."""
         self.head_record: HeadLearningRecord | None = None
         """The draft head's last round of learning (the last step's), for the step record."""
@@ -427,14 +427,15 @@ class RolloutService:
         )
 
 
-def head_learning(speculation: SpeculationConfig) -> HeadLearning | None:
-    """``speculation.draft_head`` as the engine takes it; None where no head learns."""
+def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearning | None:
+    """``speculation.draft_head`` as the engine takes it, a head step's cost from ``ranks``' clock where the head
+    is sized by its acceptance; None where no head learns."""
     if not speculation.uses_draft_head:
         return None
     head = speculation.draft_head
-    return HeadLearning(
-        head.window, head.max_tokens, head.learning_rate, head.steps_per_rollout, head.responses_per_step, head.seed
-    )
+    step_cost = ranks.head_step_cost() if head.sizing == "acceptance" else None
+    return HeadLearning(head.window, head.max_tokens, head.learning_rate, head.steps_per_rollout,
+                        head.responses_per_step, head.seed, step_cost)  # fmt: skip
 
 
 def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tuple[str, StaticDraftSource]]:

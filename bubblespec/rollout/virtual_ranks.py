@@ -80,6 +80,10 @@ class VirtualRankPool:
         self._busy_until[-1] += seconds
         return seconds, report
 
+    def head_step_cost(self) -> float:
+        """A draft-head step's cost in decode passes on the profile (:meth:`CostProfile.head_step_cost`)."""
+        return self.profile.head_step_cost()
+
     def draft_head_state(self) -> dict | None:
         return self.engine.draft_head_state()
 
