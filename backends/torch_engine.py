@@ -53,6 +53,7 @@ from bubblespec.models.draft_head import (
     HeadLearningReport,
     HeadSizing,
     Sample,
+    drafting_call_counts,
     learn_online,
 )
 from bubblespec.verify.sequence import (
@@ -218,7 +219,7 @@ class TorchEngine(Engine):
         The head shares the model's embedding and output head, so weight updates reach it. It drafts with the key's
         own noise under one-hot verification too (as a bubble draft is drafted)."""
         if state is None:
-            self._head, self._head_max_tokens, self._head_sizing = None, 0, None
+            self._head, self._head_trainer, self._head_max_tokens, self._head_sizing = None, None, 0, None
             return
         counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         if max_tokens is not None and not (counted and max_tokens >= 1):
@@ -262,7 +263,7 @@ class TorchEngine(Engine):
         return {
             "head": self._head_trainer.head.state_dict(),
             "optimizer": self._head_trainer.state_dict(),
-            "acceptance": [sizing.accepted, sizing.rejected],
+            "sizing": sizing.state(),
         }
 
     def load_draft_head_state(self, state: Mapping | None, learning: HeadLearning) -> None:
@@ -275,8 +276,9 @@ class TorchEngine(Engine):
         trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
         trainer.load_state_dict(state["optimizer"])
         self._install_learned(trainer, learning)
-        if "acceptance" in state:
-            self._head_sizing.accepted, self._head_sizing.rejected = state["acceptance"]
+        for group in trainer.optimizer.param_groups:  # the run's learning rate, not the checkpoint's
+            group["lr"] = learning.learning_rate
+        self._head_sizing.load_state(state["sizing"])
 
     def release(self) -> None:
         self._cache = None
@@ -416,7 +418,9 @@ class TorchEngine(Engine):
         extended = list(drafts)
         for row, tokens in zip(rows, drafted_BN, strict=True):
             extended[row] = tokens[: len(drafts[row]) + room[row]]
-        self._head_call = _head_call(chosen, given, num_tokens, self._head.window, self.vocab_size)
+        contexts = [len(s.head_tokens) for s in chosen]
+        given_counts = [len(g) for g in given]
+        self._head_call = drafting_call_counts(contexts, given_counts, num_tokens, self._head.window, self.vocab_size)
         return extended
 
     def _after_head_pass(
@@ -435,7 +439,8 @@ class TorchEngine(Engine):
         stats.head_tokens_proposed += proposed - own
         stats.head_tokens_accepted += accepted
         if self._head_sizing is not None and proposed > own and along >= own:  # verification reached the head's
-            self._head_sizing.observe(accepted, rejected=accepted < proposed - own and sequence.finish is None)
+            # rejected: the head's token at ``along`` was scored and another emitted there (a stop token too)
+            self._head_sizing.observe(accepted, rejected=along < min(proposed, kept))
         if sequence.finish is not None:
             return
         fed = len(sequence.pending)
@@ -552,23 +557,6 @@ def _head_sampler(sequences: list[_Slot]):
     return sample
 
 
-def _head_call(
-    chosen: list[_Slot], given: list[list[int]], num_tokens: int, window: int, vocab_size: int
-) -> dict[str, int]:
-    """What one :meth:`DraftHead.draft` call computed (``ForwardPass``'s head fields): every row runs every step;
-    a row reads its latest ``window`` pairs, the last fed at the first step, and each step's query attends the
-    latest ``window`` keys; the output head and sampler run at the steps where some row's token is not given."""
-    contexts = [min(window, len(s.head_tokens)) for s in chosen]
-    sampled_steps = num_tokens - min(len(g) for g in given)
-    return {
-        "head_steps": num_tokens,
-        "head_tokens": len(chosen) * num_tokens,
-        "head_context_pairs": sum(c - 1 for c in contexts),
-        "head_attention_pairs": sum(min(window, c + step) for c in contexts for step in range(num_tokens)),
-        "head_sampled_logits": sampled_steps * len(chosen) * vocab_size,
-    }
-
-
 def _forward_pass(
     active: list[_Slot],
     chunks: list[list[int]],
@@ -577,7 +565,8 @@ def _forward_pass(
     head_call: dict[str, int] | None = None,
 ) -> ForwardPass:
     """What a pass computed; ``attended``: per sequence, the (query, key) pairs its chunk attended (default: a
-    causal chunk after its cache); ``head_call``: the draft-head call before it (:func:`_head_call`)."""
+    causal chunk after its cache); ``head_call``: the draft-head call before it
+    (:func:`~bubblespec.models.draft_head.drafting_call_counts`)."""
     fed = [len(chunk) for chunk in chunks]
     starts = [s.cache_length for s in active]
     if attended is None:

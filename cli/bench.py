@@ -291,8 +291,9 @@ def peers(
     from bubblespec.cli import bench_peers
     from bubblespec.core.config import load_config
 
-    variants = list(sources or bench_peers.DEFAULT_VARIANTS)
-    report = bench_peers.run_peers(load_config(_config(config, "peers"), overrides or []), variants, output_dir)
+    run_config = load_config(_config(config, "peers"), overrides or [])
+    variants = list(sources or bench_peers.default_variants(run_config))
+    report = bench_peers.run_peers(run_config, variants, output_dir)
     bench_peers.print_report(report)
     if plot_dir is not None:
         _write_plots(bench_peers.plot_report, report, plot_dir, plot_prefix)

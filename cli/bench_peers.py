@@ -38,6 +38,8 @@ from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import acceptance_length
 from bubblespec.observe.records import StepRecord
 
+HEAD = "head"
+"""The variant name that turns on the draft head (not a draft source)."""
 DEFAULT_VARIANTS = (
     "none",
     "ngram",
@@ -48,8 +50,19 @@ DEFAULT_VARIANTS = (
     "bubble+ngram",
     "bubble+group+ngram",
     "bubble:one-hot",
-    "head",
 )
+
+
+def default_variants(config: RunConfig) -> list[str]:
+    """:data:`DEFAULT_VARIANTS`, and ``head`` where the config can run a draft head (the virtual clock and a backend
+    that drafts with one)."""
+    from bubblespec.core import plugins
+    from bubblespec.core.interfaces import Engine
+
+    backend = plugins.load_subclass("backends", config.rollout.backend, Engine)
+    head = config.clock.kind == "virtual" and getattr(backend, "supports_draft_head", False)
+    return [*DEFAULT_VARIANTS, *([HEAD] if head else [])]
+
 
 VERIFICATION_SUFFIXES = {"one-hot": "one_hot"}
 """Variant suffixes (``bubble:one-hot``) and the ``rollout.verification`` they run with; no suffix is coupled."""
@@ -121,10 +134,6 @@ def with_baselines(variants: list[str]) -> list[str]:
     return ordered
 
 
-HEAD = "head"
-"""The variant name that turns on the draft head (not a draft source)."""
-
-
 def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
     named, verification = parse_variant(variant)
     sources = [name for name in named if name != HEAD] or ["none"]
@@ -150,10 +159,13 @@ def _variant(config: RunConfig, variant: str, output_dir: Path) -> RunConfig:
 
 def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = None) -> dict:
     from bubblespec.observe.run_dir import RunDirectory
+    from bubblespec.run.assembly import load_backend
     from bubblespec.run.launch import run
 
     variants = with_baselines(variants)
     configs = {v: _variant(config, v, Path(".")) for v in variants}  # fail before any run
+    for variant_config in configs.values():
+        load_backend(variant_config)  # what a backend or clock cannot run (a head on the wall clock), too
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-")) if scratch else output_dir
     steps: dict[str, list[StepRecord]] = {}

@@ -524,21 +524,13 @@ def draft_head(sizes: Sizes, scratch: Path, done: dict) -> dict:
 
 def _head_call(batch: int, num_tokens: int, pairs: int, window: int, config):
     """A :class:`~bubblespec.core.interfaces.ForwardPass` of nothing but the draft-head call the stage timed:
-    ``batch`` rows of ``pairs`` pairs each drafting ``num_tokens`` tokens, in the pass's ``head_*`` counts."""
+    ``batch`` rows of ``pairs`` pairs each drafting ``num_tokens`` tokens, nothing given, counted as the engine counts
+    it (:func:`~bubblespec.models.draft_head.drafting_call_counts`)."""
     from bubblespec.core.interfaces import ForwardPass
+    from bubblespec.models.draft_head import drafting_call_counts
 
-    context = min(window, pairs)
-    return ForwardPass(
-        num_sequences=0,
-        num_tokens=0,
-        context_tokens=0,
-        attention_pairs=0,
-        head_steps=num_tokens,
-        head_tokens=batch * num_tokens,
-        head_context_pairs=batch * (context - 1),
-        head_attention_pairs=batch * sum(min(window, context + step) for step in range(num_tokens)),
-        head_sampled_logits=batch * num_tokens * config.vocab_size,
-    )
+    counts = drafting_call_counts([pairs] * batch, [0] * batch, num_tokens, window, config.vocab_size)
+    return ForwardPass(num_sequences=0, num_tokens=0, context_tokens=0, attention_pairs=0, **counts)
 
 
 def _decode_pass_seconds(model, batch: int, context: int, sample, sizes: Sizes) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
-from bubblespec.models.draft_head import PROBE_EVERY, HeadLearning, HeadSizing
+from bubblespec.models.draft_head import PROBE_EVERY, HeadLearning, HeadSizing, drafting_call_counts
 from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
 VOCAB = 32_000
@@ -46,7 +46,7 @@ def samples_of(requests, results):
 def assert_same_state(a: dict, b: dict) -> None:
     assert a["head"].keys() == b["head"].keys()
     assert all(torch.equal(a["head"][name], b["head"][name]) for name in a["head"])
-    assert a["acceptance"] == b["acceptance"]
+    assert a["sizing"] == b["sizing"]
     moments_a, moments_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert moments_a.keys() == moments_b.keys()
     for index, moments in moments_a.items():
@@ -64,7 +64,10 @@ def test_a_head_learned_online_drafts_without_changing_outputs(checkpoint, dtype
     # each step trains 3 responses in turn, cut to their own lengths
     lengths = [len(x.token_ids) for x in plain]
     assert report.trained_pairs == sum(lengths[(s * 3 + i) % 6] for s in range(4) for i in range(3))
-    assert [len(rows) for rows in report.hidden_passes] == [4, 2]  # 4 responses a pass
+    assert [p.num_sequences for p in report.hidden_passes] == [4, 2]  # 4 responses a pass
+    fed = [len(r.prompt_token_ids) + len(x.token_ids) for r, x in zip(requests, plain, strict=True)]
+    assert [p.num_tokens for p in report.hidden_passes] == [sum(fed[:4]), sum(fed[4:])]
+    assert sum(p.attention_pairs for p in report.hidden_passes) == sum(n * (n + 1) // 2 for n in fed)
     assert engine.draft_head is not None
     later = requests_of(2)
     without = TorchEngine.from_pretrained(checkpoint, dtype=dtype).generate(later)
@@ -165,3 +168,16 @@ def test_a_head_that_is_not_accepted_stops_proposing(checkpoint):
     calls = [p.head_steps for p in passes]
     assert calls[:2] == [0, 1]  # the prompts' pass has no pairs; then a = 0.5 pays one token (0.5 >= 0.45 > 0.25)
     assert engine._head_sizing.rejected > 0 and calls.count(0) > len(calls) // 2, calls
+
+
+def test_a_drafting_calls_counts_by_hand():
+    """Two rows: 3 pairs with one token given, 70 pairs (64 read) with none; two steps at window 64, vocabulary 10."""
+    counts = drafting_call_counts([3, 70], [1, 0], num_tokens=2, window=64, vocab_size=10)
+    assert counts == {
+        "head_steps": 2,
+        "head_tokens": 4,
+        "head_context_pairs": 2 + 63,
+        "head_attention_pairs": (3 + 4) + (64 + 64),
+        "head_sampled_logits": 2 * 2 * 10,  # some row samples at both steps
+    }
+    assert drafting_call_counts([5], [2], 2, 64, 10)["head_sampled_logits"] == 0  # every token given

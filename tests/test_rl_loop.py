@@ -110,12 +110,34 @@ def test_a_draft_head_learned_online_changes_no_rollout_or_weight_and_drafts(tmp
     assert 0 < accepted <= sum(proposed)
 
 
+@pytest.mark.parametrize("drafting", [True, False], ids=["beside-the-trainer", "on-the-trainers-hardware"])
+def test_the_step_waits_once_for_a_head_that_outlasts_the_trainer(tmp_path, drafting):
+    """A head that learns longer than the trainer trains: beside the trainer (the ranks draft while it trains) the
+    weight sync waits for what outlasted the trainer once, as for a late drafting pass (its rank's drafting starts
+    after the head); where the ranks share the trainer's hardware the sync waits for the whole head after it."""
+    long_head = HEAD | {"steps_per_rollout": 400}
+    speculation = {"enabled": True, "draft_during_training": drafting, "draft_head": long_head}
+    steps, _ = _run(tmp_path, "long-head", num_steps=2, speculation=speculation)
+    for record in steps:
+        head = record.draft_head
+        assert head.seconds > record.phase_seconds.train, "the head must outlast the trainer for this test"
+        if drafting:
+            assert 0 < head.wait_seconds <= head.seconds
+            # the sync's wait for late passes is the head's (the latest), counted once
+            at_barrier = record.phase_seconds.rollout - record.barrier_seconds
+            assert record.barrier_wait_seconds - at_barrier == pytest.approx(head.wait_seconds)
+        else:
+            assert head.wait_seconds == head.seconds
+
+
 def test_a_draft_head_without_its_backend_or_clock_is_refused_by_name(tmp_path):
     head = {"enabled": True, "draft_head": {"enabled": True}}
     with pytest.raises(ConfigError, match="does not draft with a draft head"):
         run(_config(tmp_path, "sglang", speculation=head, rollout={"backend": "sglang"}))
     with pytest.raises(ConfigError, match="virtual clock only"):
         run(_config(tmp_path, "wall", speculation=head, clock={"kind": "wall"}))
+    with pytest.raises(ConfigError, match="the head learns while the trainer trains"):
+        _config(tmp_path, "async", speculation=head, schedule={"kind": "async"})
 
 
 @pytest.mark.parametrize(
@@ -361,10 +383,12 @@ def test_draft_trees_need_a_backend_that_runs_draft_chains(tmp_path):
         {"model": {"dtype": "bfloat16"}, "trainer": {"optimizer": {"learning_rate": 1e-5}}},
         # draft tries come back with the checkpoint: branches and near-ties of the pending drafts
         {"speculation": {"tries_max_tokens_per_rank": 400, "draft_during_training": True}},
-        # the draft head comes back with the checkpoint: its parameters and optimizer state
+        # the draft head comes back with the checkpoint: its parameters, optimizer state and sizing
         {"speculation": {"draft_head": HEAD}},
+        # on cpu-tiny a head step costs half a pass, so the head proposes only its probes: their pass count too
+        {"speculation": {"draft_head": HEAD}, "clock": {"kind": "virtual", "profile": "cpu-tiny"}},
     ],
-    ids=["bubble", "history", "bfloat16", "tries", "draft-head"],
+    ids=["bubble", "history", "bfloat16", "tries", "draft-head", "draft-head-probes"],
 )
 def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
     uninterrupted, final = _run(tmp_path, "whole", num_steps=4, checkpoint_every=2, **changes)

@@ -145,12 +145,13 @@ measured on a real GPU."""
 
 
 class DraftHeadConfig(Section):
-    """``speculation.draft_head``: a draft head learned online (docs/design.md §14). After each rollout the first
+    """``speculation.draft_head``: a draft head learned online (docs/design.md §14). After each rollout the last
     rank learns from the step's responses (the policy's hidden states along them, one pass per 4 responses, then
     AdamW steps) while the trainer trains, and drafts with it from the next rollout on, after every other source of a
     pass (its proposals extend what the others leave of a pass's draft room). Its learning costs the step nothing
     where the ranks draft while the trainer trains (``draft_during_training``) and it ends before the trainer; the
-    rest is charged on the step. Not measured yet on a benchmark: off by default."""
+    rest is charged on the step. Every rank drafts with it (the next weight sync sends it). Measured on bench-virtual
+    and SmolLM2 (BENCHMARKS.md, *A keyed draft head*), where it does not pay yet: off by default."""
 
     enabled: bool = False
     window: int = Field(64, ge=1)
@@ -814,6 +815,11 @@ class RunConfig(ServiceConfig):
                 "speculation.draft_sources 'suffix' with schedule.kind 'async': async picks the generating policy by "
                 "how long steps take, and suffix's memory is not in checkpoints, so a resumed run could train on "
                 "other samples; use another source with async"
+            )
+        if self.schedule.kind == "async" and self.speculation.uses_draft_head:
+            raise ValueError(
+                "speculation.draft_head with schedule.kind 'async': the head learns while the trainer trains, and "
+                "under async the ranks generate then; use schedule.kind sync or partial, or draft_head.enabled: false"
             )
         if self.trainer.dapo.filter_groups and self.task.samples_per_prompt < 2:
             raise ValueError(

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bubblespec.core.interfaces import ForwardPass
 from bubblespec.models.decoder import (
     DecoderConfig,
     DecoderModel,
@@ -535,8 +536,26 @@ class HeadLearningReport:
     first_loss: float | None
     final_loss: float | None
     seconds: float
-    hidden_passes: tuple[tuple[int, ...], ...] = ()
-    """Per pass, each row's tokens (prompt + response) fed without a cache."""
+    hidden_passes: tuple[ForwardPass, ...] = ()
+    """The policy's passes over prompt + response (no cache, no logits sampled)."""
+
+
+def drafting_call_counts(
+    contexts: Sequence[int], given: Sequence[int], num_tokens: int, window: int, vocab_size: int
+) -> dict[str, int]:
+    """What one :meth:`DraftHead.draft` call computes, as :class:`~bubblespec.core.interfaces.ForwardPass`'s head
+    fields (what a cost model charges): rows with ``contexts`` pairs each (capped at ``window``; the last is fed at
+    the first step) and ``given`` tokens each, ``num_tokens`` steps. Every row runs every step; each step's query
+    attends the latest ``window`` keys; the output head and sampler run at the steps where some row's token is not
+    given."""
+    contexts = [min(window, c) for c in contexts]
+    return {
+        "head_steps": num_tokens,
+        "head_tokens": len(contexts) * num_tokens,
+        "head_context_pairs": sum(c - 1 for c in contexts),
+        "head_attention_pairs": sum(min(window, c + step) for c in contexts for step in range(num_tokens)),
+        "head_sampled_logits": (num_tokens - min(given, default=0)) * len(contexts) * vocab_size,
+    }
 
 
 PROBE_EVERY = 16
@@ -555,9 +574,13 @@ class HeadSizing:
     counts, so the estimate follows the head as it learns."""
 
     def __init__(self, max_tokens: int, step_cost: float | None) -> None:
-        self.max_tokens, self.step_cost = max_tokens, step_cost
+        self.max_tokens = max_tokens
+        self.step_cost = step_cost if step_cost is not None and step_cost > 0 else None
+        """None (also for a cost of 0: a free step): ``max_tokens`` every pass."""
         self.accepted = self.rejected = 0.0
-        self._passes = 0
+        self.passes = 0
+        """Passes it sized (its probes fall on every :data:`PROBE_EVERY`-th): with the counts, what a checkpoint
+        keeps (:meth:`state`)."""
 
     @property
     def acceptance(self) -> float:
@@ -565,12 +588,12 @@ class HeadSizing:
 
     def tokens(self) -> int:
         """The head's tokens for the next pass (called once a pass)."""
-        self._passes += 1
+        self.passes += 1
         if self.step_cost is None:
             return self.max_tokens
         a = self.acceptance
         paid = 0 if a <= self.step_cost else self.max_tokens if a >= 1 else int(math.log(self.step_cost) / math.log(a))
-        if paid == 0 and self._passes % PROBE_EVERY == 0:
+        if paid == 0 and self.passes % PROBE_EVERY == 0:
             return 1
         return min(paid, self.max_tokens)
 
@@ -581,6 +604,12 @@ class HeadSizing:
 
     def new_round(self) -> None:
         self.accepted, self.rejected = self.accepted / 2, self.rejected / 2
+
+    def state(self) -> list[float]:
+        return [self.accepted, self.rejected, self.passes]
+
+    def load_state(self, state: Sequence[float]) -> None:
+        self.accepted, self.rejected, self.passes = float(state[0]), float(state[1]), int(state[2])
 
 
 Sample = tuple[Sequence[int], Sequence[int], float]
@@ -619,10 +648,11 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
     rows_per_pass = HIDDEN_ROWS_PER_PASS
     batch = hidden_pairs(trainer.head.policy, kept, rows_per_pass)
     losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
-    passes = tuple(
-        tuple(len(prompt) + len(response) for prompt, response, _ in kept[start : start + rows_per_pass])
-        for start in range(0, len(kept), rows_per_pass)
-    )
+    passes = []
+    for start in range(0, len(kept), rows_per_pass):
+        lengths = [len(prompt) + len(response) for prompt, response, _ in kept[start : start + rows_per_pass]]
+        attended = sum(length * (length + 1) // 2 for length in lengths)
+        passes.append(ForwardPass(len(lengths), sum(lengths), sum(lengths), attended))
     return HeadLearningReport(
         responses=len(kept),
         pairs=int(batch.lengths_B.sum()),
@@ -631,5 +661,5 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
         first_loss=losses[0] if losses else None,
         final_loss=losses[-1] if losses else None,
         seconds=time.perf_counter() - clock,
-        hidden_passes=passes,
+        hidden_passes=tuple(passes),
     )

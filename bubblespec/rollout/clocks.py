@@ -57,6 +57,9 @@ class CostProfile:
     projections."""
     head_attention_flops_per_pair: float = 0.0
     """Per (query, key) pair the head's steps attend (``ForwardPass.head_attention_pairs``)."""
+    head_sync_bytes: float = 0.0
+    """The bytes of a draft head's own parameters that a weight sync sends where the profile models a model
+    (``weight_bytes``); 0: the head's actual bytes."""
 
     def forward_seconds(self, forward: ForwardPass) -> float:
         """A pass and the draft-head call that ran just before it (:meth:`head_seconds`)."""
@@ -103,6 +106,16 @@ class CostProfile:
 
     def train_seconds(self, num_tokens: int, num_workers: int) -> float:
         return self.train_fixed_s + self.train_flops_per_token * num_tokens / (self.flops_per_s * num_workers)
+
+    def head_sync_seconds(self, num_bytes: float, num_ranks: int) -> float:
+        """A learned draft head from its rank to ``num_ranks`` others with a weight sync: one put of its bytes
+        (:attr:`head_sync_bytes` where the profile models a model, else ``num_bytes``), then each rank's load, as
+        :meth:`weight_sync_seconds` moves weights (its calls are the sync's)."""
+        if num_ranks < 1:
+            return 0.0
+        synced = self.head_sync_bytes or num_bytes
+        rounds = -(-num_ranks // self.weight_sync_parallel_ranks)
+        return synced / self.weight_sync_put_bytes_per_s + synced * rounds / self.weight_sync_load_bytes_per_s
 
     def weight_sync_seconds(self, num_bytes: float, num_ranks: int) -> float:
         """New weights to ``num_ranks`` ranks: one put of the bytes, then every rank's load, ``parallel_ranks``
@@ -155,6 +168,7 @@ def _h100_7b() -> CostProfile:
         head_flops_per_token=517_472_256 + 1_089_994_752,
         head_flops_per_context_pair=58_720_256,
         head_attention_flops_per_pair=14_336,
+        head_sync_bytes=2 * 258_747_904,
     )
 
 

@@ -251,10 +251,10 @@ class ServeRankPool:
     def resume(self) -> None:
         self._on_every_rank(lambda handle: handle.resume.remote())
 
-    def learn_head(self, samples, learning):
+    def learn_head(self, samples, learning, beside: bool = True):
         raise ConfigError(_NO_HEAD)
 
-    def head_step_cost(self) -> float:
+    def head_step_cost(self, window: int) -> float:
         raise ConfigError(_NO_HEAD)
 
     def draft_head_state(self) -> dict | None:

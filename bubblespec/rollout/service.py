@@ -131,7 +131,7 @@ class RolloutService:
         self.head_record: HeadLearningRecord | None = None
         """The draft head's last round of learning (the last step's), for the step record."""
         self._head_samples: list[Sample] = []
-        self._head_learned: tuple[float, HeadLearningReport] | None = None
+        self._head_learned: tuple[float, float, HeadLearningReport] | None = None
         self._head_wait = 0.0
 
     @classmethod
@@ -237,7 +237,8 @@ class RolloutService:
         self._drafting = False
         self.head_record, self._head_learned = None, None
         if self._head_samples:
-            self._head_learned = self.ranks.learn_head(self._head_samples, self.head_learning)
+            beside = self.draft_during_training > 0 and not self.colocated
+            self._head_learned = self.ranks.learn_head(self._head_samples, self.head_learning, beside)
             self._head_samples = []
         if self.colocated:
             self.ranks.release()
@@ -277,15 +278,19 @@ class RolloutService:
         return waited + self.ranks.update_weights(state_dict, version=version)
 
     def _record_head_learning(self, train_seconds: float) -> None:
-        """The head's round of learning, once the trainer is done: the step waits for what of it ran on hardware
-        the trainer used (ranks that do not draft while it trains share it, :meth:`ServiceConfig.training_drafting`)
-        or outlasted the trainer; the weight sync starts after it (:meth:`update_weights`)."""
-        seconds, report = self._head_learned  # type: ignore[misc]
-        beside = self.draft_during_training > 0 and not self.colocated
-        self._head_wait = max(seconds - train_seconds, 0.0) if beside else seconds
+        """The head's round of learning, once the trainer is done. Where it ran on hardware the trainer used (ranks
+        that do not draft while it trains share it, :meth:`ServiceConfig.training_drafting`), the weight sync
+        (:meth:`update_weights`) waits for all of it after the trainer; beside the trainer, the rank pool's
+        ``settle`` waits for what of it outlasted the trainer, as for a late drafting pass (the record says how much of
+        that wait was the head's: beyond the rank's own late pass)."""
+        seconds, started, report = self._head_learned  # type: ignore[misc]
+        if self.draft_during_training == 0 or self.colocated:
+            self._head_wait = waited = seconds
+        else:
+            waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
         self.head_record = HeadLearningRecord(
             self.num_ranks - 1, report.responses, report.pairs, report.steps, report.first_loss, report.final_loss,
-            seconds, self._head_wait,
+            seconds, waited,
         )  # fmt: skip
         self._head_learned = None
 
@@ -433,7 +438,7 @@ def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearni
     if not speculation.uses_draft_head:
         return None
     head = speculation.draft_head
-    step_cost = ranks.head_step_cost() if head.sizing == "acceptance" else None
+    step_cost = ranks.head_step_cost(head.window) if head.sizing == "acceptance" else None
     return HeadLearning(head.window, head.max_tokens, head.learning_rate, head.steps_per_rollout,
                         head.responses_per_step, head.seed, step_cost)  # fmt: skip
 

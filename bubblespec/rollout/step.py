@@ -145,7 +145,9 @@ class HeadLearningRecord:
     """One round of the draft head's online learning (``speculation.draft_head``, docs/design.md §14), after a
     step's rollout on that step's responses: what it learned from, its first and last loss, the seconds it took on
     the run's clock (the policy's passes that computed the hidden states and the AdamW steps), and of those the
-    seconds the step waited for it (its learning ran on hardware the trainer used, or outlasted the trainer)."""
+    seconds the weight sync waited for it (all of them where it ran on hardware the trainer used; beside the trainer,
+    what outlasted the trainer beyond its rank's own late drafting pass, within the step's
+    ``barrier_wait_seconds``)."""
 
     rank: int
     responses: int

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult
+from bubblespec.core.interfaces import Engine, GenerationRequest, GenerationResult
 from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
 from bubblespec.rollout.bubble_scheduler import (
     ActivityListener,
@@ -59,30 +59,44 @@ class VirtualRankPool:
         """Drafts of late chunks reported but not yet handed to :meth:`settle`'s caller."""
         self._busy_until = [0.0] * num_ranks
         """Per rank, how far past the last rollout's barrier its late drafting pass runs."""
+        self._head_until = 0.0
+        """Where a draft head learns beside the trainer: when it is done, in seconds from the last phase's end (the
+        rollout's, then the training phase's): :meth:`settle` waits for it."""
+        self._head_bytes = 0
+        """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
 
     def update_weights(self, state_dict, version: int) -> float:
+        """The new policy to every rank; a draft head learned since the last sync also goes from its rank to the
+        others (:meth:`CostProfile.head_sync_seconds`)."""
         self.engine.update_weights(state_dict, version)
         state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
-        return self.profile.weight_sync_seconds(state_bytes, self.num_ranks)
+        head, self._head_bytes = self._head_bytes, 0
+        head_seconds = self.profile.head_sync_seconds(head, self.num_ranks - 1) if head else 0.0
+        return self.profile.weight_sync_seconds(state_bytes, self.num_ranks) + head_seconds
 
-    def learn_head(self, samples: Sequence[Sample], learning: HeadLearning) -> tuple[float, HeadLearningReport]:
+    def learn_head(
+        self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True
+    ) -> tuple[float, float, HeadLearningReport]:
         """The draft head's online learning on ``samples`` (docs/design.md §14), on the last rank, as the trainer
         starts: returns its simulated seconds (the policy's passes over the responses on the profile, then the AdamW
-        steps, :meth:`CostProfile.head_learning_seconds`) and the engine's report. That rank's drafting while the
-        trainer trains starts once it is done."""
+        steps, :meth:`CostProfile.head_learning_seconds`), when it started (seconds from the trainer's start: after
+        the rank's late drafting pass, if any) and the engine's report. ``beside`` the trainer (the ranks have
+        hardware of their own), that rank's drafting while the trainer trains starts once it is done, and the next
+        :meth:`settle` waits for it as for a late drafting pass; otherwise the caller charges it. The next weight
+        sync also sends the head to the other ranks."""
         report = self.engine.learn_draft_head(samples, learning)
-        passes = [
-            ForwardPass(len(rows), sum(rows), sum(rows), sum(length * (length + 1) // 2 for length in rows))
-            for rows in report.hidden_passes
-        ]
-        seconds = sum(self.profile.forward_seconds(p) for p in passes)
+        seconds = sum(self.profile.forward_seconds(p) for p in report.hidden_passes)
         seconds += self.profile.head_learning_seconds(report.trained_pairs, report.steps, learning.window)
-        self._busy_until[-1] += seconds
-        return seconds, report
+        started = self._busy_until[-1]
+        if beside:
+            self._busy_until[-1] += seconds
+            self._head_until = started + seconds
+        self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
+        return seconds, started, report
 
-    def head_step_cost(self) -> float:
+    def head_step_cost(self, window: int) -> float:
         """A draft-head step's cost in decode passes on the profile (:meth:`CostProfile.head_step_cost`)."""
-        return self.profile.head_step_cost()
+        return self.profile.head_step_cost(window)
 
     def draft_head_state(self) -> dict | None:
         return self.engine.draft_head_state()
@@ -118,6 +132,7 @@ class VirtualRankPool:
         """Every rank drafts the rest of the plan for the training phase's ``train_seconds``, a rank with a late
         pass from the rollout once that pass is over (its keys left unfinished go on in this phase)."""
         self._report_late()
+        self._head_until -= train_seconds  # from this phase's end on
         scheduler = PhaseScheduler(self.num_ranks, self._training_plan, self.engine.policy_version,
                                    on_activity=self.on_activity, drafting_ranks=self._training_ranks)  # fmt: skip
         return self._run(scheduler, trainer_ends=train_seconds)
@@ -125,7 +140,7 @@ class VirtualRankPool:
     def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
         """Reports the late chunks of earlier phases (their drafts join those phases' outcomes); returns their
         drafts and the simulated seconds a caller ``elapsed`` seconds after the last phase's end waits for them."""
-        lateness = self._report_late()
+        lateness, self._head_until = max(self._report_late(), self._head_until), 0.0  # a head learning past it too
         drafts, self._late_drafts = self._late_drafts, []
         return drafts, max(lateness - elapsed, 0.0)
 
