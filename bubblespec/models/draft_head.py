@@ -492,16 +492,44 @@ class DraftHeadTrainer:
         num_rows = len(batch.lengths_B)
         if num_rows == 0 or steps < 1:
             return [], 0
-        per_step = min(rows_per_step, num_rows)
         losses, trained = [], 0
         for step in range(steps):
-            rows = [(step * per_step + i) % num_rows for i in range(per_step)]
+            rows = step_rows(step, rows_per_step, num_rows)
             longest = int(batch.lengths_B[rows].max())
             chunk = HeadBatch(batch.hidden_BTH[rows, :longest], batch.tokens_BT[rows, :longest],
                               batch.lengths_B[rows], batch.temperature_B[rows])  # fmt: skip
             losses.append(self.step(chunk))
             trained += int(chunk.lengths_B.sum())
         return losses, trained
+
+
+Sample = tuple[Sequence[int], Sequence[int], float]
+"""One response to learn from: its prompt's token ids, its own token ids and its sampling temperature."""
+
+
+def step_rows(step: int, rows_per_step: int, num_rows: int) -> list[int]:
+    """The responses :meth:`DraftHeadTrainer.train`'s ``step`` learns from: ``rows_per_step`` of ``num_rows`` in
+    turn, around again where they run out."""
+    per_step = min(rows_per_step, num_rows)
+    return [(step * per_step + i) % num_rows for i in range(per_step)]
+
+
+def trained_pairs_by_step(lengths: Sequence[int], steps: int, rows_per_step: int) -> list[int]:
+    """The pairs each of ``steps`` training steps learns from (responses of ``lengths`` pairs, :func:`step_rows`):
+    what a step's cost grows with, known before training."""
+    return [sum(lengths[row] for row in step_rows(step, rows_per_step, len(lengths))) for step in range(steps)]
+
+
+def hidden_passes(samples: Sequence[Sample], rows_per_pass: int = 4) -> tuple[ForwardPass, ...]:
+    """The policy's passes that :func:`hidden_pairs` runs over ``samples`` (those with tokens), as a cost model
+    counts them: prompt + response fed without a cache, causal attention, no logits sampled."""
+    kept = [(prompt, response) for prompt, response, _ in samples if len(response)]
+    passes = []
+    for start in range(0, len(kept), rows_per_pass):
+        lengths = [len(prompt) + len(response) for prompt, response in kept[start : start + rows_per_pass]]
+        attended = sum(length * (length + 1) // 2 for length in lengths)
+        passes.append(ForwardPass(len(lengths), sum(lengths), sum(lengths), attended))
+    return tuple(passes)
 
 
 @dataclass(frozen=True)
@@ -612,10 +640,6 @@ class HeadSizing:
         self.accepted, self.rejected, self.passes = float(state[0]), float(state[1]), int(state[2])
 
 
-Sample = tuple[Sequence[int], Sequence[int], float]
-"""One response to learn from: its prompt's token ids, its own token ids and its sampling temperature."""
-
-
 @torch.no_grad()
 def hidden_pairs(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass: int = 4) -> HeadBatch:
     """The (hidden state, token) pairs of ``samples``: ``policy``'s last hidden states (before the final norm) over
@@ -648,11 +672,6 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
     rows_per_pass = HIDDEN_ROWS_PER_PASS
     batch = hidden_pairs(trainer.head.policy, kept, rows_per_pass)
     losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
-    passes = []
-    for start in range(0, len(kept), rows_per_pass):
-        lengths = [len(prompt) + len(response) for prompt, response, _ in kept[start : start + rows_per_pass]]
-        attended = sum(length * (length + 1) // 2 for length in lengths)
-        passes.append(ForwardPass(len(lengths), sum(lengths), sum(lengths), attended))
     return HeadLearningReport(
         responses=len(kept),
         pairs=int(batch.lengths_B.sum()),
@@ -661,5 +680,5 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
         first_loss=losses[0] if losses else None,
         final_loss=losses[-1] if losses else None,
         seconds=time.perf_counter() - clock,
-        hidden_passes=tuple(passes),
+        hidden_passes=hidden_passes(kept, rows_per_pass),
     )

@@ -301,11 +301,14 @@ class RankPool(Protocol):
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
         ...
 
-    def learn_head(self, samples, learning, beside: bool = True) -> tuple[float, float, Any]:
+    def learn_head(
+        self, samples, learning, beside: bool = True, budget: float | None = None
+    ) -> tuple[float, float, Any]:
         """The draft head's online learning on a rollout's responses (``speculation.draft_head``), on the last rank
         as the trainer starts; returns its seconds, when it started (seconds from the trainer's start) and the
         engine's ``HeadLearningReport``. ``beside`` the trainer, :meth:`settle` waits for it where it outlasts the
-        trainer. The virtual pool only for now: the config refuses a head on Ray Serve ranks."""
+        trainer. ``budget``: the most seconds it may take (fewer AdamW steps, or none). The virtual pool only for now:
+        the config refuses a head on Ray Serve ranks."""
         ...
 
     def head_step_cost(self, window: int) -> float:

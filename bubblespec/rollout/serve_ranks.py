@@ -251,7 +251,7 @@ class ServeRankPool:
     def resume(self) -> None:
         self._on_every_rank(lambda handle: handle.resume.remote())
 
-    def learn_head(self, samples, learning, beside: bool = True):
+    def learn_head(self, samples, learning, beside: bool = True, budget: float | None = None):
         raise ConfigError(_NO_HEAD)
 
     def head_step_cost(self, window: int) -> float:

@@ -133,6 +133,8 @@ class RolloutService:
         self._head_samples: list[Sample] = []
         self._head_learned: tuple[float, float, HeadLearningReport] | None = None
         self._head_wait = 0.0
+        self._last_train_seconds: float | None = None
+        """The last training phase's seconds: the head's learning budget (None before the first)."""
 
     @classmethod
     def build(
@@ -238,7 +240,9 @@ class RolloutService:
         self.head_record, self._head_learned = None, None
         if self._head_samples:
             beside = self.draft_during_training > 0 and not self.colocated
-            self._head_learned = self.ranks.learn_head(self._head_samples, self.head_learning, beside)
+            self._head_learned = self.ranks.learn_head(
+                self._head_samples, self.head_learning, beside, self._last_train_seconds
+            )
             self._head_samples = []
         if self.colocated:
             self.ranks.release()
@@ -258,6 +262,8 @@ class RolloutService:
             self._released = False
         if self._head_learned is not None:
             self._record_head_learning(train_seconds)
+        if train_seconds > 0:  # not a failed trainer's
+            self._last_train_seconds = train_seconds
         if not self._drafting:
             self._since_phase_end += train_seconds
             return None

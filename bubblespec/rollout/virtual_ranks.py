@@ -18,11 +18,18 @@ long), as a real rank's engine finishes its pass before it takes new weights.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 
 from bubblespec.core.interfaces import Engine, GenerationRequest, GenerationResult
-from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
+from bubblespec.models.draft_head import (
+    HeadLearning,
+    HeadLearningReport,
+    Sample,
+    hidden_passes,
+    trained_pairs_by_step,
+)
 from bubblespec.rollout.bubble_scheduler import (
     ActivityListener,
     Command,
@@ -75,7 +82,7 @@ class VirtualRankPool:
         return self.profile.weight_sync_seconds(state_bytes, self.num_ranks) + head_seconds
 
     def learn_head(
-        self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True
+        self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True, budget: float | None = None
     ) -> tuple[float, float, HeadLearningReport]:
         """The draft head's online learning on ``samples`` (docs/design.md §14), on the last rank, as the trainer
         starts: returns its simulated seconds (the policy's passes over the responses on the profile, then the AdamW
@@ -83,16 +90,34 @@ class VirtualRankPool:
         the rank's late drafting pass, if any) and the engine's report. ``beside`` the trainer (the ranks have
         hardware of their own), that rank's drafting while the trainer trains starts once it is done, and the next
         :meth:`settle` waits for it as for a late drafting pass; otherwise the caller charges it. The next weight
-        sync also sends the head to the other ranks."""
+        sync also sends the head to the other ranks. ``budget``: its seconds at most (:meth:`_head_steps`)."""
+        learning = dataclasses.replace(learning, steps=self._head_steps(samples, learning, budget))
+        started = self._busy_until[-1]
+        if learning.steps == 0:  # not one step fits: no learning this round
+            return 0.0, started, HeadLearningReport(0, 0, 0, 0, None, None, 0.0)
         report = self.engine.learn_draft_head(samples, learning)
         seconds = sum(self.profile.forward_seconds(p) for p in report.hidden_passes)
         seconds += self.profile.head_learning_seconds(report.trained_pairs, report.steps, learning.window)
-        started = self._busy_until[-1]
         if beside:
             self._busy_until[-1] += seconds
             self._head_until = started + seconds
         self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
         return seconds, started, report
+
+    def _head_steps(self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None) -> int:
+        """The most of ``learning.steps`` AdamW steps whose charge, after the hidden-state passes, fits ``budget``
+        simulated seconds (None: all of them; 0 where not even the passes and one step fit)."""
+        if budget is None:
+            return learning.steps
+        passes = sum(self.profile.forward_seconds(p) for p in hidden_passes(samples))
+        lengths = [len(response) for _, response, _ in samples if len(response)]
+        steps, trained = 0, 0
+        for pairs in trained_pairs_by_step(lengths, learning.steps, learning.rows_per_step):
+            trained += pairs
+            if passes + self.profile.head_learning_seconds(trained, steps + 1, learning.window) > budget:
+                break
+            steps += 1
+        return steps
 
     def head_step_cost(self, window: int) -> float:
         """A draft-head step's cost in decode passes on the profile (:meth:`CostProfile.head_step_cost`)."""
