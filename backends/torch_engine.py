@@ -9,17 +9,19 @@ sequences leave the batch at once and queued requests take their slots (continuo
 long tail does not hold short requests hostage. Drafts align by position: after a mismatch the next step
 proposes the draft's tokens at the following positions.
 
-A draft head (:meth:`TorchEngine.set_draft_head`, :mod:`bubblespec.models.draft_head`) fills the room a sequence's
-own proposal leaves in a pass. While the engine holds one, every pass also returns the policy's last hidden states,
-and each sequence keeps its latest ``window`` valid (hidden state, token) pairs: the hidden state at a fed position
-whose logits emitted a token, with that token. After a pass that fed ``[last, d_1 .. d_K]`` and accepted ``a``
-draft tokens, those are the fed positions 0..a, paired with ``d_1 .. d_a`` and the sample after them (a prompt's
-pass: from the prompt's last position on); the rest were rejected and are dropped. Before a pass, the sequences whose
-own proposal (request draft, dynamic sources) is shorter than their draft room are extended by the head, in one
-batched call: it reads each one's pairs, takes its own proposal as given and drafts the rest with the key's noise
-and the request's sampling settings at the response positions they take. Those tokens are verified as any draft, so
-they change no output. In a token-tree pass (``draft_candidates`` > 1) the head extends the first candidate (nodes
-0, 1, ... of the tree; the others stay as they are) and the pairs follow the accepted path.
+A draft head (:meth:`TorchEngine.set_draft_head`, :mod:`bubblespec.models.draft_head`) proposes where a sequence's
+own proposal is empty (the draft chain's last source). While the engine holds one, every pass also returns the
+policy's last hidden states, and each sequence keeps its latest ``window`` valid (hidden state, token) pairs: the
+hidden state at a fed position whose logits emitted a token, with that token. After a pass that fed
+``[last, d_1 .. d_K]`` and accepted ``a`` draft tokens, those are the fed positions 0..a, paired with ``d_1 .. d_a``
+and the sample after them (a prompt's pass: from the prompt's last position on); the rest were rejected and are
+dropped. Before a pass, the sequences with no proposal of their own (request draft used up or absent, no dynamic
+source proposing) get the head's, in one batched call: it reads each one's pairs and drafts with the key's noise and
+the request's sampling settings at the response positions the tokens take. Those tokens are verified as any draft,
+so they change no output. In a token-tree pass (``draft_candidates`` > 1) the head's proposal is the first candidate
+of a sequence that has none (nodes 0, 1, ... of the tree) and the pairs follow the accepted path. (The head does not
+continue another source's proposal: it would read that proposal token by token, one sequential step each, before
+drafting its own.)
 """
 
 from __future__ import annotations
@@ -394,18 +396,21 @@ class TorchEngine(Engine):
             sequence.pending = sequence.tokens[-1:]
 
     def _head_drafts(self, active: list[_Slot], drafts: list[list[int]]) -> list[list[int]]:
-        """Each sequence's proposal, extended by the draft head where it leaves room (up to the head's
-        ``max_tokens`` more): one head call for every such sequence that holds pairs (a sequence's first pass has
-        none), its own proposal given, each token the keyed sample of the head's logits at its response position."""
+        """Each sequence's proposal, the draft head's where it has none of its own (up to the head's tokens for the
+        pass, within the draft room): one head call for every such sequence that holds pairs (a sequence's first pass
+        has none), each token the keyed sample of the head's logits at its response position."""
         budget = self._head_max_tokens if self._head_sizing is None else self._head_sizing.tokens()
         room = [min(budget, s.proposal_length(self._proposal) - len(d)) for s, d in
                 zip(active, drafts, strict=True)]  # fmt: skip
-        rows = [row for row, sequence in enumerate(active) if room[row] > 0 and sequence.head_hidden is not None]
+        rows = [
+            row
+            for row, sequence in enumerate(active)
+            if room[row] > 0 and not drafts[row] and sequence.head_hidden is not None
+        ]
         if not rows:
             return drafts
         chosen = [active[row] for row in rows]
-        given = [drafts[row] for row in rows]
-        num_tokens = max(len(drafts[row]) + room[row] for row in rows)
+        num_tokens = max(room[row] for row in rows)
         drafted_BN = self._head.draft(
             torch.nn.utils.rnn.pad_sequence([s.head_hidden for s in chosen], batch_first=True),
             torch.nn.utils.rnn.pad_sequence([torch.tensor(s.head_tokens) for s in chosen], batch_first=True),
@@ -413,15 +418,14 @@ class TorchEngine(Engine):
             torch.tensor([len(s.tokens) for s in chosen]),
             num_tokens,
             _head_sampler(chosen),
-            given=given,
         ).tolist()
-        extended = list(drafts)
+        proposed = list(drafts)
         for row, tokens in zip(rows, drafted_BN, strict=True):
-            extended[row] = tokens[: len(drafts[row]) + room[row]]
+            proposed[row] = tokens[: room[row]]
         contexts = [len(s.head_tokens) for s in chosen]
-        given_counts = [len(g) for g in given]
-        self._head_call = drafting_call_counts(contexts, given_counts, num_tokens, self._head.window, self.vocab_size)
-        return extended
+        self._head_call = drafting_call_counts(contexts, [0] * len(chosen), num_tokens, self._head.window,
+                                               self.vocab_size)  # fmt: skip
+        return proposed
 
     def _after_head_pass(
         self, sequence: _Slot, hidden_TH: torch.Tensor, before: int, path: list[int], own: int, proposed: int
@@ -456,7 +460,7 @@ class TorchEngine(Engine):
 
     def _tree_candidates(self, active: list[_Slot]) -> tuple[list[list[tuple[str, list[int]]]], list[int]]:
         """Each sequence's candidates (:meth:`~bubblespec.verify.sequence.Sequence.propose_candidates`), the first
-        extended by the draft head where it leaves room (the tree stores it as nodes 0, 1, ...; a head's proposal
+        the draft head's where a sequence has none (the tree stores it as nodes 0, 1, ...; a head's proposal
         alone counts as the request's, as in a linear pass), and the first candidate's own length."""
         candidates = [s.propose_candidates(self._proposal) for s in active]
         own = [len(c[0][1]) if c else 0 for c in candidates]

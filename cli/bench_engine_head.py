@@ -10,7 +10,7 @@ pi_t that the policy step trained on:
   for ``steps`` AdamW steps of :data:`ROWS_PER_STEP` responses each (the responses in turn; :func:`train_head`).
 - **Decoding the next step's requests with pi_t+1**, four arms on the same requests (:func:`decode_steps_with_head`):
   ``plain`` (no drafts), ``drafts`` (pi_t's responses to the same keys, the bubble drafts), ``head`` (the trained head
-  alone: no request drafts) and ``drafts_and_head`` (the head extends each draft's proposal where it leaves room).
+  alone: no request drafts) and ``drafts_and_head`` (the head proposes where a draft has nothing left to propose).
   Keyed sampling makes the outputs of all four the same (``identical``; in float32 without batch invariance a
   verify pass may round a near-tie otherwise: ``differing_responses`` counts the responses that differ from
   ``plain``'s).

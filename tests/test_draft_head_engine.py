@@ -206,9 +206,10 @@ def tree_engine(policy: TorchEngine, chain: tuple[str, ...] = ("request", "ngram
     )
 
 
-def test_tree_passes_extend_their_first_candidate_and_change_no_output(engines):
+def test_tree_passes_take_the_heads_proposal_and_change_no_output(engines):
     """Token-tree passes (float64, 3 candidates): an untrained and a trained head leave plain tree decoding's outputs
-    (without a head), and the trained head's tokens, on the tree's first candidate, are accepted and save steps."""
+    (without a head), and the trained head's tokens, the tree's first candidate where a sequence has no other, are
+    accepted and save steps."""
     policy, other = engines
     tree = tree_engine(policy)
     requests = hard_batch(tree, other, seed=9)
@@ -231,8 +232,9 @@ def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines
     """What the head reads at each drafting call is the policy's own last hidden state at every response position
     so far (the prompt's last position first) paired with the token sampled there: the latest ``window`` of them,
     the rejected draft tokens' dropped (in a tree pass: all but the accepted path's), as a training pass over prompt
-    + response computes them (to rounding). Two requests carry a wrong draft of 7 tokens: the head continues it
-    (given) while it lasts. In tree passes the others' drafts are tries whose path is wrong at response position 2
+    + response computes them (to rounding). Two requests carry a wrong draft of 7 tokens: the head proposes for them
+    only once the draft has nothing left to propose (the draft chain's first source that proposes wins). In tree
+    passes the others' drafts are tries whose path is wrong at response position 2
     and whose branch there holds the response's next 4 tokens: the accepted path runs through the second candidate's
     nodes."""
     policy = engines[0] if passes == "linear" else tree_engine(engines[0])
@@ -276,7 +278,7 @@ def test_a_sequences_pairs_are_the_policys_hidden_states_of_its_response(engines
             )
             checked += 1
     assert checked > 20
-    assert any(continued), "no drafting call continued a request draft"
+    assert calls and not any(continued), "the head proposes only where a sequence's own proposal is empty"
     if passes == "tree":
         assert sum(r.stats.branches_followed for r in results) >= 3
         policy.close()
