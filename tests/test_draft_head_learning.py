@@ -181,3 +181,33 @@ def test_a_drafting_calls_counts_by_hand():
         "head_sampled_logits": 2 * 2 * 10,  # some row samples at both steps
     }
     assert drafting_call_counts([5], [2], 2, 64, 10)["head_sampled_logits"] == 0  # every token given
+
+
+def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_budget(checkpoint):
+    """The virtual pool fits a round in its budget (the last training phase's seconds): as many AdamW steps as fit
+    after the hidden-state passes, and where not one fits beside the passes over all the responses, the first half
+    of them (h100-7b: a pass reads the 7B weights, a head step costs about a millisecond)."""
+    from bubblespec.models.draft_head import hidden_passes, trained_pairs_by_step
+    from bubblespec.rollout.clocks import PROFILES
+    from bubblespec.rollout.virtual_ranks import VirtualRankPool
+
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    pool = VirtualRankPool(engine, 2, PROFILES["h100-7b"])
+    requests = requests_of(10, num=12)
+    samples = samples_of(requests, engine.generate(requests))
+    learning = HeadLearning(window=8, steps=4, rows_per_step=3)
+
+    def cost(kept, steps: int) -> float:
+        passes = sum(pool.profile.forward_seconds(p) for p in hidden_passes(kept))
+        pairs = sum(trained_pairs_by_step([len(r) for _, r, _ in kept], steps, 3))
+        return passes + pool.profile.head_learning_seconds(pairs, steps, 8)
+
+    budget = cost(samples[:6], 2)
+    assert cost(samples, 1) > budget and cost(samples[:6], 3) > budget
+    seconds, started, report = pool.learn_head(samples, learning, budget=budget)
+    assert (report.responses, report.steps) == (6, 2) and started == 0.0
+    assert seconds == pytest.approx(budget)
+    seconds, _, report = pool.learn_head(samples, learning, budget=None)  # no budget: every response, every step
+    assert (report.responses, report.steps) == (12, 4) and seconds == pytest.approx(cost(samples, 4))
+    seconds, _, report = pool.learn_head(samples, learning, budget=budget / 10)  # not even one step of 3
+    assert (seconds, report.steps) == (0.0, 0)

@@ -164,8 +164,8 @@ class DraftHeadConfig(Section):
     """AdamW's, on the head's own parameters (float32)."""
     steps_per_rollout: int = Field(32, ge=1)
     """AdamW steps after each rollout at most: fewer where the clock says they (and the hidden-state passes) would
-    take longer than the last training phase (none where not one fits; the first round, before any training phase,
-    takes them all)."""
+    take longer than the last training phase, and from fewer responses where not one step fits beside the passes over
+    all of them (the first round, before any training phase, takes them all)."""
     responses_per_step: int = Field(8, ge=1)
     """Responses an AdamW step learns from (the rollout's responses in turn)."""
     seed: int = Field(0, ge=0)

@@ -90,8 +90,9 @@ class VirtualRankPool:
         the rank's late drafting pass, if any) and the engine's report. ``beside`` the trainer (the ranks have
         hardware of their own), that rank's drafting while the trainer trains starts once it is done, and the next
         :meth:`settle` waits for it as for a late drafting pass; otherwise the caller charges it. The next weight
-        sync also sends the head to the other ranks. ``budget``: its seconds at most (:meth:`_head_steps`)."""
-        learning = dataclasses.replace(learning, steps=self._head_steps(samples, learning, budget))
+        sync also sends the head to the other ranks. ``budget``: its seconds at most (:meth:`_head_round`)."""
+        samples, steps = self._head_round(samples, learning, budget)
+        learning = dataclasses.replace(learning, steps=steps)
         started = self._busy_until[-1]
         if learning.steps == 0:  # not one step fits: no learning this round
             return 0.0, started, HeadLearningReport(0, 0, 0, 0, None, None, 0.0)
@@ -103,6 +104,20 @@ class VirtualRankPool:
             self._head_until = started + seconds
         self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
         return seconds, started, report
+
+    def _head_round(
+        self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None
+    ) -> tuple[list[Sample], int]:
+        """The responses and AdamW steps of a round that fits ``budget``: all the responses with as many steps as fit
+        (:meth:`_head_steps`); where not one step fits beside the passes over all of them, the first half of them,
+        and so on down to one step's responses (the passes that compute their hidden states are what grows with
+        them: on bench-long 32 passes over 63,569 tokens outlast the trainer)."""
+        kept = [sample for sample in samples if len(sample[1])]
+        while True:
+            steps = self._head_steps(kept, learning, budget)
+            if steps > 0 or len(kept) <= learning.rows_per_step:
+                return kept, steps
+            kept = kept[: max(len(kept) // 2, learning.rows_per_step)]
 
     def _head_steps(self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None) -> int:
         """The most of ``learning.steps`` AdamW steps whose charge, after the hidden-state passes, fits ``budget``
