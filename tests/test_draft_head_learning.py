@@ -211,3 +211,15 @@ def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_bu
     assert (report.responses, report.steps) == (12, 4) and seconds == pytest.approx(cost(samples, 4))
     seconds, _, report = pool.learn_head(samples, learning, budget=budget / 10)  # not even one step of 3
     assert (seconds, report.steps) == (0.0, 0)
+
+
+def test_a_step_record_of_a_round_that_took_no_step_reads_back():
+    """A round that did not fit its budget has no losses: the step record leaves them out and still reads back."""
+    from bubblespec.observe.records import StepRecord
+    from bubblespec.rollout.step import HeadLearningRecord
+    from tests.step_records import step_record
+
+    record = step_record(0, draft_head=HeadLearningRecord(7, 0, 0, 0, None, None, 0.0, 0.0))
+    line = record.to_json()
+    assert "first_loss" not in line
+    assert StepRecord.from_json(line).draft_head == record.draft_head

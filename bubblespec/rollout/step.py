@@ -153,9 +153,10 @@ class HeadLearningRecord:
     responses: int
     pairs: int
     steps: int
-    first_loss: float | None
-    final_loss: float | None
-    seconds: float
+    first_loss: float | None = None
+    final_loss: float | None = None
+    """None where the round took no step (not one fitted its budget); a step record leaves them out then."""
+    seconds: float = 0.0
     wait_seconds: float = 0.0
 
 
