@@ -239,7 +239,7 @@ class TorchEngine(Engine):
         training it, its optimizer state kept."""
         if self._head_trainer is None:
             if not any(len(response) for _, response, _ in samples):  # nothing to learn from: no untrained head
-                return HeadLearningReport(0, 0, 0, 0, None, None, 0.0)
+                return HeadLearningReport.nothing()
             head = DraftHead(self.model, seed=learning.seed, window=learning.window)
             self._head_trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
         report = learn_online(self._head_trainer, samples, learning)

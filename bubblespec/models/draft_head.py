@@ -567,6 +567,11 @@ class HeadLearningReport:
     hidden_passes: tuple[ForwardPass, ...] = ()
     """The policy's passes over prompt + response (no cache, no logits sampled)."""
 
+    @classmethod
+    def nothing(cls, seconds: float = 0.0) -> HeadLearningReport:
+        """A round that learned nothing (no response with tokens, or no step in its budget)."""
+        return cls(0, 0, 0, 0, None, None, seconds)
+
 
 def drafting_call_counts(
     contexts: Sequence[int], given: Sequence[int], num_tokens: int, window: int, vocab_size: int
@@ -668,7 +673,7 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
     clock = time.perf_counter()
     kept = [sample for sample in samples if len(sample[1])]
     if not kept:
-        return HeadLearningReport(0, 0, 0, 0, None, None, time.perf_counter() - clock)
+        return HeadLearningReport.nothing(time.perf_counter() - clock)
     rows_per_pass = HIDDEN_ROWS_PER_PASS
     batch = hidden_pairs(trainer.head.policy, kept, rows_per_pass)
     losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)

@@ -95,7 +95,7 @@ class VirtualRankPool:
         learning = dataclasses.replace(learning, steps=steps)
         started = self._busy_until[-1]
         if learning.steps == 0:  # not one step fits: no learning this round
-            return 0.0, started, HeadLearningReport(0, 0, 0, 0, None, None, 0.0)
+            return 0.0, started, HeadLearningReport.nothing()
         report = self.engine.learn_draft_head(samples, learning)
         seconds = sum(self.profile.forward_seconds(p) for p in report.hidden_passes)
         seconds += self.profile.head_learning_seconds(report.trained_pairs, report.steps, learning.window)
