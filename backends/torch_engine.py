@@ -21,7 +21,9 @@ the request's sampling settings at the response positions the tokens take. Those
 so they change no output. In a token-tree pass (``draft_candidates`` > 1) the head's proposal is the first candidate
 of a sequence that has none (nodes 0, 1, ... of the tree) and the pairs follow the accepted path. (The head does not
 continue another source's proposal: it would read that proposal token by token, one sequential step each, before
-drafting its own.)
+drafting its own.) While :attr:`TorchEngine.keep_hidden` is set, every pass returns hidden states too and a sequence
+keeps all its pairs, not the window's: at its end they are what :meth:`TorchEngine.learn_draft_head` learns its
+response from, without a pass over it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from bubblespec.models.draft_head import (
     Sample,
     drafting_call_counts,
     learn_online,
+    sample_key,
 )
 from bubblespec.verify.sequence import (
     ProposalSettings,
@@ -130,6 +133,8 @@ class _Slot(Sequence):
     # with a draft head: the policy's last hidden states [P, H] of the latest valid pairs, and the token each emitted
     head_hidden: torch.Tensor | None = field(default=None, repr=False)
     head_tokens: list[int] = field(default_factory=list, repr=False)
+    # while the engine keeps hidden states (TorchEngine.keep_hidden): the rows of every emitted token, pass by pass
+    kept_hidden: list[torch.Tensor] = field(default_factory=list, repr=False)
 
 
 class TorchEngine(Engine):
@@ -170,6 +175,12 @@ class TorchEngine(Engine):
         """The draft-head call before the current pass, for its ForwardPass (what a cost model charges)."""
         self._head_sizing: HeadSizing | None = None
         """How many tokens the learned head proposes a pass (:meth:`learn_draft_head`'s ``learning.step_cost``)."""
+        self.keep_hidden = False
+        """While True, ``generate`` keeps each response it finishes with its hidden states (the pairs
+        :meth:`learn_draft_head` learns from), until the next weight update or round of learning: the rollout has
+        computed them, so learning from them costs no pass of the policy again. They take H values of the model's
+        dtype per response token."""
+        self._kept: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
 
     @classmethod
     def check_model(cls, model_path: str) -> None:
@@ -199,6 +210,7 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             self.model.load_weights(state_dict)
         self._policy_version = version
+        self._kept = {}  # another policy's hidden states
 
     def select_rank(self, rank: int) -> None:
         self._proposal.select_rank(rank)
@@ -236,15 +248,23 @@ class TorchEngine(Engine):
         the policy this engine holds ((prompt ids, response ids, temperature) each), by
         :func:`~bubblespec.models.draft_head.learn_online`, and drafts from the next ``generate`` on. The first round
         starts a head from ``learning.seed`` (as does a round after :meth:`set_draft_head`); later rounds go on
-        training it, its optimizer state kept."""
+        training it, its optimizer state kept. The hidden states of the samples ``generate`` kept
+        (:attr:`keep_hidden`) are not computed again; the round uses them up."""
         if self._head_trainer is None:
             if not any(len(response) for _, response, _ in samples):  # nothing to learn from: no untrained head
+                self._kept = {}
                 return HeadLearningReport.nothing()
             head = DraftHead(self.model, seed=learning.seed, window=learning.window)
             self._head_trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
-        report = learn_online(self._head_trainer, samples, learning)
+        kept, self._kept = self._kept, {}
+        report = learn_online(self._head_trainer, samples, learning, kept)
         self._install_learned(self._head_trainer, learning)
         return report
+
+    def hidden_kept(self, samples: Seq[Sample]) -> list[bool]:
+        """Whether ``generate`` kept each sample's hidden states (:attr:`keep_hidden`): learning from those runs no
+        pass of the policy."""
+        return [sample_key(sample) in self._kept for sample in samples]
 
     def _install_learned(self, trainer: DraftHeadTrainer, learning: HeadLearning) -> None:
         """Drafts with ``trainer``'s head from the next ``generate`` on, sized by its acceptance (a new round of an
@@ -328,12 +348,21 @@ class TorchEngine(Engine):
                     continue
                 results[sequence.index] = sequence.result()
                 self._proposal.observe(sequence)
+                self._keep(sequence)
                 last = len(active) - 1
                 if slot != last:  # keep active sequences in slots [0, len(active))
                     cache.move_slot(last, slot)
                     active[slot] = active[last]
                 active.pop()
         return results  # type: ignore[return-value]
+
+    def _keep(self, sequence: _Slot) -> None:
+        """Keeps a finished response's hidden states (:attr:`keep_hidden`): one row per response token."""
+        if not sequence.kept_hidden:
+            return
+        rows, sequence.kept_hidden = torch.cat(sequence.kept_hidden), []
+        if len(rows) == len(sequence.tokens):
+            self._kept[(tuple(sequence.request.prompt_token_ids), tuple(sequence.tokens))] = rows
 
     def _admit(self, index: int, request: GenerationRequest) -> _Slot:
         sequence = _Slot.admit(
@@ -353,6 +382,11 @@ class TorchEngine(Engine):
             cache = KVCache(self.model_config, num_slots, positions, self.model.dtype, self.device)
             self._cache = cache
         return cache
+
+    @property
+    def _reads_hidden(self) -> bool:
+        """Whether a pass returns the policy's last hidden states: for a draft head, or to keep them."""
+        return self._head is not None or self.keep_hidden
 
     def _step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass over every active sequence: each feeds its pending tokens and its draft chunk, and
@@ -377,9 +411,9 @@ class TorchEngine(Engine):
         select = (first_sampled[:, None] + torch.arange(width)).clamp(max=length - 1)
         logits = self.model.forward(
             tokens.to(self.device), positions.to(self.device), cache, select.to(self.device),
-            return_hidden=self._head is not None,
+            return_hidden=self._reads_hidden,
         )  # fmt: skip
-        if self._head is not None:
+        if self._reads_hidden:
             logits, hidden_BTH = logits
         self.num_forward_passes += 1
         if on_forward is not None:
@@ -389,7 +423,7 @@ class TorchEngine(Engine):
             fed, before = len(sequence.pending), len(sequence.tokens)
             ties = None if near_ties is None else (near_ties[0][row], near_ties[1][row])
             accepted = sequence.record(draft, sampled[row], logprobs[row], self._proposal, near_ties=ties)
-            if self._head is not None:
+            if self._reads_hidden:
                 self._after_head_pass(sequence, hidden_BTH[row], before, list(range(accepted)), own[row], len(draft))
             # Rejected draft tokens need no undo: their cache entries are overwritten before anything reads them.
             sequence.cache_length += fed + accepted
@@ -434,29 +468,40 @@ class TorchEngine(Engine):
         ``path`` (a linear chunk's: ``0 .. a-1``; a tree's first candidate holds nodes ``0, 1, ...``) and emitted the
         tokens from response position ``before`` on: counts the head's tokens (nodes ``own`` to ``proposed - 1``
         of the first candidate) and keeps the valid pairs: each fed position whose logits emitted a token, with it
-        (the pending token's, then each accepted node's), within the head's window. A prompt's pass pairs from the
-        prompt's last position on (its response prefix, if any, then the emitted tokens)."""
+        (the pending token's, then each accepted node's), within the head's window, and all of them where the engine
+        keeps hidden states (:attr:`keep_hidden`). A prompt's pass pairs from the prompt's last position on (its
+        response prefix, if any, then the emitted tokens)."""
         kept = len(sequence.tokens) - before
+        if self._head is not None:
+            self._count_head_tokens(sequence, path[:kept], own, proposed, kept)
+        fed = len(sequence.pending)
+        emitted_at = [fed - 1, *(fed + node for node in path)][:kept]  # chunk indices whose logits emitted a token
+        first_pass = sequence.cache_length == 0
+        if first_pass:
+            emitted_at = [*range(len(sequence.request.prompt_token_ids) - 1, fed - 1), *emitted_at]
+        hidden, tokens = hidden_TH[emitted_at], sequence.tokens if first_pass else sequence.tokens[before:]
+        if self.keep_hidden:
+            sequence.kept_hidden.append(hidden)
+        if self._head is None or sequence.finish is not None:
+            return
+        if sequence.head_hidden is not None:
+            hidden = torch.cat([sequence.head_hidden, hidden])
+        window = self._head.window
+        sequence.head_hidden = hidden[-window:]
+        sequence.head_tokens = [*sequence.head_tokens, *tokens][-window:]
+
+    def _count_head_tokens(self, sequence: _Slot, path: list[int], own: int, proposed: int, kept: int) -> None:
+        """The head's tokens in a pass (nodes ``own`` to ``proposed - 1`` of the first candidate) that verification
+        reached and accepted (``path``: the accepted nodes that emitted a token): the sequence's counts and the
+        head's sizing."""
         stats = sequence.stats
-        along = next((j for j, node in enumerate(path[:kept]) if node != j), len(path[:kept]))  # first candidate's
+        along = next((j for j, node in enumerate(path) if node != j), len(path))  # first candidate's
         accepted = max(min(along, proposed) - own, 0)
         stats.head_tokens_proposed += proposed - own
         stats.head_tokens_accepted += accepted
         if self._head_sizing is not None and proposed > own and along >= own:  # verification reached the head's
             # rejected: the head's token at ``along`` was scored and another emitted there (a stop token too)
             self._head_sizing.observe(accepted, rejected=along < min(proposed, kept))
-        if sequence.finish is not None:
-            return
-        fed = len(sequence.pending)
-        emitted_at = [fed - 1, *(fed + node for node in path)][:kept]  # chunk indices whose logits emitted a token
-        if sequence.head_hidden is None:
-            emitted_at = [*range(len(sequence.request.prompt_token_ids) - 1, fed - 1), *emitted_at]
-            hidden, tokens = hidden_TH[emitted_at], sequence.tokens
-        else:
-            hidden, tokens = torch.cat([sequence.head_hidden, hidden_TH[emitted_at]]), sequence.tokens[before:]
-        window = self._head.window
-        sequence.head_hidden = hidden[-window:]
-        sequence.head_tokens = [*sequence.head_tokens, *tokens][-window:]
 
     def _tree_candidates(self, active: list[_Slot]) -> tuple[list[list[tuple[str, list[int]]]], list[int]]:
         """Each sequence's candidates (:meth:`~bubblespec.verify.sequence.Sequence.propose_candidates`), the first
@@ -501,9 +546,9 @@ class TorchEngine(Engine):
         token_tree = TokenTree((cache_lengths[:, None] + depths).to(self.device), visible.to(self.device))
         logits = self.model.forward(
             tokens.to(self.device), positions.to(self.device), cache, select.to(self.device), token_tree,
-            return_hidden=self._head is not None,
+            return_hidden=self._reads_hidden,
         )  # fmt: skip
-        if self._head is not None:
+        if self._reads_hidden:
             logits, hidden_BTH = logits
         self.num_forward_passes += 1
         if on_forward is not None:
@@ -527,7 +572,7 @@ class TorchEngine(Engine):
             first = scored.stop
             fed, before = len(sequence.pending), len(sequence.tokens)
             path = sequence.record_tree(tree, samples, row_logprobs, self._proposal, ties)
-            if self._head is not None:
+            if self._reads_hidden:
                 proposed = len(tree.candidates[0][1]) if tree.candidates else 0
                 self._after_head_pass(sequence, hidden_BTH[slot], before, path, own[slot], proposed)
             moved = [(fed + node, fed + j) for j, node in enumerate(path) if node != j]

@@ -6,13 +6,14 @@ responses of 4-24 tokens, temperature 1, top-k with top-p, and greedy."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.core.interfaces import GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
 from bubblespec.models.draft_head import PROBE_EVERY, HeadLearning, HeadSizing, drafting_call_counts
 from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
@@ -184,9 +185,10 @@ def test_a_drafting_calls_counts_by_hand():
 
 
 def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_budget(checkpoint):
-    """The virtual pool fits a round in its budget (the last training phase's seconds): as many AdamW steps as fit
-    after the hidden-state passes, and where not one fits beside the passes over all the responses, the first half
-    of them (h100-7b: a pass reads the 7B weights, a head step costs about a millisecond)."""
+    """The virtual pool fits a round in its budget (the last training phase's seconds): of all the responses, the
+    first half, and so on down to one step's, the set with the most AdamW steps that fit after its hidden-state
+    passes, the most responses among those (h100-7b: a pass reads the 7B weights, a head step costs about a
+    millisecond)."""
     from bubblespec.models.draft_head import hidden_passes, trained_pairs_by_step
     from bubblespec.rollout.clocks import PROFILES
     from bubblespec.rollout.virtual_ranks import VirtualRankPool
@@ -203,14 +205,98 @@ def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_bu
         return passes + pool.profile.head_learning_seconds(pairs, steps, 8)
 
     budget = cost(samples[:6], 2)
-    assert cost(samples, 1) > budget and cost(samples[:6], 3) > budget
+    # all 12: not one step; the first 6: 2 steps; the first 3: all 4 steps
+    assert cost(samples, 1) > budget and cost(samples[:6], 3) > budget and cost(samples[:3], 4) <= budget
     seconds, started, report = pool.learn_head(samples, learning, budget=budget)
-    assert (report.responses, report.steps) == (6, 2) and started == 0.0
-    assert seconds == pytest.approx(budget)
+    assert (report.responses, report.steps) == (3, 4) and started == 0.0
+    assert seconds == pytest.approx(cost(samples[:3], 4))
+    budget = cost(samples[:6], 4)  # 6 and 3 responses both take every step: the 6
+    assert cost(samples, 1) > budget
+    seconds, _, report = pool.learn_head(samples, learning, budget=budget)
+    assert (report.responses, report.steps) == (6, 4) and seconds == pytest.approx(budget)
     seconds, _, report = pool.learn_head(samples, learning, budget=None)  # no budget: every response, every step
     assert (report.responses, report.steps) == (12, 4) and seconds == pytest.approx(cost(samples, 4))
-    seconds, _, report = pool.learn_head(samples, learning, budget=budget / 10)  # not even one step of 3
+    seconds, _, report = pool.learn_head(samples, learning, budget=budget / 100)  # not even one step of 3
     assert (seconds, report.steps) == (0.0, 0)
+
+
+@pytest.mark.parametrize("candidates", [1, 3])
+def test_the_hidden_states_a_rollout_keeps_are_the_ones_a_pass_computes_again(checkpoint, candidates):
+    """With ``keep_hidden`` the engine keeps every finished response's hidden states as it generates, over linear
+    and token-tree passes with drafts (some accepted, some not), responses begun with a prefix and padded batches:
+    one row per token, those a pass over prompt + response computes (float64), so learning from them runs no pass;
+    a weight update drops them, a round uses them up."""
+    from bubblespec.models.draft_head import hidden_pairs, sample_key
+
+    options = {"max_draft_tokens_per_step": 4} | ({"draft_candidates": candidates} if candidates > 1 else {})
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64", **options)
+    requests = requests_of(11, num=6)
+    plain = TorchEngine.from_pretrained(checkpoint, dtype="float64").generate(requests)
+    drafted = []
+    for i, (request, result) in enumerate(zip(requests, plain, strict=True)):
+        tokens = list(result.token_ids)
+        if i % 3 == 0:  # right for a while, then wrong
+            draft = tokens[: len(tokens) // 2] + [(t + 1) % VOCAB for t in tokens[len(tokens) // 2 :]]
+            request = dataclasses.replace(request, draft=Draft(request.key, tuple(draft), 0))
+        elif i % 3 == 1:  # begun with a prefix of the response
+            request = dataclasses.replace(request, response_prefix=tuple(tokens[:3]))
+        drafted.append(request)
+    engine.keep_hidden = True
+    results = engine.generate(drafted)
+    assert [x.token_ids for x in results] == [x.token_ids for x in plain]
+    accepted = sum(x.stats.draft_tokens_accepted for x in results)
+    assert 0 < accepted < sum(x.stats.draft_tokens_proposed for x in results)
+    samples = samples_of(requests, results)
+    assert engine.hidden_kept(samples) == [True] * len(samples)
+    expected = hidden_pairs(engine.model, samples)
+    for row, sample in enumerate(samples):
+        kept = engine._kept[sample_key(sample)]
+        length = len(sample[1])
+        assert kept.shape == (length, expected.hidden_BTH.shape[-1])
+        torch.testing.assert_close(kept, expected.hidden_BTH[row, :length], rtol=1e-9, atol=1e-9)
+    report = engine.learn_draft_head(samples, LEARNING)
+    assert report.kept_responses == len(samples) and report.hidden_passes == ()
+    assert engine.hidden_kept(samples) == [False] * len(samples)  # used up
+    engine.generate(drafted)
+    engine.update_weights({}, version=1)  # another policy: its hidden states are not these
+    assert engine.hidden_kept(samples) == [False] * len(samples)
+    engine.keep_hidden = False
+    engine.generate(drafted)
+    assert engine.hidden_kept(samples) == [False] * len(samples)
+
+
+def test_a_head_learned_from_kept_hidden_states_is_the_one_learned_from_passes(checkpoint):
+    """Learning from the hidden states the rollout kept gives the head that learning from the policy's passes over
+    the same responses gives (float64, to rounding), and the virtual pool charges no pass for them: the learning
+    rank's responses come first, then the others'."""
+    from bubblespec.rollout.clocks import PROFILES
+    from bubblespec.rollout.virtual_ranks import VirtualRankPool
+
+    requests = requests_of(12)
+    recomputing = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    samples = samples_of(requests, recomputing.generate(requests))
+    recomputing.learn_draft_head(samples, LEARNING)
+    keeping = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    keeping.keep_hidden = True
+    keeping.generate(requests)
+    report = keeping.learn_draft_head(samples, LEARNING)
+    assert report.kept_responses == len(samples)
+    a, b = recomputing.draft_head_state()["head"], keeping.draft_head_state()["head"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-7, atol=1e-9)
+
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    pool = VirtualRankPool(engine, 2, PROFILES["h100-7b"])
+    pool.keep_hidden_states()
+    engine.keep_hidden = True
+    engine.generate(requests[:2])  # as the learning rank: its own two responses
+    engine.keep_hidden = False
+    seconds, _, report = pool.learn_head(samples, LEARNING)
+    assert report.kept_responses == 2 and report.responses == len(samples)
+    assert [p.num_sequences for p in report.hidden_passes] == [4]  # the other four
+    passes = sum(pool.profile.forward_seconds(p) for p in report.hidden_passes)
+    charged = pool.profile.head_learning_seconds(report.trained_pairs, report.steps, LEARNING.window)
+    assert seconds == pytest.approx(passes + charged)
 
 
 def test_a_step_record_of_a_round_that_took_no_step_reads_back():

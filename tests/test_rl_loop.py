@@ -93,8 +93,9 @@ HEAD = {"enabled": True, "window": 16, "steps_per_rollout": 8, "responses_per_st
 
 
 def test_a_draft_head_learned_online_changes_no_rollout_or_weight_and_drafts(tmp_path, baseline):
-    """The last rank learns a draft head from each step's responses while the trainer trains (docs/design.md §14);
-    from step 1 on it drafts beside the bubble drafts, and the run is the plain one."""
+    """The last rank learns a draft head from each step's responses while the trainer trains (docs/design.md §14),
+    its own with the hidden states it kept; from step 1 on it drafts beside the bubble drafts, and the run is the plain
+    one."""
     plain_steps, plain_weights = baseline
     steps, weights = _run(
         tmp_path, "head", speculation={"enabled": True, "draft_during_training": True, "draft_head": HEAD}
@@ -104,6 +105,8 @@ def test_a_draft_head_learned_online_changes_no_rollout_or_weight_and_drafts(tmp
     learned = [s.draft_head for s in steps]
     assert all(h is not None and h.rank == 1 and h.steps == 8 and h.responses == 8 for h in learned), learned
     assert all(h.seconds > 0 and h.wait_seconds <= h.seconds for h in learned)
+    # the learning rank kept its own responses' hidden states as it generated them; the others' are computed again
+    assert all(0 < h.kept_responses < h.responses for h in learned), learned
     proposed = [sum(rank.head_tokens_proposed for rank in s.ranks) for s in steps]
     assert proposed[0] == 0 and all(p > 0 for p in proposed[1:]), proposed
     accepted = sum(rank.head_tokens_accepted for s in steps for rank in s.ranks)

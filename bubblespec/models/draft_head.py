@@ -565,7 +565,10 @@ class HeadLearningReport:
     final_loss: float | None
     seconds: float
     hidden_passes: tuple[ForwardPass, ...] = ()
-    """The policy's passes over prompt + response (no cache, no logits sampled)."""
+    """The policy's passes over prompt + response (no cache, no logits sampled), for the responses whose hidden
+    states the rollout did not keep."""
+    kept_responses: int = 0
+    """The responses whose hidden states the rollout kept (no pass computed them again)."""
 
     @classmethod
     def nothing(cls, seconds: float = 0.0) -> HeadLearningReport:
@@ -645,16 +648,34 @@ class HeadSizing:
         self.accepted, self.rejected, self.passes = float(state[0]), float(state[1]), int(state[2])
 
 
+KeptHidden = Mapping[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor]
+"""Hidden states a rollout already computed, by (prompt ids, response ids): each response's [T, H] rows as
+:func:`hidden_pairs` would compute them (the engine that generated it keeps them, ``TorchEngine.keep_hidden``)."""
+
+
+def sample_key(sample: Sample) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A sample's key among :data:`KeptHidden`: its prompt's and its response's token ids."""
+    prompt, response, _ = sample
+    return tuple(prompt), tuple(response)
+
+
 @torch.no_grad()
 def hidden_pairs(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass: int = 4) -> HeadBatch:
     """The (hidden state, token) pairs of ``samples``: ``policy``'s last hidden states (before the final norm) over
     prompt + response, from the prompt's last position on (the position whose logits sampled the first token), one
     forward pass per ``rows_per_pass`` responses (bounds a pass's memory at long responses); responses of no tokens
     are left out. What a training pass computes over the same responses, without gradients."""
-    kept = [(prompt, response, temperature) for prompt, response, temperature in samples if len(response)]
-    hidden, tokens = [], []
-    for start in range(0, len(kept), rows_per_pass):
-        chunk = kept[start : start + rows_per_pass]
+    kept = [sample for sample in samples if len(sample[1])]
+    hidden = _hidden_rows(policy, kept, rows_per_pass)
+    return HeadBatch.pad(hidden, [torch.tensor(list(r)) for _, r, _ in kept], [t for _, _, t in kept])
+
+
+@torch.no_grad()
+def _hidden_rows(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass: int) -> list[torch.Tensor]:
+    """:func:`hidden_pairs`' rows of ``samples`` (each with tokens), one [T, H] tensor a response."""
+    hidden = []
+    for start in range(0, len(samples), rows_per_pass):
+        chunk = samples[start : start + rows_per_pass]
         rows = [torch.tensor([*prompt, *response]) for prompt, response, _ in chunk]
         tokens_BT = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(policy.device)
         positions_BT = torch.arange(tokens_BT.shape[1], device=policy.device)[None].expand(len(rows), -1)
@@ -663,19 +684,26 @@ def hidden_pairs(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass:
         for row, (prompt, response, _) in enumerate(chunk):
             first = len(prompt) - 1
             hidden.append(hidden_BTH[row, first : first + len(response)])
-            tokens.append(torch.tensor(list(response)))
-    return HeadBatch.pad(hidden, tokens, [temperature for _, _, temperature in kept])
+    return hidden
 
 
-def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning: HeadLearning) -> HeadLearningReport:
-    """One round of online learning: the hidden states of ``samples`` under the policy the trainer's head reads
-    (:func:`hidden_pairs`), then ``learning.steps`` optimizer steps on them (:meth:`DraftHeadTrainer.train`)."""
+def learn_online(
+    trainer: DraftHeadTrainer, samples: Sequence[Sample], learning: HeadLearning, kept_hidden: KeptHidden | None = None
+) -> HeadLearningReport:
+    """One round of online learning: the hidden states of ``samples`` under the policy the trainer's head reads,
+    ``kept_hidden``'s where the rollout kept them and :func:`hidden_pairs`' passes for the rest, then
+    ``learning.steps`` optimizer steps on them (:meth:`DraftHeadTrainer.train`)."""
     clock = time.perf_counter()
     kept = [sample for sample in samples if len(sample[1])]
     if not kept:
         return HeadLearningReport.nothing(time.perf_counter() - clock)
+    kept_hidden = kept_hidden or {}
+    found = [kept_hidden.get(sample_key(sample)) for sample in kept]
+    missing = [sample for sample, hidden in zip(kept, found, strict=True) if hidden is None]
     rows_per_pass = HIDDEN_ROWS_PER_PASS
-    batch = hidden_pairs(trainer.head.policy, kept, rows_per_pass)
+    computed = iter(_hidden_rows(trainer.head.policy, missing, rows_per_pass))
+    hidden = [next(computed) if rows is None else rows for rows in found]
+    batch = HeadBatch.pad(hidden, [torch.tensor(list(r)) for _, r, _ in kept], [t for _, _, t in kept])
     losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
     return HeadLearningReport(
         responses=len(kept),
@@ -685,5 +713,6 @@ def learn_online(trainer: DraftHeadTrainer, samples: Sequence[Sample], learning:
         first_loss=losses[0] if losses else None,
         final_loss=losses[-1] if losses else None,
         seconds=time.perf_counter() - clock,
-        hidden_passes=hidden_passes(kept, rows_per_pass),
+        hidden_passes=hidden_passes(missing, rows_per_pass),
+        kept_responses=len(kept) - len(missing),
     )

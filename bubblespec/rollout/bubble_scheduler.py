@@ -311,6 +311,11 @@ class RankPool(Protocol):
         the config refuses a head on Ray Serve ranks."""
         ...
 
+    def keep_hidden_states(self) -> None:
+        """From the next rollout on, the rank that learns the head keeps its responses' hidden states (learning from
+        them then runs no pass of the policy again)."""
+        ...
+
     def head_step_cost(self, window: int) -> float:
         """A draft-head step's cost (attending ``window`` pairs) over a decode pass's on this pool's clock (what
         sizes the head's proposals)."""

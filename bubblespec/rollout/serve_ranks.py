@@ -257,6 +257,9 @@ class ServeRankPool:
     def head_step_cost(self, window: int) -> float:
         raise ConfigError(_NO_HEAD)
 
+    def keep_hidden_states(self) -> None:
+        raise ConfigError(_NO_HEAD)
+
     def draft_head_state(self) -> dict | None:
         raise ConfigError(_NO_HEAD)
 

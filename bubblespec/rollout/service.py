@@ -128,6 +128,8 @@ class RolloutService:
         drafting passes have had to finish on the virtual clock."""
         self.head_learning = head_learning(speculation, ranks)
         """How the draft head learns online (``speculation.draft_head``); None: no head."""
+        if self.head_learning is not None:
+            ranks.keep_hidden_states()  # the learning rank's own responses need no pass again
         self.head_record: HeadLearningRecord | None = None
         """The draft head's last round of learning (the last step's), for the step record."""
         self._head_samples: list[Sample] = []
@@ -296,7 +298,7 @@ class RolloutService:
             waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
         self.head_record = HeadLearningRecord(
             self.num_ranks - 1, report.responses, report.pairs, report.steps, report.first_loss, report.final_loss,
-            seconds, waited,
+            seconds, waited, report.kept_responses,
         )  # fmt: skip
         self._head_learned = None
 
@@ -445,8 +447,15 @@ def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearni
         return None
     head = speculation.draft_head
     step_cost = ranks.head_step_cost(head.window) if head.sizing == "acceptance" else None
-    return HeadLearning(head.window, head.max_tokens, head.learning_rate, head.steps_per_rollout,
-                        head.responses_per_step, head.seed, step_cost)  # fmt: skip
+    return HeadLearning(
+        window=head.window,
+        max_tokens=head.max_tokens,
+        learning_rate=head.learning_rate,
+        steps=head.steps_per_rollout,
+        rows_per_step=head.responses_per_step,
+        seed=head.seed,
+        step_cost=step_cost,
+    )
 
 
 def static_sources(speculation: SpeculationConfig, store: DraftStore) -> list[tuple[str, StaticDraftSource]]:

@@ -158,6 +158,9 @@ class HeadLearningRecord:
     """None where the round took no step (not one fitted its budget); a step record leaves them out then."""
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    kept_responses: int = 0
+    """Of ``responses``, those whose hidden states the learning rank kept from its rollout (no pass computed them
+    again; the others' passes are in ``seconds``)."""
 
 
 def bubble_use(ranks: Iterable[RankRecord]) -> float:

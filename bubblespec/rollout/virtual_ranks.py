@@ -71,6 +71,8 @@ class VirtualRankPool:
         rollout's, then the training phase's): :meth:`settle` waits for it."""
         self._head_bytes = 0
         """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
+        self._keeps_hidden = False
+        """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
 
     def update_weights(self, state_dict, version: int) -> float:
         """The new policy to every rank; a draft head learned since the last sync also goes from its rank to the
@@ -85,8 +87,9 @@ class VirtualRankPool:
         self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True, budget: float | None = None
     ) -> tuple[float, float, HeadLearningReport]:
         """The draft head's online learning on ``samples`` (docs/design.md §14), on the last rank, as the trainer
-        starts: returns its simulated seconds (the policy's passes over the responses on the profile, then the AdamW
-        steps, :meth:`CostProfile.head_learning_seconds`), when it started (seconds from the trainer's start: after
+        starts: returns its simulated seconds (the policy's passes over the responses whose hidden states it did not
+        keep, :meth:`keep_hidden_states`, on the profile, then the AdamW steps,
+        :meth:`CostProfile.head_learning_seconds`), when it started (seconds from the trainer's start: after
         the rank's late drafting pass, if any) and the engine's report. ``beside`` the trainer (the ranks have
         hardware of their own), that rank's drafting while the trainer trains starts once it is done, and the next
         :meth:`settle` waits for it as for a late drafting pass; otherwise the caller charges it. The next weight
@@ -105,26 +108,42 @@ class VirtualRankPool:
         self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
         return seconds, started, report
 
+    def keep_hidden_states(self) -> None:
+        """From the next rollout on, the rank that learns the head (the last) keeps the hidden states of the
+        responses it generates, so that learning from them runs no pass of the policy again."""
+        self._keeps_hidden = True
+
     def _head_round(
         self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None
     ) -> tuple[list[Sample], int]:
-        """The responses and AdamW steps of a round that fits ``budget``: all the responses with as many steps as fit
-        (:meth:`_head_steps`); where not one step fits beside the passes over all of them, the first half of them,
-        and so on down to one step's responses (the passes that compute their hidden states are what grows with
-        them: on bench-long 32 passes over 63,569 tokens outlast the trainer)."""
-        kept = [sample for sample in samples if len(sample[1])]
+        """The responses and AdamW steps of a round that fits ``budget``: those whose hidden states the learning
+        rank kept first (its own: no pass computes them again), then the others; of all of them, the first half, and
+        so on down to one step's responses, the ones with the most steps that fit (:meth:`_head_steps`), the most
+        responses among those (the passes that compute the others' hidden states are what grows with them: on
+        bench-long 32 passes over 63,569 tokens outlast the trainer)."""
+        samples = [sample for sample in samples if len(sample[1])]
+        kept = self.engine.hidden_kept(samples) if self._keeps_hidden else [False] * len(samples)
+        ordered = [s for s, k in zip(samples, kept, strict=True) if k]
+        ordered += [s for s, k in zip(samples, kept, strict=True) if not k]
+        best, count = (None, 0), len(ordered)
         while True:
-            steps = self._head_steps(kept, learning, budget)
-            if steps > 0 or len(kept) <= learning.rows_per_step:
-                return kept, steps
-            kept = kept[: max(len(kept) // 2, learning.rows_per_step)]
+            chosen = ordered[:count]
+            steps = self._head_steps(chosen, min(count, kept.count(True)), learning, budget)
+            if steps > best[1] or best[0] is None:
+                best = (chosen, steps)
+            if steps == learning.steps or count <= learning.rows_per_step:
+                return best
+            count = max(count // 2, learning.rows_per_step)
 
-    def _head_steps(self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None) -> int:
-        """The most of ``learning.steps`` AdamW steps whose charge, after the hidden-state passes, fits ``budget``
-        simulated seconds (None: all of them; 0 where not even the passes and one step fit)."""
+    def _head_steps(
+        self, samples: Sequence[Sample], num_kept: int, learning: HeadLearning, budget: float | None
+    ) -> int:
+        """The most of ``learning.steps`` AdamW steps whose charge, after the hidden-state passes (over the samples
+        after the first ``num_kept``), fits ``budget`` simulated seconds (None: all of them; 0 where not even the
+        passes and one step fit)."""
         if budget is None:
             return learning.steps
-        passes = sum(self.profile.forward_seconds(p) for p in hidden_passes(samples))
+        passes = sum(self.profile.forward_seconds(p) for p in hidden_passes(samples[num_kept:]))
         lengths = [len(response) for _, response, _ in samples if len(response)]
         steps, trained = 0, 0
         for pairs in trained_pairs_by_step(lengths, learning.steps, learning.rows_per_step):
@@ -212,7 +231,11 @@ class VirtualRankPool:
                 timeline = timelines[command.rank]
                 self.engine.select_rank(command.rank)  # a draft source's memory is its own rank's
                 if isinstance(command, Generate):
-                    results = self.engine.generate(list(command.requests), on_forward=timeline)
+                    self.engine.keep_hidden = self._keeps_hidden and command.rank == self.num_ranks - 1
+                    try:
+                        results = self.engine.generate(list(command.requests), on_forward=timeline)
+                    finally:
+                        self.engine.keep_hidden = False
                     saved = seconds_saved(command.requests, results, timeline.now, self.max_batch_size,
                                           self.engine.vocab_size, self.profile.forward_seconds)  # fmt: skip
                     heapq.heappush(
