@@ -282,12 +282,22 @@ class SGLangEngine(Engine):
         only tensor/distributed loads in the session): harmless for unquantised models; turn the bracket off with
         ``weight_update_session: false`` for packed/quantised ones.
         """
-        from safetensors.torch import save_file
-
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError(f"policy version must be an int, got {version!r}")
-        folder = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="bubblespec-sglang-weights-"))
-        folder = folder / f"rank{self.config.rank}-v{version}"
+        # a folder of our own goes when the update is done (or failed); under ``weights_dir`` only the version's
+        root = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="bubblespec-sglang-weights-"))
+        folder = root / f"rank{self.config.rank}-v{version}"
+        try:
+            self._load_from_disk(folder, state_dict, version)
+        finally:
+            shutil.rmtree(folder if self.config.weights_dir else root, ignore_errors=True)
+        self._policy_version = version
+
+    def _load_from_disk(self, folder: Path, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Writes the checkpoint folder ``folder`` (the model's files, ``state_dict`` as safetensors) and has the
+        server load it as ``version``, generation paused meanwhile."""
+        from safetensors.torch import save_file
+
         folder.mkdir(parents=True, exist_ok=True)
         for file in Path(self.config.model_path).expanduser().iterdir():
             if file.is_file() and file.suffix != ".safetensors":
@@ -307,8 +317,6 @@ class SGLangEngine(Engine):
             self._call("/flush_cache", text=True)
         finally:
             self._call("/continue_generation", {})
-        shutil.rmtree(folder, ignore_errors=True)
-        self._policy_version = version
 
     def release(self) -> None:
         self._call("/release_memory_occupation", {"tags": ["kv_cache"]})

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 import urllib.error
@@ -386,7 +387,8 @@ def test_a_weight_update_brackets_begin_and_end_and_gives_the_new_policy(request
     assert [r.token_ids for r in after] == [r.token_ids for r in expected] != [r.token_ids for r in before]
 
 
-def test_a_refused_weight_update_names_rank_url_and_endpoint(server):
+def test_a_refused_weight_update_names_rank_url_and_endpoint(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the engine's own weights folder goes
     server.session_open = True  # someone else's session: begin is refused
     try:
         with pytest.raises(SGLangError, match=r"rank 0, http://127\.0\.0\.1:\d+/begin_weight_update: HTTP 400"):
@@ -394,6 +396,9 @@ def test_a_refused_weight_update_names_rank_url_and_endpoint(server):
     finally:
         server.session_open = False
     assert server.bodies("/continue_generation"), "generation was left paused"
+    assert not list(tmp_path.iterdir()), "the weights folder it made was left behind"
+    _engine(server).update_weights({}, version=1)
+    assert not list(tmp_path.iterdir()), "the weights folder it made was left behind"
 
 
 def test_an_unreachable_url_fails_within_the_bounded_wait():
