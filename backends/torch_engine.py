@@ -276,9 +276,15 @@ class TorchEngine(Engine):
             self._head_sizing.new_round()
         self._head_trainer, self._head, self._head_max_tokens = trainer, trainer.head, max_tokens
 
+    def pause_draft_head(self) -> None:
+        """Drafts without the learned head until its next round of learning (:meth:`learn_draft_head`), which it
+        keeps learning from where it was (``speculation.draft_head.enabled: auto``)."""
+        self._head = None
+
     def draft_head_state(self) -> dict | None:
         """What resumes online learning exactly (a checkpoint's): the learned head's parameters and its optimizer's
-        state (:meth:`DraftHead.state_dict`, :meth:`DraftHeadTrainer.state_dict`); None before the first round."""
+        state (:meth:`DraftHead.state_dict`, :meth:`DraftHeadTrainer.state_dict`), its sizing and whether it is paused
+        (:meth:`pause_draft_head`); None before the first round."""
         if self._head_trainer is None:
             return None
         sizing = self._head_sizing
@@ -286,6 +292,7 @@ class TorchEngine(Engine):
             "head": self._head_trainer.head.state_dict(),
             "optimizer": self._head_trainer.state_dict(),
             "sizing": sizing.state(),
+            "paused": self._head is None,
         }
 
     def load_draft_head_state(self, state: Mapping | None, learning: HeadLearning) -> None:
@@ -301,6 +308,8 @@ class TorchEngine(Engine):
         for group in trainer.optimizer.param_groups:  # the run's learning rate, not the checkpoint's
             group["lr"] = learning.learning_rate
         self._head_sizing.load_state(state["sizing"])
+        if state.get("paused", False):
+            self.pause_draft_head()
 
     def release(self) -> None:
         self._cache = None

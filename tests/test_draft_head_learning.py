@@ -107,6 +107,27 @@ def test_online_learning_resumes_exactly_from_its_state(checkpoint):
     assert resumed.draft_head is None and resumed.draft_head_state() is None
 
 
+def test_a_paused_head_drafts_nothing_until_its_next_round_and_its_pause_resumes(checkpoint):
+    """``pause_draft_head`` (``draft_head.enabled: auto``): no head token until the next round of learning, which
+    goes on from the paused head's state; a checkpoint of a paused head loads paused."""
+    first, later = requests_of(13), requests_of(14)
+    engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    samples = samples_of(first, engine.generate(first))
+    engine.learn_draft_head(samples, LEARNING)
+    engine.pause_draft_head()
+    assert engine.draft_head is None and sum(x.stats.head_tokens_proposed for x in engine.generate(later)) == 0
+    saved = engine.draft_head_state()
+    assert saved["paused"] is True
+    resumed = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+    resumed.load_draft_head_state(saved, LEARNING)
+    assert resumed.draft_head is None
+    for each in (engine, resumed):
+        each.learn_draft_head(samples, LEARNING)  # the second round, from the paused head's state
+        assert each.draft_head is not None and each.draft_head_state()["paused"] is False
+    assert_same_state(resumed.draft_head_state(), engine.draft_head_state())
+    assert sum(x.stats.head_tokens_proposed for x in engine.generate(later)) > 0
+
+
 def test_nothing_to_learn_from_installs_no_head(checkpoint):
     engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     requests = requests_of(6, num=2)

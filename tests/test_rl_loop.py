@@ -135,6 +135,43 @@ def test_the_step_waits_once_for_a_head_that_outlasts_the_trainer(tmp_path, draf
     assert 0 < second.draft_head.steps < 400 and second.draft_head.seconds <= first.phase_seconds.train
 
 
+def test_a_head_that_does_not_pay_pauses_under_auto_and_a_resumed_run_pauses_alike(tmp_path, baseline):
+    """``draft_head.enabled: auto`` (cpu-tiny: a head step costs half a pass, so the head proposes little and saves
+    less than its learning and sync cost): judged over steps 1-3, it pauses at step 3's end, so it does not learn
+    after steps 4 and 5 (step 4 still drafts with round 3's head, step 5 with none); outputs are the plain run's; a
+    run resumed from the checkpoint after step 3 pauses alike (the head's gate and its pause are in the checkpoint)."""
+    changes = {
+        "num_steps": 6,
+        "checkpoint_every": 2,
+        "speculation": {"enabled": True, "draft_during_training": True, "draft_head": HEAD | {"enabled": "auto"}},
+        "clock": {"kind": "virtual", "profile": "cpu-tiny"},
+    }
+    uninterrupted, final = _run(tmp_path, "whole", **changes)
+    assert _rollouts(uninterrupted)[:3] == _rollouts(baseline[0])
+    learned = [s.draft_head is not None for s in uninterrupted]
+    assert learned == [True, True, True, True, False, False], learned
+    assert all(s.draft_head.sync_seconds > 0 for s in uninterrupted[:4])
+    proposed = [sum(rank.head_tokens_proposed for rank in s.ranks) for s in uninterrupted]
+    assert proposed[0] == 0 and proposed[5] == 0 and sum(proposed[1:5]) > 0, proposed
+
+    config = _config(tmp_path, "broken", **changes)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_step_4(record):
+        if record.step == 4:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(config, on_step=crash_after_step_4)
+    run_dir = RunDirectory(config.run_dir)
+    run(run_dir.load_config(), resume_dir=config.run_dir)  # from the checkpoint after step 3: paused
+    resumed = run_dir.read_steps()
+    assert [_without_timelines(s) for s in resumed] == [_without_timelines(s) for s in uninterrupted]
+    assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
+
+
 def test_a_draft_head_without_its_backend_or_clock_is_refused_by_name(tmp_path):
     head = {"enabled": True, "draft_head": {"enabled": True}}
     with pytest.raises(ConfigError, match="does not draft with a draft head"):

@@ -1,9 +1,12 @@
 """speculation.enabled: auto: drafting pauses where the run's own estimate says it does not pay, one bubble in
-``probe_every`` measures again, and drafting resumes where that pays; outputs never change."""
+``probe_every`` measures again, and drafting resumes where that pays; outputs never change. The draft head's gate
+(``speculation.draft_head.enabled: auto``) does the same with the head's share of the saving net of its learning."""
 
 from __future__ import annotations
 
-from bubblespec.rollout.speculation_gate import SpeculationGate
+import pytest
+
+from bubblespec.rollout.speculation_gate import HeadGate, SpeculationGate, head_saving
 from bubblespec.rollout.step import RankRecord, RolloutOutcome
 
 
@@ -57,3 +60,33 @@ def test_a_restored_gate_decides_as_the_one_it_was_saved_from():
     assert "drafting resumes" in lines[0] and lines[0] == lines[1] and not restored.paused
     gate.restore({})  # a checkpoint of a run before gates were kept
     assert gate.snapshot() == SpeculationGate().snapshot()
+
+
+def test_the_heads_saving_is_its_share_of_the_accepted_draft_tokens_less_what_its_round_cost():
+    ranks = [
+        RankRecord(0, requests_with_draft=2, draft_tokens_accepted=30, head_tokens_accepted=10,
+                   generation_seconds=1.0, seconds_saved_by_drafts=0.4),
+        RankRecord(1, requests_with_draft=2, draft_tokens_accepted=10, head_tokens_accepted=0,
+                   generation_seconds=0.8, seconds_saved_by_drafts=0.1),
+    ]  # fmt: skip
+    outcome = RolloutOutcome([], [], ranks, 1.0, 1.0)
+    assert outcome.seconds_saved == pytest.approx(0.4)  # the barrier without drafts: rank 0's 1.4 s
+    assert head_saving(outcome, round_cost=0.05) == pytest.approx(0.4 * 10 / 40 - 0.05)
+    assert head_saving(_outcome(0.2), round_cost=0.01) == pytest.approx(-0.01)  # no head token: its cost only
+    unestimated = RolloutOutcome([], [], [RankRecord(0, generation_seconds=1.0)], 1.0, 1.0)
+    assert head_saving(unestimated, round_cost=0.0) is None
+
+
+def test_a_head_that_does_not_pay_for_its_learning_pauses_and_a_probe_that_pays_resumes_it():
+    gate, forced = HeadGate(window=3, probe_every=4), HeadGate(auto=False)
+    for step in (1, 2):
+        assert gate.drafting(step) and gate.judge(step, 0.01, 1.0) is None
+    assert gate.drafting(3)
+    line = gate.judge(3, -0.05, 1.0)  # net of its cost, -1% over three steps
+    assert gate.paused and "draft head" in line and "-1.0%" in line
+    assert [gate.drafting(step) for step in range(4, 8)] == [False, False, False, True]  # learns after step 7
+    assert gate.judge(8, 0.0, 1.0) is None and gate.paused  # saved nothing: not paid
+    assert [gate.drafting(step) for step in range(9, 13)] == [False, False, False, True]
+    assert "resumes" in gate.judge(13, 0.02, 1.0) and not gate.paused
+    for step in range(1, 10):
+        assert forced.drafting(step) and forced.judge(step, -0.5, 1.0) is None

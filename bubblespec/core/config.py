@@ -153,7 +153,10 @@ class DraftHeadConfig(Section):
     rest is charged on the step. Every rank drafts with it (the next weight sync sends it). Measured on bench-virtual
     and SmolLM2 (BENCHMARKS.md, *A keyed draft head*), where it does not pay yet: off by default."""
 
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = False
+    """``auto`` learns and drafts like true, but pauses the head (no learning, no drafting) where the run's own
+    estimate says that over the last 3 steps it drafted in, it saved less than its learning and sync cost, learns once
+    in 10 paused steps to measure again, and resumes where that pays (``rollout.speculation_gate.HeadGate``)."""
     window: int = Field(64, ge=1)
     """(hidden state, token) pairs the head attends, in learning as in drafting (capped by a family's sliding
     window)."""
@@ -319,7 +322,7 @@ class SpeculationConfig(Section):
     @property
     def uses_draft_head(self) -> bool:
         """Whether a draft head learns online and drafts (speculation enabled and ``draft_head.enabled``)."""
-        return bool(self.enabled) and self.draft_head.enabled
+        return bool(self.enabled) and bool(self.draft_head.enabled)
 
     @property
     def uses_tries(self) -> bool:

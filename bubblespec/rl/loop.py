@@ -169,6 +169,7 @@ class Controller:
             state.get("response_lengths", []),
             state.get("speculation_gate"),
             run_dir.load_draft_head(checkpoint),
+            state.get("head_gate"),
         )
         run_dir.truncate_steps(step)
         self.schedule = self._schedule(finished_at(run_dir.read_steps()), step + 1)
@@ -338,6 +339,7 @@ class Controller:
                 "time": time.time(),
                 "response_lengths": drafting["response_lengths"],
                 "speculation_gate": drafting["gate"],
+                "head_gate": drafting["head_gate"],
             },  # fmt: skip
             history=drafting["history"],
             draft_head=self.parts.service.draft_head_state(),

@@ -311,6 +311,14 @@ class RankPool(Protocol):
         the config refuses a head on Ray Serve ranks."""
         ...
 
+    def head_sync_seconds(self) -> float:
+        """What the next weight sync spends sending the draft head learned since the last one to the other ranks."""
+        ...
+
+    def pause_head(self) -> None:
+        """The ranks draft without the draft head until its next round of learning (``draft_head.enabled: auto``)."""
+        ...
+
     def keep_hidden_states(self) -> None:
         """From the next rollout on, the rank that learns the head keeps its responses' hidden states (learning from
         them then runs no pass of the policy again)."""

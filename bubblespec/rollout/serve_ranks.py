@@ -260,6 +260,12 @@ class ServeRankPool:
     def keep_hidden_states(self) -> None:
         raise ConfigError(_NO_HEAD)
 
+    def head_sync_seconds(self) -> float:
+        raise ConfigError(_NO_HEAD)
+
+    def pause_head(self) -> None:
+        raise ConfigError(_NO_HEAD)
+
     def draft_head_state(self) -> dict | None:
         raise ConfigError(_NO_HEAD)
 

@@ -43,7 +43,7 @@ from bubblespec.core.interfaces import (
 from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
-from bubblespec.rollout.speculation_gate import SpeculationGate
+from bubblespec.rollout.speculation_gate import HeadGate, SpeculationGate, head_saving
 from bubblespec.rollout.step import (
     DraftPlan,
     HeadLearningRecord,
@@ -135,6 +135,16 @@ class RolloutService:
         self._head_samples: list[Sample] = []
         self._head_learned: tuple[float, float, HeadLearningReport] | None = None
         self._head_wait = 0.0
+        self.head_gate = HeadGate(auto=speculation.draft_head.enabled == "auto")
+        """Whether the head learns after a rollout and drafts in the next (``draft_head.enabled: auto`` pauses a head
+        that does not pay)."""
+        self._head_active = False
+        """Whether the head drafts in the next rollout (a round of learning installed it, no pause since)."""
+        self._head_round_cost = 0.0
+        """What the head's last round of learning cost its step (the wait for it and its sync), judged with the
+        rollout after it."""
+        self._rollout_head: tuple[bool, float] = (False, 0.0)
+        """For the last rollout: whether the head drafted in it, and what the round before it cost."""
         self._last_train_seconds: float | None = None
         """The last training phase's seconds: the head's learning budget (None before the first)."""
 
@@ -204,6 +214,7 @@ class RolloutService:
         others get the static sources' drafts. Idle ranks draft the keys of the steps after ``step``."""
         waited = self._settle()  # late drafts not collected by a weight sync (no update since the last step)
         self._judge()
+        self._rollout_head, self._head_round_cost = (self._head_active, self._head_round_cost), 0.0
         speculate = self.speculation.uses_bubble
         self.drafting_paused = speculate and not self.gate.drafting(step)
         drafts = self._static_drafts([r.key for r in requests if r.draft is None])
@@ -240,12 +251,16 @@ class RolloutService:
         head (``speculation.draft_head``) learns from the last rollout's responses on the last rank first."""
         self._drafting = False
         self.head_record, self._head_learned = None, None
-        if self._head_samples:
+        if self._head_samples and self.head_gate.drafting(self._outcome_step):
             beside = self.draft_during_training > 0 and not self.colocated
             self._head_learned = self.ranks.learn_head(
                 self._head_samples, self.head_learning, beside, self._last_train_seconds
             )
-            self._head_samples = []
+            self._head_active = self._head_active or self._head_learned[2].steps > 0
+        elif self._head_samples:  # paused: it neither learns nor drafts in the next rollout
+            self.ranks.pause_head()
+            self._head_active = False
+        self._head_samples = []
         if self.colocated:
             self.ranks.release()
             self._released = True
@@ -296,9 +311,11 @@ class RolloutService:
             self._head_wait = waited = seconds
         else:
             waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
+        sync = self.ranks.head_sync_seconds()
+        self._head_round_cost = waited + sync
         self.head_record = HeadLearningRecord(
             self.num_ranks - 1, report.responses, report.pairs, report.steps, report.first_loss, report.final_loss,
-            seconds, waited, report.kept_responses,
+            seconds, waited, report.kept_responses, sync,
         )  # fmt: skip
         self._head_learned = None
 
@@ -313,9 +330,11 @@ class RolloutService:
         response_lengths: list,
         gate: dict | None = None,
         draft_head: dict | None = None,
+        head_gate: dict | None = None,
     ) -> None:
         """Back to a checkpoint's drafting state: its pending drafts, history, response lengths, the gate's state
-        (None: a new run's) and the draft head's (:meth:`draft_head_state`; None: no head learned yet)."""
+        (None: a new run's), the draft head's (:meth:`draft_head_state`; None: no head learned yet) and its gate's
+        (:meth:`snapshot`'s ``head_gate``; None: a new run's)."""
         try:
             self.ranks.settle()  # late drafting passes end before the rewind, and their drafts are forgotten
         except Exception as error:  # a rewind follows a failure; what the late passes raised is logged, not raised
@@ -330,6 +349,10 @@ class RolloutService:
         if self.head_learning is not None:
             self.ranks.load_draft_head_state(draft_head, self.head_learning)
         self._head_samples, self._head_learned, self._head_wait, self.head_record = [], None, 0.0, None
+        head_gate = head_gate or {}
+        self.head_gate.restore(head_gate)
+        self._head_active = head_gate.get("active", draft_head is not None and not draft_head.get("paused", False))
+        self._head_round_cost = head_gate.get("round_cost", 0.0)
 
     def draft_head_state(self) -> dict | None:
         """What resumes the draft head's online learning exactly (a checkpoint's): its parameters and optimizer
@@ -348,12 +371,14 @@ class RolloutService:
         return list(self.store.get(keys).values())
 
     def snapshot(self) -> dict:
-        """What drafting learned across steps, for a checkpoint: response lengths, the history source and the
-        speculation gate."""
+        """What drafting learned across steps, for a checkpoint: response lengths, the history source, the
+        speculation gate and the draft head's gate (with whether the head drafts in the next rollout and what its last
+        round cost)."""
         return {
             "response_lengths": self.response_lengths.snapshot(),
             "history": None if self.history is None else self.history.snapshot(),
             "gate": self.gate.snapshot(),
+            "head_gate": self.head_gate.snapshot() | {"active": self._head_active, "round_cost": self._head_round_cost},
         }
 
     def close(self) -> None:
@@ -421,6 +446,12 @@ class RolloutService:
             self._judged = True
             if line := self.gate.observe(self._outcome_step, self._outcome):
                 logger.info("%s", line)
+            drafted, cost = self._rollout_head
+            saved = head_saving(self._outcome, cost) if drafted else None
+            if saved is not None:
+                without = self._outcome.seconds + self._outcome.seconds_saved
+                if line := self.head_gate.judge(self._outcome_step, saved, without):
+                    logger.info("%s", line)
 
     def _settle(self) -> float:
         """Collects the ranks' late drafting passes (:meth:`RankPool.settle`) and stores their drafts; returns the

@@ -53,19 +53,32 @@ class SpeculationGate:
         log when drafting pauses or resumes."""
         saved = outcome.seconds_saved
         verified = any(rank.requests_with_draft for rank in outcome.ranks)
-        if not self.auto or saved is None or not verified:
+        if saved is None or not verified:
             return None
-        judged = (saved, outcome.seconds + saved)
+        return self.judge(step, saved, outcome.seconds + saved)
+
+    def judge(self, step: int, saved: float, without: float) -> str | None:
+        """Judges step ``step``: ``saved`` of the ``without`` seconds its rollout would have taken without what the
+        gate decides on; returns a line for the log when that pauses or resumes."""
+        if not self.auto:
+            return None
+        judged = (saved, without)
         if self.paused:  # only the step after a probe is judged: it verified what the probe's bubble drafted
             if self._probe_step is None or step != self._probe_step + 1 or not self._pays([judged]):
                 return None
             self.paused, self._judged = False, [judged]
-            return f"step {step}: drafts saved {self._share([judged]):.1%} of the rollout: drafting resumes"
+            return self._resumes(step, self._share([judged]))
         self._judged = [*self._judged, judged][-self.window :]
         if len(self._judged) < self.window or self._pays(self._judged):
             return None
         share = self._share(self._judged)
         self.paused, self._judged, self._paused_steps, self._probe_step = True, [], 0, None
+        return self._pauses(step, share)
+
+    def _resumes(self, step: int, share: float) -> str:
+        return f"step {step}: drafts saved {share:.1%} of the rollout: drafting resumes"
+
+    def _pauses(self, step: int, share: float) -> str:
         return (
             f"step {step}: over the last {self.window} steps with drafts they saved {share:.1%} of the rollout (less "
             f"than {self.min_saving:.0%}, which covers what the estimate cannot see): drafting pauses, and the ranks "
@@ -91,3 +104,43 @@ class SpeculationGate:
     def _share(judged: list[tuple[float, float]]) -> float:
         without = sum(seconds for _, seconds in judged)
         return sum(saved for saved, _ in judged) / without if without > 0 else 0.0
+
+
+@dataclass
+class HeadGate(SpeculationGate):
+    """``speculation.draft_head.enabled: auto``: the run stops learning and drafting with the draft head where it
+    does not pay for itself, and tries again now and then (docs/design.md §14). A step whose rollout the head drafted
+    in is judged by :func:`head_saving`; over the last :attr:`window` such steps, a saving under :attr:`min_saving`
+    (none: the head must at least pay for its learning and sync) pauses it: the head neither learns after a rollout
+    nor drafts in the next. Every :attr:`probe_every` paused steps it learns once again, and the rollout after that
+    round decides."""
+
+    min_saving: float = 0.0
+
+    def _pays(self, judged: list[tuple[float, float]]) -> bool:
+        """More than :attr:`min_saving`: a head that saves nothing, even at no cost, pauses (it learns for nothing)."""
+        return self._share(judged) > self.min_saving
+
+    def _resumes(self, step: int, share: float) -> str:
+        return f"step {step}: the draft head saved {share:.1%} of the rollout, its learning and sync paid: it resumes"
+
+    def _pauses(self, step: int, share: float) -> str:
+        return (
+            f"step {step}: over the last {self.window} steps the draft head saved {share:.1%} of the rollout net of "
+            f"its learning and sync: it pauses (no learning, no drafting), and learns once in {self.probe_every} "
+            "steps to measure again (speculation.draft_head.enabled: auto; true keeps it always)"
+        )
+
+
+def head_saving(outcome: RolloutOutcome, round_cost: float) -> float | None:
+    """The seconds the draft head saved in ``outcome``'s rollout, net of ``round_cost`` (the seconds its last round of
+    learning cost the step before, the step's wait for it and the weight sync's for its parameters): the drafts' saving
+    (:attr:`RolloutOutcome.seconds_saved`, net of the head's calls) in the share of the accepted draft tokens that
+    were the head's, an estimate (what the other sources would have drafted in their place is not known). None where
+    the saving was not estimated."""
+    saved = outcome.seconds_saved
+    if saved is None:
+        return None
+    accepted = sum(rank.draft_tokens_accepted for rank in outcome.ranks)
+    head = sum(rank.head_tokens_accepted for rank in outcome.ranks)
+    return (saved * head / accepted if accepted else 0.0) - round_cost

@@ -161,6 +161,8 @@ class HeadLearningRecord:
     kept_responses: int = 0
     """Of ``responses``, those whose hidden states the learning rank kept from its rollout (no pass computed them
     again; the others' passes are in ``seconds``)."""
+    sync_seconds: float = 0.0
+    """What the weight sync after it spent sending the head to the other ranks."""
 
 
 def bubble_use(ranks: Iterable[RankRecord]) -> float:

@@ -79,9 +79,17 @@ class VirtualRankPool:
         others (:meth:`CostProfile.head_sync_seconds`)."""
         self.engine.update_weights(state_dict, version)
         state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
-        head, self._head_bytes = self._head_bytes, 0
-        head_seconds = self.profile.head_sync_seconds(head, self.num_ranks - 1) if head else 0.0
+        head_seconds, self._head_bytes = self.head_sync_seconds(), 0
         return self.profile.weight_sync_seconds(state_bytes, self.num_ranks) + head_seconds
+
+    def head_sync_seconds(self) -> float:
+        """What the next weight sync spends sending the head learned since the last one to the other ranks."""
+        head = self._head_bytes
+        return self.profile.head_sync_seconds(head, self.num_ranks - 1) if head else 0.0
+
+    def pause_head(self) -> None:
+        """The ranks draft without the head until its next round of learning (the engine's ``pause_draft_head``)."""
+        self.engine.pause_draft_head()
 
     def learn_head(
         self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True, budget: float | None = None
