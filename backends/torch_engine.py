@@ -25,7 +25,7 @@ from pydantic import field_validator, model_validator
 
 from bubblespec.backends.torch_engine_head import HeadDrafting
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
-from bubblespec.core.draft_sources import REQUEST_DRAFT
+from bubblespec.core.draft_sources import HEAD_DRAFT
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 from bubblespec.models.decoder import (
@@ -294,15 +294,15 @@ class TorchEngine(HeadDrafting, Engine):
 
     def _tree_candidates(self, active: list[_Slot]) -> tuple[list[list[tuple[str, list[int]]]], list[int]]:
         """Each sequence's candidates (:meth:`~bubblespec.verify.sequence.Sequence.propose_candidates`), the first
-        the draft head's where a sequence has none (the tree stores it as nodes 0, 1, ...; a head's proposal
-        alone counts as the request's, as in a linear pass), and the first candidate's own length."""
+        the draft head's where a sequence has none (the tree stores it as nodes 0, 1, ..., its source
+        :data:`~bubblespec.core.draft_sources.HEAD_DRAFT`), and the first candidate's own length."""
         candidates = [s.propose_candidates(self._proposal) for s in active]
         own = [len(c[0][1]) if c else 0 for c in candidates]
         if self._head is None:
             return candidates, own
         firsts = self._head_drafts(active, [c[0][1] if c else [] for c in candidates])
         extended = [
-            [(c[0][0] if c else REQUEST_DRAFT, first), *c[1:]] if first else c
+            [(c[0][0] if c else HEAD_DRAFT, first), *c[1:]] if first else c
             for c, first in zip(candidates, firsts, strict=True)
         ]
         return extended, own

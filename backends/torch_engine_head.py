@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bubblespec.core.draft_sources import HEAD_DRAFT
 from bubblespec.models.draft_head import (
     DEFAULT_WINDOW,
     DraftHead,
@@ -200,6 +201,7 @@ class HeadDrafting:
         proposed = list(drafts)
         for row, tokens in zip(rows, drafted_BN, strict=True):
             proposed[row] = tokens[: room[row]]
+            active[row].proposed_by = HEAD_DRAFT
         contexts = [len(s.head_tokens) for s in chosen]
         self._head_call = drafting_call_counts(contexts, [0] * len(chosen), num_tokens, self._head.window,
                                                self.vocab_size)  # fmt: skip

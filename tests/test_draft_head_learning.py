@@ -79,6 +79,9 @@ def test_a_head_learned_online_drafts_without_changing_outputs(checkpoint, dtype
         assert sum(x.token_ids != y.token_ids for x, y in zip(with_head, without, strict=True)) <= 1
     proposed = sum(x.stats.head_tokens_proposed for x in with_head)
     assert proposed > 0 and proposed <= sum(x.stats.draft_tokens_proposed for x in with_head)
+    for x in with_head:  # the head's accepted tokens are its source's
+        assert x.stats.accepted_by_source.get("head", 0) == x.stats.head_tokens_accepted
+        assert sum(x.stats.accepted_by_source.values()) == x.stats.draft_tokens_accepted
     assert all(x.stats.head_tokens_accepted <= x.stats.head_tokens_proposed for x in with_head)
 
 

@@ -230,6 +230,10 @@ def test_a_dynamic_source_takes_over_when_the_request_draft_runs_out(tmp_path):
     assert alone.token_ids == chained.token_ids == plain.token_ids
     assert alone.stats.draft_tokens_proposed == 10  # the draft alone: its 10 tokens, then plain decoding
     assert chained.stats.draft_tokens_proposed > 10 and chained.stats.verify_steps > alone.stats.verify_steps
+    # accepted tokens by the source that proposed them: the request's 10, then what ngram got right
+    assert alone.stats.accepted_by_source == {"request": 10}
+    by_source = chained.stats.accepted_by_source
+    assert by_source["request"] == 10 and sum(by_source.values()) == chained.stats.draft_tokens_accepted
 
 
 def test_suffix_learns_from_the_responses_an_engine_made_before(tmp_path):

@@ -33,6 +33,9 @@ SourceKind = Literal["none", "static", "dynamic"]
 
 REQUEST_DRAFT = "request"
 """In an engine's draft chain, the place of the request's own (static) draft among the dynamic sources."""
+HEAD_DRAFT = "head"
+"""The source of an engine's draft-head proposals (after the chain's, where it proposed nothing), as
+``GenerationStats.accepted_by_source`` names it."""
 
 
 @dataclass(frozen=True, slots=True)

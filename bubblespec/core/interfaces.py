@@ -218,6 +218,9 @@ class RequestStats:
     head_tokens_accepted: int = 0
     """Of :attr:`head_tokens_proposed`, those verification accepted and the response kept (counted in
     :attr:`draft_tokens_accepted` too)."""
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    """:attr:`draft_tokens_accepted` by the draft-chain source that proposed them: ``request`` (the request's draft,
+    its branches included), a dynamic source's name (``ngram``, ``suffix``, ...), ``head`` (an engine's draft head)."""
 
     @property
     def acceptance_length_mean(self) -> float:

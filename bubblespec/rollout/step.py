@@ -104,6 +104,9 @@ class RankRecord:
     bound the rank's forward passes from below), its tokens and how many of them were accepted draft tokens (of any
     source). Its tokens not accepted from a draft were decoded one per forward pass. None: no response (or a step
     record written before these fields existed)."""
+    slowest_response_draft_tokens_by_source: dict[str, int] | None = None
+    """Of ``slowest_response_draft_tokens``, those of each draft-chain source (``GenerationStats.accepted_by_source``:
+    ``request`` the bubble's or other static source's draft, a dynamic source's name, ``head``)."""
 
     def add_results(self, results: Sequence[GenerationResult], had_draft: Sequence[bool]) -> None:
         self.num_requests += len(results)
@@ -122,6 +125,7 @@ class RankRecord:
                 self.slowest_response_decode_steps = result.stats.decode_steps
                 self.slowest_response_tokens = len(result.token_ids)
                 self.slowest_response_draft_tokens = result.stats.draft_tokens_accepted
+                self.slowest_response_draft_tokens_by_source = dict(result.stats.accepted_by_source)
             for length, count in result.stats.acceptance_lengths.items():
                 self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + count
 

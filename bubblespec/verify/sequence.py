@@ -400,6 +400,9 @@ class Sequence:
         stats.verify_steps += 1
         stats.draft_tokens_proposed += proposed
         stats.draft_tokens_accepted += counted
+        if counted:
+            by_source = stats.accepted_by_source
+            by_source[self.proposed_by] = by_source.get(self.proposed_by, 0) + counted
         stats.undecided_steps += undecided
         length = counted if undecided else counted + 1
         stats.acceptance_lengths[length] = stats.acceptance_lengths.get(length, 0) + 1
