@@ -179,7 +179,7 @@ class TorchEngine(HeadDrafting, Engine):
         self._proposal.select_rank(rank)
 
     def release(self) -> None:
-        self._cache = None
+        self._cache, self._kept = None, {}  # the trainer gets the memory (kept hidden states not learned from go)
 
     def resume(self) -> None:
         """Nothing to do: the cache is re-allocated by the next ``generate``."""

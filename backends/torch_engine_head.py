@@ -19,6 +19,7 @@ response from, without a pass over it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -42,6 +43,8 @@ from bubblespec.verify.sequence import keyed_samples
 
 if TYPE_CHECKING:
     from bubblespec.backends.torch_engine import _Slot
+
+logger = logging.getLogger(__name__)
 
 
 class HeadDrafting:
@@ -128,8 +131,8 @@ class HeadDrafting:
 
     def pause_draft_head(self) -> None:
         """Drafts without the learned head until its next round of learning (:meth:`learn_draft_head`), which it
-        keeps learning from where it was (``speculation.draft_head.enabled: auto``)."""
-        self._head = None
+        keeps learning from where it was (``speculation.draft_head.enabled: auto``); the hidden states it kept go."""
+        self._head, self._kept = None, {}
 
     def draft_head_state(self) -> dict | None:
         """What resumes online learning exactly (a checkpoint's): the learned head's parameters and its optimizer's
@@ -166,8 +169,12 @@ class HeadDrafting:
         if not sequence.kept_hidden:
             return
         rows, sequence.kept_hidden = torch.cat(sequence.kept_hidden), []
-        if len(rows) == len(sequence.tokens):
-            self._kept[(tuple(sequence.request.prompt_token_ids), tuple(sequence.tokens))] = rows
+        if len(rows) != len(sequence.tokens):  # not one row per token: learning computes them again
+            logger.warning(
+                "kept %d hidden states for a response of %d tokens: not kept", len(rows), len(sequence.tokens)
+            )
+            return
+        self._kept[(tuple(sequence.request.prompt_token_ids), tuple(sequence.tokens))] = rows
 
     @property
     def _reads_hidden(self) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
-from bubblespec.core.interfaces import Draft, GenerationRequest, RolloutKey, SamplingParams
+from bubblespec.core.interfaces import Draft, DraftBranch, GenerationRequest, RolloutKey, SamplingParams
 from bubblespec.models.draft_head import PROBE_EVERY, HeadLearning, HeadSizing, drafting_call_counts
 from bubblespec.testing.random_checkpoints import write_random_checkpoint
 
@@ -247,7 +247,8 @@ def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_bu
 @pytest.mark.parametrize("candidates", [1, 3])
 def test_the_hidden_states_a_rollout_keeps_are_the_ones_a_pass_computes_again(checkpoint, candidates):
     """With ``keep_hidden`` the engine keeps every finished response's hidden states as it generates, over linear
-    and token-tree passes with drafts (some accepted, some not), responses begun with a prefix and padded batches:
+    and token-tree passes with drafts (some accepted, some not; a branch taken, in a tree off its first candidate),
+    responses begun with a prefix and padded batches:
     one row per token, those a pass over prompt + response computes (float64), so learning from them runs no pass;
     a weight update drops them, a round uses them up."""
     from bubblespec.models.draft_head import hidden_pairs, sample_key
@@ -264,12 +265,18 @@ def test_the_hidden_states_a_rollout_keeps_are_the_ones_a_pass_computes_again(ch
             request = dataclasses.replace(request, draft=Draft(request.key, tuple(draft), 0))
         elif i % 3 == 1:  # begun with a prefix of the response
             request = dataclasses.replace(request, response_prefix=tuple(tokens[:3]))
+        else:  # wrong from its middle on, with a branch there that is right: a tree accepts the branch's nodes
+            k = len(tokens) // 2
+            path = (*tokens[:k], (tokens[k] + 1) % VOCAB, *tokens[k + 1 :])
+            branch = DraftBranch(k, tuple(tokens[k:]))
+            request = dataclasses.replace(request, draft=Draft(request.key, path, 0, branches=(branch,)))
         drafted.append(request)
     engine.keep_hidden = True
     results = engine.generate(drafted)
     assert [x.token_ids for x in results] == [x.token_ids for x in plain]
     accepted = sum(x.stats.draft_tokens_accepted for x in results)
     assert 0 < accepted < sum(x.stats.draft_tokens_proposed for x in results)
+    assert all(x.stats.branches_followed == 1 for x in results[2::3])
     samples = samples_of(requests, results)
     assert engine.hidden_kept(samples) == [True] * len(samples)
     expected = hidden_pairs(engine.model, samples)
@@ -311,7 +318,7 @@ def test_a_head_learned_from_kept_hidden_states_is_the_one_learned_from_passes(c
 
     engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     pool = VirtualRankPool(engine, 2, PROFILES["h100-7b"])
-    pool.keep_hidden_states()
+    pool.keep_hidden_states(True)
     engine.keep_hidden = True
     engine.generate(requests[:2])  # as the learning rank: its own two responses
     engine.keep_hidden = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from bubblespec.core.config import apply_overrides, load_config, validate
@@ -124,24 +125,30 @@ def test_the_step_waits_once_for_a_head_that_outlasts_the_trainer(tmp_path, draf
     first, second = _run(tmp_path, "long-head", num_steps=2, speculation=speculation)[0]
     head = first.draft_head  # step 0's is not budgeted: no training phase has run yet
     assert head.steps == 400 and head.seconds > first.phase_seconds.train, "the head must outlast the trainer"
+    plain = _run(tmp_path, "no-head", num_steps=1, speculation=speculation | {"draft_head": {"enabled": False}})[0][0]
     if drafting:
         assert 0 < head.wait_seconds <= head.seconds
-        # the sync's wait for late passes is the head's (the latest), counted once
+        # the sync's wait for late passes is the head's (the latest), counted once, in the sync and not as the
+        # drafts' wait (their estimated saving does not pay for the head)
         at_barrier = first.phase_seconds.rollout - first.barrier_seconds
-        assert first.barrier_wait_seconds - at_barrier == pytest.approx(head.wait_seconds)
+        assert first.barrier_wait_seconds == pytest.approx(at_barrier)
     else:
         assert head.wait_seconds == head.seconds
+    assert first.phase_seconds.weight_sync == pytest.approx(
+        plain.phase_seconds.weight_sync + head.wait_seconds + head.sync_seconds
+    )
     # from step 1 on it learns within the last training phase's seconds: fewer steps
     assert 0 < second.draft_head.steps < 400 and second.draft_head.seconds <= first.phase_seconds.train
 
 
 def test_a_head_that_does_not_pay_pauses_under_auto_and_a_resumed_run_pauses_alike(tmp_path, baseline):
     """``draft_head.enabled: auto`` (cpu-tiny: a head step costs half a pass, so the head proposes little and saves
-    less than its learning and sync cost): judged over steps 1-3, it pauses at step 3's end, so it does not learn
-    after steps 4 and 5 (step 4 still drafts with round 3's head, step 5 with none); outputs are the plain run's; a
-    run resumed from the checkpoint after step 3 pauses alike (the head's gate and its pause are in the checkpoint)."""
+    less than its learning and sync cost): judged over steps 1-3, it pauses at step 3's end, before the weight sync
+    would send round 3's head, so it drafts in no later step and does not learn after steps 4-7; outputs are the plain
+    run's; a run resumed from the checkpoint after step 5 (the engine's head paused) goes on alike (the head's gate,
+    its budget and its pause are in the checkpoint)."""
     changes = {
-        "num_steps": 6,
+        "num_steps": 8,
         "checkpoint_every": 2,
         "speculation": {"enabled": True, "draft_during_training": True, "draft_head": HEAD | {"enabled": "auto"}},
         "clock": {"kind": "virtual", "profile": "cpu-tiny"},
@@ -149,24 +156,25 @@ def test_a_head_that_does_not_pay_pauses_under_auto_and_a_resumed_run_pauses_ali
     uninterrupted, final = _run(tmp_path, "whole", **changes)
     assert _rollouts(uninterrupted)[:3] == _rollouts(baseline[0])
     learned = [s.draft_head is not None for s in uninterrupted]
-    assert learned == [True, True, True, True, False, False], learned
-    assert all(s.draft_head.sync_seconds > 0 for s in uninterrupted[:4])
+    assert learned == [True] * 4 + [False] * 4, learned
+    assert [s.draft_head.sync_seconds > 0 for s in uninterrupted[:4]] == [True, True, True, False]
     proposed = [sum(rank.head_tokens_proposed for rank in s.ranks) for s in uninterrupted]
-    assert proposed[0] == 0 and proposed[5] == 0 and sum(proposed[1:5]) > 0, proposed
+    assert proposed[0] == 0 and sum(proposed[1:4]) > 0 and proposed[4:] == [0] * 4, proposed
 
     config = _config(tmp_path, "broken", **changes)
 
     class Crash(Exception):
         pass
 
-    def crash_after_step_4(record):
-        if record.step == 4:
+    def crash_after_step_6(record):
+        if record.step == 6:
             raise Crash
 
     with pytest.raises(Crash):
-        run(config, on_step=crash_after_step_4)
+        run(config, on_step=crash_after_step_6)
     run_dir = RunDirectory(config.run_dir)
-    run(run_dir.load_config(), resume_dir=config.run_dir)  # from the checkpoint after step 3: paused
+    assert torch.load(run_dir.latest_checkpoint() / "draft_head.pt")["paused"] is True
+    run(run_dir.load_config(), resume_dir=config.run_dir)  # from the checkpoint after step 5: paused
     resumed = run_dir.read_steps()
     assert [_without_timelines(s) for s in resumed] == [_without_timelines(s) for s in uninterrupted]
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
@@ -425,8 +433,9 @@ def test_draft_trees_need_a_backend_that_runs_draft_chains(tmp_path):
         {"model": {"dtype": "bfloat16"}, "trainer": {"optimizer": {"learning_rate": 1e-5}}},
         # draft tries come back with the checkpoint: branches and near-ties of the pending drafts
         {"speculation": {"tries_max_tokens_per_rank": 400, "draft_during_training": True}},
-        # the draft head comes back with the checkpoint: its parameters, optimizer state and sizing
-        {"speculation": {"draft_head": HEAD}},
+        # the draft head comes back with the checkpoint: its parameters, optimizer state, sizing and budget (the last
+        # training phase's seconds: 400 steps do not fit it)
+        {"speculation": {"draft_head": HEAD | {"steps_per_rollout": 400}}},
         # on cpu-tiny a head step costs half a pass, so the head proposes only its probes: their pass count too
         {"speculation": {"draft_head": HEAD}, "clock": {"kind": "virtual", "profile": "cpu-tiny"}},
     ],

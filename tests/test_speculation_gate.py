@@ -62,16 +62,17 @@ def test_a_restored_gate_decides_as_the_one_it_was_saved_from():
     assert gate.snapshot() == SpeculationGate().snapshot()
 
 
-def test_the_heads_saving_is_its_share_of_the_accepted_draft_tokens_less_what_its_round_cost():
+def test_the_heads_saving_is_its_share_of_the_accepted_draft_tokens_less_its_calls_and_its_round():
     ranks = [
         RankRecord(0, requests_with_draft=2, draft_tokens_accepted=30, head_tokens_accepted=10,
-                   generation_seconds=1.0, seconds_saved_by_drafts=0.4),
+                   generation_seconds=1.0, seconds_saved_by_drafts=0.4, head_call_seconds=0.02),
         RankRecord(1, requests_with_draft=2, draft_tokens_accepted=10, head_tokens_accepted=0,
                    generation_seconds=0.8, seconds_saved_by_drafts=0.1),
     ]  # fmt: skip
     outcome = RolloutOutcome([], [], ranks, 1.0, 1.0)
     assert outcome.seconds_saved == pytest.approx(0.4)  # the barrier without drafts: rank 0's 1.4 s
-    assert head_saving(outcome, round_cost=0.05) == pytest.approx(0.4 * 10 / 40 - 0.05)
+    # before its calls on the barrier's rank (rank 0) the drafts saved 0.42 s: a quarter of it, less those calls
+    assert head_saving(outcome, round_cost=0.05) == pytest.approx(0.42 * 10 / 40 - 0.02 - 0.05)
     assert head_saving(_outcome(0.2), round_cost=0.01) == pytest.approx(-0.01)  # no head token: its cost only
     unestimated = RolloutOutcome([], [], [RankRecord(0, generation_seconds=1.0)], 1.0, 1.0)
     assert head_saving(unestimated, round_cost=0.0) is None

@@ -155,8 +155,9 @@ class DraftHeadConfig(Section):
 
     enabled: bool | Literal["auto"] = False
     """``auto`` learns and drafts like true, but pauses the head (no learning, no drafting) where the run's own
-    estimate says that over the last 3 steps it drafted in, it saved less than its learning and sync cost, learns once
-    in 10 paused steps to measure again, and resumes where that pays (``rollout.speculation_gate.HeadGate``)."""
+    estimate says that over the last 3 steps it drafted in, it saved no more than its calls, learning and sync cost;
+    it learns once in 10 paused steps to measure again, and resumes where that pays
+    (``rollout.speculation_gate.HeadGate``)."""
     window: int = Field(64, ge=1)
     """(hidden state, token) pairs the head attends, in learning as in drafting (capped by a family's sliding
     window)."""

@@ -370,8 +370,9 @@ class Engine:
     draft's branches needs neither: every engine on :class:`bubblespec.verify.sequence.Sequence` follows them."""
     supports_draft_head: ClassVar[bool] = False
     """Whether the engine drafts with a draft head it learns online (``speculation.draft_head``, docs/design.md §14):
-    it has ``learn_draft_head(samples, learning)``, ``draft_head_state()`` and ``load_draft_head_state(state,
-    learning)`` (the torch engine's)."""
+    it has ``learn_draft_head(samples, learning)``, ``draft_head_state()``, ``load_draft_head_state(state,
+    learning)``, ``pause_draft_head()``, a ``keep_hidden`` flag and ``hidden_kept(samples)`` (the torch engine's;
+    docs/plugins.md)."""
     unsupported_sampling: ClassVar[tuple[str, ...]] = ()
     """:class:`SamplingParams` fields the engine refuses where they are not at their defaults (a ``RequestError``
     naming them) rather than applies; a run refuses them before anything starts."""

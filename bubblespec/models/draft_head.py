@@ -666,8 +666,12 @@ def hidden_pairs(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass:
     forward pass per ``rows_per_pass`` responses (bounds a pass's memory at long responses); responses of no tokens
     are left out. What a training pass computes over the same responses, without gradients."""
     kept = [sample for sample in samples if len(sample[1])]
-    hidden = _hidden_rows(policy, kept, rows_per_pass)
-    return HeadBatch.pad(hidden, [torch.tensor(list(r)) for _, r, _ in kept], [t for _, _, t in kept])
+    return _batch(kept, _hidden_rows(policy, kept, rows_per_pass))
+
+
+def _batch(samples: Sequence[Sample], hidden: Sequence[torch.Tensor]) -> HeadBatch:
+    """``samples`` (each with tokens) with their hidden-state rows, as one batch."""
+    return HeadBatch.pad(hidden, [torch.tensor(list(r)) for _, r, _ in samples], [t for _, _, t in samples])
 
 
 @torch.no_grad()
@@ -703,7 +707,7 @@ def learn_online(
     rows_per_pass = HIDDEN_ROWS_PER_PASS
     computed = iter(_hidden_rows(trainer.head.policy, missing, rows_per_pass))
     hidden = [next(computed) if rows is None else rows for rows in found]
-    batch = HeadBatch.pad(hidden, [torch.tensor(list(r)) for _, r, _ in kept], [t for _, _, t in kept])
+    batch = _batch(kept, hidden)
     losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
     return HeadLearningReport(
         responses=len(kept),

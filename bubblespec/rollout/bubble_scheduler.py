@@ -161,9 +161,11 @@ class PhaseScheduler:
         results: Sequence[GenerationResult],
         forward_passes: int,
         seconds_saved: float | None = None,
+        head_call_seconds: float | None = None,
     ) -> list[Command]:
         """``rank`` returned its shard at ``now`` after ``forward_passes`` forward passes; its drafts saved
-        ``seconds_saved`` (an estimate, negative when they cost time; None: not estimated)."""
+        ``seconds_saved`` (an estimate, negative when they cost time; None: not estimated), and its draft-head calls
+        took ``head_call_seconds`` of it (None: not measured)."""
         assert self.shards is not None and rank in self._generating, f"rank {rank} has no shard running"
         self._generating.discard(rank)
         self.results |= {r.key: r for r in results}
@@ -172,6 +174,7 @@ class PhaseScheduler:
         record.generation_seconds = now
         record.forward_passes = forward_passes
         record.seconds_saved_by_drafts = seconds_saved
+        record.head_call_seconds = head_call_seconds
         self.timelines[rank].append(("generate", 0.0, now))
         tokens = sum(len(r.token_ids) for r in results)
         self.on_activity(rank, "idle", f"shard done at {now:.1f}s: {tokens} tokens, {forward_passes} passes")
@@ -316,12 +319,13 @@ class RankPool(Protocol):
         ...
 
     def pause_head(self) -> None:
-        """The ranks draft without the draft head until its next round of learning (``draft_head.enabled: auto``)."""
+        """The ranks draft without the draft head until its next round of learning, and the next weight sync does not
+        send it (``draft_head.enabled: auto``)."""
         ...
 
-    def keep_hidden_states(self) -> None:
-        """From the next rollout on, the rank that learns the head keeps its responses' hidden states (learning from
-        them then runs no pass of the policy again)."""
+    def keep_hidden_states(self, keep: bool) -> None:
+        """Whether in the next rollouts the rank that learns the head keeps its responses' hidden states (learning
+        from them then runs no pass of the policy again)."""
         ...
 
     def head_step_cost(self, window: int) -> float:

@@ -221,10 +221,13 @@ class VirtualClock:
         self.profile = profile
         self.now = start
         self.forward_passes = 0
+        self.head_seconds = 0.0
+        """Of the time advanced, the draft-head calls' (:meth:`CostProfile.head_seconds`)."""
 
     def __call__(self, forward: ForwardPass) -> None:
         self.now += self.profile.forward_seconds(forward)
         self.forward_passes += 1
+        self.head_seconds += self.profile.head_seconds(forward)
 
 
 class DeadlineStop:

@@ -257,7 +257,7 @@ class ServeRankPool:
     def head_step_cost(self, window: int) -> float:
         raise ConfigError(_NO_HEAD)
 
-    def keep_hidden_states(self) -> None:
+    def keep_hidden_states(self, keep: bool) -> None:
         raise ConfigError(_NO_HEAD)
 
     def head_sync_seconds(self) -> float:

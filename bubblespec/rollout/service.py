@@ -128,8 +128,6 @@ class RolloutService:
         drafting passes have had to finish on the virtual clock."""
         self.head_learning = head_learning(speculation, ranks)
         """How the draft head learns online (``speculation.draft_head``); None: no head."""
-        if self.head_learning is not None:
-            ranks.keep_hidden_states()  # the learning rank's own responses need no pass again
         self.head_record: HeadLearningRecord | None = None
         """The draft head's last round of learning (the last step's), for the step record."""
         self._head_samples: list[Sample] = []
@@ -215,6 +213,8 @@ class RolloutService:
         waited = self._settle()  # late drafts not collected by a weight sync (no update since the last step)
         self._judge()
         self._rollout_head, self._head_round_cost = (self._head_active, self._head_round_cost), 0.0
+        if self.head_learning is not None:  # the learning rank's own responses need no pass again
+            self.ranks.keep_hidden_states(self.head_gate.will_draft())
         speculate = self.speculation.uses_bubble
         self.drafting_paused = speculate and not self.gate.drafting(step)
         drafts = self._static_drafts([r.key for r in requests if r.draft is None])
@@ -292,10 +292,12 @@ class RolloutService:
 
     def update_weights(self, state_dict, version: int) -> float:
         """The new policy to every rank, once their late drafting passes have ended; returns the seconds it took,
-        that wait included (also recorded as the last rollout's ``late_wait_seconds``)."""
+        that wait included (also recorded as the last rollout's ``late_wait_seconds``, less what of it was the draft
+        head's learning: the head's own cost, in its record, judged with the rollout it drafts in)."""
         waited = self._settle()
         if self._outcome is not None:
-            self._outcome.late_wait_seconds += waited
+            head = self.head_record.wait_seconds if self.head_record is not None and not self._head_wait else 0.0
+            self._outcome.late_wait_seconds += max(waited - head, 0.0)
         self._judge()  # the last rollout's outcome is complete: the gate judges it before a checkpoint keeps its state
         waited, self._head_wait = waited + self._head_wait, 0.0
         return waited + self.ranks.update_weights(state_dict, version=version)
@@ -353,6 +355,7 @@ class RolloutService:
         self.head_gate.restore(head_gate)
         self._head_active = head_gate.get("active", draft_head is not None and not draft_head.get("paused", False))
         self._head_round_cost = head_gate.get("round_cost", 0.0)
+        self._last_train_seconds = head_gate.get("budget")
 
     def draft_head_state(self) -> dict | None:
         """What resumes the draft head's online learning exactly (a checkpoint's): its parameters and optimizer
@@ -378,7 +381,8 @@ class RolloutService:
             "response_lengths": self.response_lengths.snapshot(),
             "history": None if self.history is None else self.history.snapshot(),
             "gate": self.gate.snapshot(),
-            "head_gate": self.head_gate.snapshot() | {"active": self._head_active, "round_cost": self._head_round_cost},
+            "head_gate": self.head_gate.snapshot()
+            | {"active": self._head_active, "round_cost": self._head_round_cost, "budget": self._last_train_seconds},
         }
 
     def close(self) -> None:
@@ -449,9 +453,14 @@ class RolloutService:
             drafted, cost = self._rollout_head
             saved = head_saving(self._outcome, cost) if drafted else None
             if saved is not None:
-                without = self._outcome.seconds + self._outcome.seconds_saved
+                without = self._outcome.seconds_without_drafts
                 if line := self.head_gate.judge(self._outcome_step, saved, without):
                     logger.info("%s", line)
+                if self.head_gate.paused and self._head_active:  # at once: the round just learned is not synced
+                    self.ranks.pause_head()
+                    self._head_active = False
+                    if self.head_record is not None:
+                        self.head_record = dataclasses.replace(self.head_record, sync_seconds=0.0)
 
     def _settle(self) -> float:
         """Collects the ranks' late drafting passes (:meth:`RankPool.settle`) and stores their drafts; returns the

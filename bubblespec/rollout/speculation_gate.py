@@ -48,6 +48,10 @@ class SpeculationGate:
         self._probe_step = step
         return True
 
+    def will_draft(self) -> bool:
+        """What the next :meth:`drafting` call will answer, without counting a paused step."""
+        return not self.paused or (self._paused_steps + 1) % self.probe_every == 0
+
     def observe(self, step: int, outcome: RolloutOutcome) -> str | None:
         """Judges step ``step``'s drafts (its outcome complete, late drafting passes included); returns a line for the
         log when drafting pauses or resumes."""
@@ -55,7 +59,7 @@ class SpeculationGate:
         verified = any(rank.requests_with_draft for rank in outcome.ranks)
         if saved is None or not verified:
             return None
-        return self.judge(step, saved, outcome.seconds + saved)
+        return self.judge(step, saved, outcome.seconds_without_drafts)
 
     def judge(self, step: int, saved: float, without: float) -> str | None:
         """Judges step ``step``: ``saved`` of the ``without`` seconds its rollout would have taken without what the
@@ -133,14 +137,17 @@ class HeadGate(SpeculationGate):
 
 
 def head_saving(outcome: RolloutOutcome, round_cost: float) -> float | None:
-    """The seconds the draft head saved in ``outcome``'s rollout, net of ``round_cost`` (the seconds its last round of
-    learning cost the step before, the step's wait for it and the weight sync's for its parameters): the drafts' saving
-    (:attr:`RolloutOutcome.seconds_saved`, net of the head's calls) in the share of the accepted draft tokens that
-    were the head's, an estimate (what the other sources would have drafted in their place is not known). None where
-    the saving was not estimated."""
+    """The seconds the draft head saved in ``outcome``'s rollout, net of its calls and of ``round_cost`` (the seconds
+    its last round of learning cost the step before, the step's wait for it and the weight sync's for its
+    parameters): of the drafts' saving before the head's calls (:attr:`RolloutOutcome.seconds_saved` plus the calls'
+    seconds on the rank that set the barrier), the share of the accepted draft tokens that were the head's, an
+    estimate (what the other sources would have drafted in its place is not known); less those calls, in full. None
+    where the saving was not estimated."""
     saved = outcome.seconds_saved
     if saved is None:
         return None
+    barrier_rank = max(outcome.ranks, key=lambda rank: rank.generation_seconds)
+    calls = barrier_rank.head_call_seconds or 0.0
     accepted = sum(rank.draft_tokens_accepted for rank in outcome.ranks)
     head = sum(rank.head_tokens_accepted for rank in outcome.ranks)
-    return (saved * head / accepted if accepted else 0.0) - round_cost
+    return ((saved + calls) * head / accepted if accepted else 0.0) - calls - round_cost

@@ -88,6 +88,8 @@ class RankRecord:
     head_tokens_proposed: int = 0
     head_tokens_accepted: int = 0
     """Of the draft tokens proposed and accepted, those the draft head drafted (``speculation.draft_head``)."""
+    head_call_seconds: float | None = None
+    """Of ``generation_seconds``, the draft head's calls' (virtual clock; None elsewhere)."""
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""
@@ -150,8 +152,8 @@ class HeadLearningRecord:
     step's rollout on that step's responses: what it learned from, its first and last loss, the seconds it took on
     the run's clock (the policy's passes that computed the hidden states and the AdamW steps), and of those the
     seconds the weight sync waited for it (all of them where it ran on hardware the trainer used; beside the trainer,
-    what outlasted the trainer beyond its rank's own late drafting pass, within the step's
-    ``barrier_wait_seconds``)."""
+    what outlasted the trainer beyond its rank's own late drafting pass: part of the sync's seconds, not of the step's
+    ``barrier_wait_seconds``, which are the drafts')."""
 
     rank: int
     responses: int
@@ -196,7 +198,8 @@ class RolloutOutcome:
     """Per rank: (activity, start, end) with activity in generate, draft, idle; seconds from phase start."""
     late_wait_seconds: float = 0.0
     """Seconds the step waited after this phase for its late drafting passes, before a weight sync could start
-    (part of that sync's seconds; the rank pool's ``settle``)."""
+    (part of that sync's seconds; the rank pool's ``settle``); not the draft head's learning (its record's
+    ``wait_seconds``)."""
     late_chunks: int = 0
     """Drafting calls still running when the phase ended (late chunks): the keys they leave unfinished go back to
     the plan when they return."""
@@ -211,6 +214,13 @@ class RolloutOutcome:
             return None
         without = max(rank.generation_seconds + rank.seconds_saved_by_drafts for rank in self.ranks)
         return without - self.barrier_seconds - self.drafting_wait_seconds
+
+    @property
+    def seconds_without_drafts(self) -> float | None:
+        """The rollout's seconds as estimated without drafts (:attr:`seconds` plus :attr:`seconds_saved`): what a
+        gate measures a saving against. None where the saving was not estimated."""
+        saved = self.seconds_saved
+        return None if saved is None else self.seconds + saved
 
     @property
     def drafting_wait_seconds(self) -> float:

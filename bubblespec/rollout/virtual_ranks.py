@@ -88,8 +88,10 @@ class VirtualRankPool:
         return self.profile.head_sync_seconds(head, self.num_ranks - 1) if head else 0.0
 
     def pause_head(self) -> None:
-        """The ranks draft without the head until its next round of learning (the engine's ``pause_draft_head``)."""
+        """The ranks draft without the head until its next round of learning (the engine's ``pause_draft_head``);
+        the next weight sync does not send it."""
         self.engine.pause_draft_head()
+        self._head_bytes = 0
 
     def learn_head(
         self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True, budget: float | None = None
@@ -116,10 +118,10 @@ class VirtualRankPool:
         self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
         return seconds, started, report
 
-    def keep_hidden_states(self) -> None:
-        """From the next rollout on, the rank that learns the head (the last) keeps the hidden states of the
+    def keep_hidden_states(self, keep: bool) -> None:
+        """Whether in the next rollouts the rank that learns the head (the last) keeps the hidden states of the
         responses it generates, so that learning from them runs no pass of the policy again."""
-        self._keeps_hidden = True
+        self._keeps_hidden = keep
 
     def _head_round(
         self, samples: Sequence[Sample], learning: HeadLearning, budget: float | None
@@ -230,6 +232,8 @@ class VirtualRankPool:
         """Calls that have run, by the simulated time they return: (time, kind, rank, forward passes, seconds the
         drafts saved, results)."""
         stop_at = trainer_ends
+        head_calls = [0.0] * self.num_ranks
+        """Per rank, the seconds of its shard's draft-head calls."""
 
         def run(commands: list[Command]) -> None:
             for command in commands:
@@ -246,6 +250,7 @@ class VirtualRankPool:
                         self.engine.keep_hidden = False
                     saved = seconds_saved(command.requests, results, timeline.now, self.max_batch_size,
                                           self.engine.vocab_size, self.profile.forward_seconds)  # fmt: skip
+                    head_calls[command.rank] = timeline.head_seconds
                     heapq.heappush(
                         returns, (timeline.now, _SHARD, command.rank, timeline.forward_passes, saved, results)
                     )
@@ -266,7 +271,7 @@ class VirtualRankPool:
             if rank < 0:
                 run(scheduler.stop(now))
             elif kind == _SHARD:
-                run(scheduler.shard_done(rank, now, results, passes, saved))
+                run(scheduler.shard_done(rank, now, results, passes, saved, head_calls[rank]))
             else:
                 run(scheduler.chunk_done(rank, now, results))
         # the phase ends at the barrier (the trainer's end): chunks still running then, or returning at that very
