@@ -25,7 +25,7 @@ from pydantic import field_validator, model_validator
 
 from bubblespec.backends.torch_engine_head import HeadDrafting
 from bubblespec.core.config import DraftChainSettings, EngineSettings, engine_config
-from bubblespec.core.draft_sources import HEAD_DRAFT
+from bubblespec.core.draft_sources import HEAD_DRAFT, REQUEST_DRAFT
 from bubblespec.core.errors import RequestError
 from bubblespec.core.interfaces import Engine, ForwardPass, GenerationRequest, GenerationResult, StopSignal
 from bubblespec.models.decoder import (
@@ -258,10 +258,15 @@ class TorchEngine(HeadDrafting, Engine):
         if self._proposal.draft_candidates > 1:
             return self._tree_step(active, cache, on_forward)
         batch = len(active)
-        drafts = [s.propose(self._proposal) for s in active]
+        early = self._head is not None and self._head_early  # the head before the dynamic sources
+        drafts = [s.propose(self._proposal, request_only=early) for s in active]
         own = [len(d) for d in drafts]
         if self._head is not None:
             drafts = self._head_drafts(active, drafts)
+        for row, sequence in enumerate(active):
+            if early and not drafts[row]:  # neither the request's draft nor the head: the dynamic sources
+                drafts[row] = sequence.propose(self._proposal)
+                own[row] = len(drafts[row])
         chunks = [s.pending + d for s, d in zip(active, drafts, strict=True)]
         length = max(len(c) for c in chunks)
         width = max(len(d) for d in drafts) + 1
@@ -295,17 +300,21 @@ class TorchEngine(HeadDrafting, Engine):
     def _tree_candidates(self, active: list[_Slot]) -> tuple[list[list[tuple[str, list[int]]]], list[int]]:
         """Each sequence's candidates (:meth:`~bubblespec.verify.sequence.Sequence.propose_candidates`), the first
         the draft head's where a sequence has none (the tree stores it as nodes 0, 1, ..., its source
-        :data:`~bubblespec.core.draft_sources.HEAD_DRAFT`), and the first candidate's own length."""
+        :data:`~bubblespec.core.draft_sources.HEAD_DRAFT`; with the head after the request's draft, where it has no
+        candidate from the request's draft, the dynamic sources' after the head's), and the first candidate's own
+        length (0 for the head's)."""
         candidates = [s.propose_candidates(self._proposal) for s in active]
         own = [len(c[0][1]) if c else 0 for c in candidates]
         if self._head is None:
             return candidates, own
-        firsts = self._head_drafts(active, [c[0][1] if c else [] for c in candidates])
-        extended = [
-            [(c[0][0] if c else HEAD_DRAFT, first), *c[1:]] if first else c
-            for c, first in zip(candidates, firsts, strict=True)
-        ]
-        return extended, own
+        early = self._head_early
+        base = [c[0][1] if c and (not early or c[0][0] == REQUEST_DRAFT) else [] for c in candidates]
+        firsts = self._head_drafts(active, base)
+        for row, (c, first) in enumerate(zip(candidates, firsts, strict=True)):
+            if first and not base[row]:
+                candidates[row] = [(HEAD_DRAFT, first), *c][: self._proposal.draft_candidates]
+                own[row] = 0
+        return candidates, own
 
     def _tree_step(self, active: list[_Slot], cache: KVCache, on_forward) -> None:
         """One forward pass in which every sequence verifies its candidates as a token tree

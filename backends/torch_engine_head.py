@@ -33,6 +33,7 @@ from bubblespec.models.draft_head import (
     DraftHeadTrainer,
     HeadLearning,
     HeadLearningReport,
+    HeadPosition,
     HeadSizing,
     Sample,
     drafting_call_counts,
@@ -55,6 +56,9 @@ class HeadDrafting:
     def _init_head(self) -> None:
         self._head: DraftHead | None = None
         self._head_max_tokens = 0
+        self._head_early = False
+        """Whether the head proposes where the request's draft has nothing, before the dynamic sources
+        (:data:`~bubblespec.models.draft_head.HeadPosition` ``after-request``); else where the chain has nothing."""
         self._head_trainer: DraftHeadTrainer | None = None
         """The head learned online (:meth:`learn_draft_head`) and its optimizer; None until the first round."""
         self._head_call: dict[str, int] = {}
@@ -78,11 +82,13 @@ class HeadDrafting:
         state: Mapping[str, torch.Tensor] | None,
         window: int = DEFAULT_WINDOW,
         max_tokens: int | None = None,
+        position: HeadPosition = "last",
     ) -> None:
         """From the next ``generate`` on, drafts with a :class:`~bubblespec.models.draft_head.DraftHead` over this
         engine's model with ``state`` (its :meth:`~bubblespec.models.draft_head.DraftHead.state_dict`) attending the
         latest ``window`` pairs; None removes the head. In each pass the head proposes up to ``max_tokens`` tokens
-        (default ``max_draft_tokens_per_step``) after a sequence's own proposal, within the sequence's draft room.
+        (default ``max_draft_tokens_per_step``) where the draft chain has no proposal (``position``:
+        :data:`~bubblespec.models.draft_head.HeadPosition`), within the sequence's draft room.
         The head shares the model's embedding and output head, so weight updates reach it. It drafts with the key's
         own noise under one-hot verification too (as a bubble draft is drafted)."""
         if state is None:
@@ -91,10 +97,13 @@ class HeadDrafting:
         counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         if max_tokens is not None and not (counted and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
+        if position not in ("last", "after-request"):
+            raise ValueError(f"position must be 'last' or 'after-request', got {position!r}")
         head = DraftHead(self.model, window=window)
         head.load_state_dict(state)
         self._head, self._head_trainer, self._head_sizing = head, None, None
         self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
+        self._head_early = position == "after-request"
 
     def learn_draft_head(self, samples: Seq[Sample], learning: HeadLearning) -> HeadLearningReport:
         """One round of online learning (docs/design.md §14): the draft head learns from ``samples``, responses of
@@ -128,6 +137,7 @@ class HeadDrafting:
         else:
             self._head_sizing.new_round()
         self._head_trainer, self._head, self._head_max_tokens = trainer, trainer.head, max_tokens
+        self._head_early = learning.position == "after-request"
 
     def pause_draft_head(self) -> None:
         """Drafts without the learned head until its next round of learning (:meth:`learn_draft_head`), which it

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
+from bubblespec.core.draft_sources import DynamicDraftSource
 from bubblespec.core.interfaces import (
     Draft,
     DraftBranch,
@@ -225,6 +226,42 @@ def test_tree_passes_take_the_heads_proposal_and_change_no_output(engines):
     assert figures["untrained"][1] > 0 and figures["untrained"][2] <= figures["untrained"][1] // 10
     assert figures["trained"][2] > 0 and figures["trained"][0] < totals(plain)[0]
     tree.close()
+
+
+class Junk(DynamicDraftSource):
+    """A dynamic source that always proposes two tokens, nearly always wrong."""
+
+    def propose(self, context, limit: int) -> list[int]:
+        return [3, 4][:limit]
+
+
+@pytest.mark.parametrize("candidates", [1, 3], ids=["linear", "tree"])
+def test_after_the_request_draft_the_head_proposes_before_the_dynamic_sources(engines, candidates):
+    """``position="after-request"`` (float64, a chain of the request's draft and a dynamic source that always
+    proposes): where the request's draft has nothing the trained head proposes first (in a tree, the first candidate,
+    the source's after it); with ``last`` it never proposes, the source having proposed. Both leave plain decoding's
+    outputs, and the head's accepted tokens are its source's."""
+    policy, other = engines
+    options = {"draft_candidates": candidates} if candidates > 1 else {}
+    engine = TorchEngine.from_pretrained(
+        policy.config.model_path, dtype="float64", draft_chain=("request", "ngram"), max_batch_size=6, **options
+    )
+    engine._proposal.proposers["ngram"] = Junk()  # in the chain's place of the n-gram matches
+    requests = hard_batch(engine, other, seed=11)
+    plain = engine.generate(requests)
+    figures = {}
+    for position in ("last", "after-request"):
+        engine.set_draft_head(trained_head(policy), window=WINDOW, max_tokens=HEAD_TOKENS, position=position)
+        drafted = engine.generate(requests)
+        assert_same(plain, drafted, "float64")
+        figures[position] = totals(drafted)
+        for x in drafted:
+            assert x.stats.accepted_by_source.get("head", 0) == x.stats.head_tokens_accepted
+    (_, last, _), (_, early, accepted) = figures["last"], figures["after-request"]
+    assert last == 0 and early > 0 and accepted > 0, figures
+    with pytest.raises(ValueError, match="position must be 'last' or 'after-request'"):
+        engine.set_draft_head(trained_head(policy), position="first")
+    engine.close()
 
 
 @pytest.mark.parametrize("passes", ["linear", "tree"])

@@ -174,6 +174,11 @@ class DraftHeadConfig(Section):
     """Responses an AdamW step learns from (the rollout's responses in turn)."""
     seed: int = Field(0, ge=0)
     """The head's initialisation."""
+    position: Literal["last", "after-request"] = "last"
+    """Where in a pass's draft chain the head proposes: ``last``, where no source proposes anything (the bubble's
+    draft, then ``suffix``, ``ngram`` and the other dynamic sources first); ``after-request``, where the request's
+    own draft (the bubble's) proposes nothing, before the dynamic sources (in a token tree its proposal is the first
+    candidate, theirs after it)."""
     sizing: Literal["acceptance", "fixed"] = "acceptance"
     """How many tokens it proposes a pass: ``acceptance``, as many as its measured acceptance pays for at the clock's
     cost of a head step against a decode pass (none where one token does not pay, but one every 16 passes to measure

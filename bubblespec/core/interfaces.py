@@ -220,7 +220,9 @@ class RequestStats:
     :attr:`draft_tokens_accepted` too)."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     """:attr:`draft_tokens_accepted` by the draft-chain source that proposed them: ``request`` (the request's draft,
-    its branches included), a dynamic source's name (``ngram``, ``suffix``, ...), ``head`` (an engine's draft head)."""
+    its branches included), a dynamic source's name (``ngram``, ``suffix``, ...), ``head`` (an engine's draft head).
+    In a token tree a pass's accepted tokens go to the candidate that holds the accepted path, the first in priority
+    order where several do (a head's tokens on a prefix another candidate shares and continues are that one's)."""
 
     @property
     def acceptance_length_mean(self) -> float:

@@ -495,6 +495,7 @@ def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearni
         rows_per_step=head.responses_per_step,
         seed=head.seed,
         step_cost=step_cost,
+        position=head.position,
     )
 
 

@@ -211,14 +211,14 @@ class Sequence:
             limit = min(limit, self.proposal_limit)
         return 0 if self.decode_next else min(limit, self.room - 1)
 
-    def propose(self, settings: ProposalSettings) -> list[int]:
+    def propose(self, settings: ProposalSettings, request_only: bool = False) -> list[int]:
         """The draft tokens to score in the next pass: the first non-empty proposal of the draft chain
-        (:meth:`_chain_proposals`), leaving room for the sampled token that always follows them. Empty for a plain
-        decode step."""
+        (:meth:`_chain_proposals`; ``request_only``: of the request's draft alone), leaving room for the sampled token
+        that always follows them. Empty for a plain decode step."""
         limit = self.proposal_length(settings)
         if limit <= 0:
             return []
-        for name, chunk in self._chain_proposals(settings, limit, every=False):
+        for name, chunk in self._chain_proposals(settings, limit, every=False, request_only=request_only):
             if chunk:
                 self.proposed_by = name
                 return chunk
@@ -238,16 +238,21 @@ class Sequence:
                 found.append((name, proposal))
         return found[: settings.draft_candidates]
 
-    def _chain_proposals(self, settings: ProposalSettings, limit: int, every: bool) -> Iterator[tuple[str, list[int]]]:
+    def _chain_proposals(
+        self, settings: ProposalSettings, limit: int, every: bool, request_only: bool = False
+    ) -> Iterator[tuple[str, list[int]]]:
         """The draft chain's proposals of at most ``limit`` tokens, in priority order, asked lazily: the request's
         draft, each dynamic source's best (with ``every``: all of a source's, best first), and last the request's
         draft by position where it has diverged. The request's draft re-aligns to the response after a divergence
-        where something else could propose instead (other sources, or ``every``); alone, it proposes by position."""
+        where something else could propose instead (other sources, or ``every``); alone, it proposes by position.
+        ``request_only``: the request's draft's proposals only (an engine's draft head goes before the others)."""
         chain = settings.draft_chain
         if chain == (REQUEST_DRAFT,) and not every:
             yield REQUEST_DRAFT, self._draft_chunk(limit)
             return
         for name in chain:
+            if request_only and name != REQUEST_DRAFT:
+                continue
             if name == REQUEST_DRAFT:
                 proposals = [self._aligned_draft_chunk(limit)]
                 if every:
