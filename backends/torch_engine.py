@@ -10,7 +10,7 @@ long tail does not hold short requests hostage. Drafts align by position: after 
 proposes the draft's tokens at the following positions.
 
 A draft head (:mod:`bubblespec.backends.torch_engine_head`) proposes where a sequence's own proposal is empty
-(the draft chain's last source).
+(the draft chain's last source), or where its request's draft has nothing, before the dynamic sources.
 """
 
 from __future__ import annotations
@@ -308,7 +308,10 @@ class TorchEngine(HeadDrafting, Engine):
         if self._head is None:
             return candidates, own
         early = self._head_early
-        base = [c[0][1] if c and (not early or c[0][0] == REQUEST_DRAFT) else [] for c in candidates]
+        # after the request's draft: its aligned candidate goes first, not a diverged one's by position (the last)
+        ahead = [bool(c) and (not early or (c[0][0] == REQUEST_DRAFT and not s.diverged)) for s, c in
+                 zip(active, candidates, strict=True)]  # fmt: skip
+        base = [c[0][1] if first else [] for c, first in zip(candidates, ahead, strict=True)]
         firsts = self._head_drafts(active, base)
         for row, (c, first) in enumerate(zip(candidates, firsts, strict=True)):
             if first and not base[row]:

@@ -1,20 +1,21 @@
 """The torch engine's draft head (docs/design.md §14): drafting with one, learning one online, its state.
 
 A draft head (:meth:`TorchEngine.set_draft_head`, :mod:`bubblespec.models.draft_head`) proposes where a sequence's
-own proposal is empty (the draft chain's last source). While the engine holds one, every pass also returns the
+own proposal is empty (the draft chain's last source; with ``position`` ``after-request``, where its request's draft
+has no aligned proposal, before the dynamic sources). While the engine holds one, every pass also returns the
 policy's last hidden states, and each sequence keeps its latest ``window`` valid (hidden state, token) pairs: the
-hidden state at a fed position whose logits emitted a token, with that token. After a pass that fed
-``[last, d_1 .. d_K]`` and accepted ``a`` draft tokens, those are the fed positions 0..a, paired with ``d_1 .. d_a``
-and the sample after them (a prompt's pass: from the prompt's last position on); the rest were rejected and are
-dropped. Before a pass, the sequences with no proposal of their own (request draft used up or absent, no dynamic
-source proposing) get the head's, in one batched call: it reads each one's pairs and drafts with the key's noise and
-the request's sampling settings at the response positions the tokens take. Those tokens are verified as any draft,
-so they change no output. In a token-tree pass (``draft_candidates`` > 1) the head's proposal is the first candidate
-of a sequence that has none (nodes 0, 1, ... of the tree) and the pairs follow the accepted path. (The head does not
-continue another source's proposal: it would read that proposal token by token, one sequential step each, before
-drafting its own.) While :attr:`TorchEngine.keep_hidden` is set, every pass returns hidden states too and a sequence
-keeps all its pairs, not the window's: at its end they are what :meth:`TorchEngine.learn_draft_head` learns its
-response from, without a pass over it.
+hidden state at a fed position whose logits emitted a token, with that token. After a pass that fed ``[last, d_1 ..
+d_K]`` and accepted ``a`` draft tokens, those are the fed positions 0..a, paired with ``d_1 .. d_a`` and the sample
+after them (a prompt's pass: from the prompt's last position on); the rest were rejected and are dropped. Before a
+pass, the sequences with no proposal of their own (request draft used up or absent, no dynamic source proposing; or
+only the first, ``after-request``) get the head's, in one batched call: it reads each one's pairs and drafts with
+the key's noise and the request's sampling settings at the response positions the tokens take. Those tokens are
+verified as any draft, so they change no output. In a token-tree pass (``draft_candidates`` > 1) the head's proposal
+is the first candidate of a sequence that has none (nodes 0, 1, ... of the tree) and the pairs follow the accepted
+path. (The head does not continue another source's proposal: it would read that proposal token by token, one
+sequential step each, before drafting its own.) While :attr:`TorchEngine.keep_hidden` is set, every pass returns
+hidden states too and a sequence keeps all its pairs, not the window's: at its end they are what
+:meth:`TorchEngine.learn_draft_head` learns its response from, without a pass over it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 
@@ -97,7 +98,7 @@ class HeadDrafting:
         counted = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         if max_tokens is not None and not (counted and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive number of draft tokens or None, got {max_tokens!r}")
-        if position not in ("last", "after-request"):
+        if position not in get_args(HeadPosition):
             raise ValueError(f"position must be 'last' or 'after-request', got {position!r}")
         head = DraftHead(self.model, window=window)
         head.load_state_dict(state)

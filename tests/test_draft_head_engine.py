@@ -248,6 +248,8 @@ def test_after_the_request_draft_the_head_proposes_before_the_dynamic_sources(en
     )
     engine._proposal.proposers["ngram"] = Junk()  # in the chain's place of the n-gram matches
     requests = hard_batch(engine, other, seed=11)
+    wrong = tuple(random.Random(11).randrange(3, VOCAB) for _ in range(64))  # longer than any response
+    requests[5] = dataclasses.replace(requests[5], draft=Draft(requests[5].key, wrong, 0))
     plain = engine.generate(requests)
     figures = {}
     for position in ("last", "after-request"):
@@ -259,6 +261,9 @@ def test_after_the_request_draft_the_head_proposes_before_the_dynamic_sources(en
             assert x.stats.accepted_by_source.get("head", 0) == x.stats.head_tokens_accepted
     (_, last, _), (_, early, accepted) = figures["last"], figures["after-request"]
     assert last == 0 and early > 0 and accepted > 0, figures
+    # request 5's draft is random tokens past its response's end: once it diverged, the head goes before its
+    # proposals by position, in every pass after the first (which has no pairs yet)
+    assert drafted[5].stats.head_tokens_proposed >= drafted[5].stats.decode_steps - 1 > 0
     with pytest.raises(ValueError, match="position must be 'last' or 'after-request'"):
         engine.set_draft_head(trained_head(policy), position="first")
     engine.close()

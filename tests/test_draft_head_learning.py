@@ -131,6 +131,31 @@ def test_a_paused_head_drafts_nothing_until_its_next_round_and_its_pause_resumes
     assert sum(x.stats.head_tokens_proposed for x in engine.generate(later)) > 0
 
 
+def test_the_configs_position_reaches_the_learned_head(checkpoint):
+    """``speculation.draft_head.position`` through the run's ``HeadLearning`` to the engine: with ``after-request``
+    the learned head proposes where the request has no draft though a dynamic source always proposes (one that
+    proposes two tokens, nearly always wrong, in n-gram's place); with ``last`` it never does."""
+    from bubblespec.core.config import validate
+    from bubblespec.core.draft_sources import DynamicDraftSource
+    from bubblespec.rollout.service import head_learning
+
+    class Junk(DynamicDraftSource):
+        def propose(self, context, limit: int) -> list[int]:
+            return [3, 4][:limit]
+
+    requests = requests_of(15)
+    proposed = {}
+    for position in ("last", "after-request"):
+        head = {"enabled": True, "sizing": "fixed", "max_tokens": 3, "position": position}
+        learning = head_learning(validate({"speculation": {"draft_head": head}}).speculation, ranks=None)
+        assert learning.position == position
+        engine = TorchEngine.from_pretrained(checkpoint, dtype="float64", draft_chain=("request", "ngram"))
+        engine._proposal.proposers["ngram"] = Junk()
+        engine.learn_draft_head(samples_of(requests, engine.generate(requests)), learning)
+        proposed[position] = sum(x.stats.head_tokens_proposed for x in engine.generate(requests))
+    assert proposed["last"] == 0 and proposed["after-request"] > 0, proposed
+
+
 def test_nothing_to_learn_from_installs_no_head(checkpoint):
     engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     requests = requests_of(6, num=2)

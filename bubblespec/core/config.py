@@ -144,6 +144,12 @@ to its tokens there, so one candidate a pass). ``gpu``: ``examples/bench-long.ya
 measured on a real GPU."""
 
 
+HeadPosition = Literal["last", "after-request"]
+"""Where a draft head proposes in an engine's draft chain: ``last``, where no source of the chain proposes anything;
+``after-request``, where the request's own draft (the bubble's) has no aligned proposal, before the dynamic sources and
+a diverged draft's tokens by position (in a token-tree pass its proposal is the first candidate, theirs after it)."""
+
+
 class DraftHeadConfig(Section):
     """``speculation.draft_head``: a draft head learned online (docs/design.md §14). After each rollout the last
     rank learns from the step's responses (the policy's hidden states along them, one pass per 4 responses, then
@@ -174,7 +180,7 @@ class DraftHeadConfig(Section):
     """Responses an AdamW step learns from (the rollout's responses in turn)."""
     seed: int = Field(0, ge=0)
     """The head's initialisation."""
-    position: Literal["last", "after-request"] = "last"
+    position: HeadPosition = "last"
     """Where in a pass's draft chain the head proposes: ``last``, where no source proposes anything (the bubble's
     draft, then ``suffix``, ``ngram`` and the other dynamic sources first); ``after-request``, where the request's
     own draft (the bubble's) proposes nothing, before the dynamic sources (in a token tree its proposal is the first

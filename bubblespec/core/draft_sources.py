@@ -34,7 +34,7 @@ SourceKind = Literal["none", "static", "dynamic"]
 REQUEST_DRAFT = "request"
 """In an engine's draft chain, the place of the request's own (static) draft among the dynamic sources."""
 HEAD_DRAFT = "head"
-"""The source of an engine's draft-head proposals (after the chain's, where it proposed nothing), as
+"""The source of an engine's draft-head proposals (where the chain, or the request's draft, proposed nothing), as
 ``GenerationStats.accepted_by_source`` names it."""
 
 

@@ -46,11 +46,11 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from bubblespec.core.config import HeadPosition
 from bubblespec.core.interfaces import ForwardPass
 from bubblespec.models.decoder import (
     DecoderConfig,
@@ -67,10 +67,6 @@ response positions, with the rollout key's own noise and the request's sampling 
 top-p): ``verify.sampling.keyed_sample(logits, seeds, positions, temperature, top_k, top_p)[0]``."""
 
 DEFAULT_WINDOW = 64
-HeadPosition = Literal["last", "after-request"]
-"""Where a draft head proposes in an engine's draft chain: ``last``, where no source of the chain proposes anything;
-``after-request``, where the request's own draft (the bubble's) proposes nothing, before the dynamic sources (in a
-token-tree pass its proposal is the first candidate, theirs after it)."""
 """Pairs the head attends by default: recent enough to be cheap, long enough to hold the local context."""
 HIDDEN_ROWS_PER_PASS = 4
 """Responses per forward pass that computes hidden states to learn from (bounds the pass's memory at long

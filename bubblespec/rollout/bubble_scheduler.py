@@ -295,6 +295,8 @@ class RankPool(Protocol):
     """The ranks' engines' :attr:`~bubblespec.core.interfaces.Engine.context_length` (None: not known here)."""
     on_activity: ActivityListener
     """Told (rank, activity, detail) as the scheduler decides: the live display. :func:`ignore_activity` by default."""
+    head_wait_seconds: float
+    """Of the last :meth:`settle`'s wait, what a draft head's learning beside the trainer added (0 without one)."""
 
     def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
         """A step's rollout phase: every rank generates its shard, idle ranks draft ``plan`` until the barrier."""

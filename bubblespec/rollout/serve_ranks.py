@@ -200,6 +200,9 @@ def _why_a_rank_failed_to_start(num_ranks: int, backend: str) -> str | None:
 
 
 class ServeRankPool:
+    head_wait_seconds = 0.0
+    """No draft head learns on these ranks (the config refuses it)."""
+
     """All ranks for real, in wall-clock time: a driver of :class:`~bubblespec.rollout.bubble_scheduler.PhaseScheduler`
     whose calls are DeploymentHandle calls, reported as they return."""
 

@@ -295,9 +295,12 @@ class RolloutService:
         that wait included (also recorded as the last rollout's ``late_wait_seconds``, less what of it was the draft
         head's learning: the head's own cost, in its record, judged with the rollout it drafts in)."""
         waited = self._settle()
+        head = self.ranks.head_wait_seconds  # beside the trainer, what of that wait its learning added
         if self._outcome is not None:
-            head = self.head_record.wait_seconds if self.head_record is not None and not self._head_wait else 0.0
-            self._outcome.late_wait_seconds += max(waited - head, 0.0)
+            self._outcome.late_wait_seconds += waited - head
+        if self.head_record is not None and not self._head_wait:
+            self.head_record = dataclasses.replace(self.head_record, wait_seconds=head)
+            self._head_round_cost = head + self.head_record.sync_seconds
         self._judge()  # the last rollout's outcome is complete: the gate judges it before a checkpoint keeps its state
         waited, self._head_wait = waited + self._head_wait, 0.0
         return waited + self.ranks.update_weights(state_dict, version=version)
@@ -307,11 +310,11 @@ class RolloutService:
         that do not draft while it trains share it, :meth:`ServiceConfig.training_drafting`), the weight sync
         (:meth:`update_weights`) waits for all of it after the trainer; beside the trainer, the rank pool's
         ``settle`` waits for what of it outlasted the trainer, as for a late drafting pass (the record says how much of
-        that wait was the head's: beyond the rank's own late pass)."""
+        that wait was the head's: beyond the other ranks' late passes, once :meth:`update_weights` has waited)."""
         seconds, started, report = self._head_learned  # type: ignore[misc]
         if self.draft_during_training == 0 or self.colocated:
             self._head_wait = waited = seconds
-        else:
+        else:  # beside the trainer: an estimate until the sync's wait says what it added (update_weights)
             waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
         sync = self.ranks.head_sync_seconds()
         self._head_round_cost = waited + sync

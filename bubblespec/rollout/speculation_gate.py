@@ -131,8 +131,8 @@ class HeadGate(SpeculationGate):
     def _pauses(self, step: int, share: float) -> str:
         return (
             f"step {step}: over the last {self.window} steps the draft head saved {share:.1%} of the rollout net of "
-            f"its learning and sync: it pauses (no learning, no drafting), and learns once in {self.probe_every} "
-            "steps to measure again (speculation.draft_head.enabled: auto; true keeps it always)"
+            "its calls, learning and sync: it pauses (no learning, no drafting), and learns once in "
+            f"{self.probe_every} steps to measure again (speculation.draft_head.enabled: auto; true keeps it always)"
         )
 
 

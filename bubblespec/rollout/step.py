@@ -152,8 +152,8 @@ class HeadLearningRecord:
     step's rollout on that step's responses: what it learned from, its first and last loss, the seconds it took on
     the run's clock (the policy's passes that computed the hidden states and the AdamW steps), and of those the
     seconds the weight sync waited for it (all of them where it ran on hardware the trainer used; beside the trainer,
-    what outlasted the trainer beyond its rank's own late drafting pass: part of the sync's seconds, not of the step's
-    ``barrier_wait_seconds``, which are the drafts')."""
+    what it added to the sync's wait beyond the other ranks' late drafting passes, its own rank's drafting after it
+    included: part of the sync's seconds, not of the step's ``barrier_wait_seconds``, which are the drafts')."""
 
     rank: int
     responses: int

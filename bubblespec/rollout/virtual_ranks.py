@@ -72,6 +72,9 @@ class VirtualRankPool:
         self._head_bytes = 0
         """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
         self._keeps_hidden = False
+        self.head_wait_seconds = 0.0
+        """Of the last :meth:`settle`'s wait, what the draft head's learning added: the wait beyond the late passes of
+        the ranks that do not learn it (its own rank's drafting waits for it)."""
         """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
 
     def update_weights(self, state_dict, version: int) -> float:
@@ -209,21 +212,26 @@ class VirtualRankPool:
     def settle(self, elapsed: float = 0.0) -> tuple[list, float]:
         """Reports the late chunks of earlier phases (their drafts join those phases' outcomes); returns their
         drafts and the simulated seconds a caller ``elapsed`` seconds after the last phase's end waits for them."""
-        lateness, self._head_until = max(self._report_late(), self._head_until), 0.0  # a head learning past it too
+        late, others = self._report_late()
+        head, self._head_until = self._head_until, 0.0  # a head learning past the phase's end too
+        waited = max(max(late, head) - elapsed, 0.0)
+        self.head_wait_seconds = waited - max((others if head > 0 else late) - elapsed, 0.0)
         drafts, self._late_drafts = self._late_drafts, []
-        return drafts, max(lateness - elapsed, 0.0)
+        return drafts, waited
 
-    def _report_late(self) -> float:
-        """Reports every late chunk; returns how far the latest ran past its phase's end."""
-        lateness = 0.0
+    def _report_late(self) -> tuple[float, float]:
+        """Reports every late chunk; returns how far the latest ran past its phase's end, and the latest of the
+        ranks that do not learn the draft head (the last does)."""
+        lateness = others = 0.0
         for scheduler, returns, end in self._late:
             while returns:
                 now, _, rank, _, _, results = heapq.heappop(returns)
                 scheduler.chunk_done(rank, now, results)
                 lateness = max(lateness, now - end)
+                others = max(others, now - end) if rank != self.num_ranks - 1 else others
             self._late_drafts += scheduler.late_drafts
         self._late = []
-        return lateness
+        return lateness, others
 
     def _run(self, scheduler: PhaseScheduler, trainer_ends: float | None) -> RolloutOutcome:
         starts = [0.0] * self.num_ranks if trainer_ends is None else self._busy_until

@@ -245,7 +245,8 @@ class Sequence:
         draft, each dynamic source's best (with ``every``: all of a source's, best first), and last the request's
         draft by position where it has diverged. The request's draft re-aligns to the response after a divergence
         where something else could propose instead (other sources, or ``every``); alone, it proposes by position.
-        ``request_only``: the request's draft's proposals only (an engine's draft head goes before the others)."""
+        ``request_only``: the request's draft's aligned proposals only (an engine's draft head goes before the others
+        and before a diverged draft's proposals by position)."""
         chain = settings.draft_chain
         if chain == (REQUEST_DRAFT,) and not every:
             yield REQUEST_DRAFT, self._draft_chunk(limit)
@@ -263,7 +264,7 @@ class Sequence:
                 proposals = [settings.proposers[name].propose(self._context(), limit)]
             for proposal in proposals:
                 yield name, list(proposal)[:limit]
-        if REQUEST_DRAFT in chain and self.diverged:
+        if REQUEST_DRAFT in chain and self.diverged and not request_only:  # the chain's last resort, after a head's
             yield REQUEST_DRAFT, self._draft_chunk(limit)
 
     def _draft_chunk(self, limit: int) -> list[int]:
