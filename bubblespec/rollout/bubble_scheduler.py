@@ -165,7 +165,7 @@ class PhaseScheduler:
     ) -> list[Command]:
         """``rank`` returned its shard at ``now`` after ``forward_passes`` forward passes; its drafts saved
         ``seconds_saved`` (an estimate, negative when they cost time; None: not estimated), and its draft-head calls
-        took ``head_call_seconds`` of it (None: not measured)."""
+        took ``head_call_seconds`` of it (None: none, or not measured)."""
         assert self.shards is not None and rank in self._generating, f"rank {rank} has no shard running"
         self._generating.discard(rank)
         self.results |= {r.key: r for r in results}

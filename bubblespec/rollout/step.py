@@ -89,7 +89,7 @@ class RankRecord:
     head_tokens_accepted: int = 0
     """Of the draft tokens proposed and accepted, those the draft head drafted (``speculation.draft_head``)."""
     head_call_seconds: float | None = None
-    """Of ``generation_seconds``, the draft head's calls' (virtual clock; None elsewhere)."""
+    """Of ``generation_seconds``, the draft head's calls' (virtual clock; None without a head call, or elsewhere)."""
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""

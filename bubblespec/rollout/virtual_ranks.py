@@ -279,7 +279,7 @@ class VirtualRankPool:
             if rank < 0:
                 run(scheduler.stop(now))
             elif kind == _SHARD:
-                run(scheduler.shard_done(rank, now, results, passes, saved, head_calls[rank]))
+                run(scheduler.shard_done(rank, now, results, passes, saved, head_calls[rank] or None))
             else:
                 run(scheduler.chunk_done(rank, now, results))
         # the phase ends at the barrier (the trainer's end): chunks still running then, or returning at that very
