@@ -45,6 +45,22 @@ def _run(tmp_path, name: str, **changes) -> tuple[list[dict], dict]:
     return run_dir.read_steps(), weights
 
 
+def _crash_after(config, step: int) -> RunDirectory:
+    """Runs ``config`` until its controller raises after step ``step`` was logged (not checkpointed); its run
+    directory, to resume from."""
+
+    class Crash(Exception):
+        pass
+
+    def crash(record):
+        if record.step == step:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(config, on_step=crash)
+    return RunDirectory(config.run_dir)
+
+
 def _rollouts(steps: list[dict]) -> list[tuple]:
     return [(s.step, s.rollout_digest, s.reward_mean) for s in steps]
 
@@ -166,17 +182,7 @@ def test_a_head_that_does_not_pay_pauses_under_auto_and_a_resumed_run_pauses_ali
     assert proposed[0] == 0 and sum(proposed[1:4]) > 0 and proposed[4:] == [0] * 4, proposed
 
     config = _config(tmp_path, "broken", **changes)
-
-    class Crash(Exception):
-        pass
-
-    def crash_after_step_6(record):
-        if record.step == 6:
-            raise Crash
-
-    with pytest.raises(Crash):
-        run(config, on_step=crash_after_step_6)
-    run_dir = RunDirectory(config.run_dir)
+    run_dir = _crash_after(config, step=6)
     assert torch.load(run_dir.latest_checkpoint() / "draft_head.pt")["paused"] is True
     run(run_dir.load_config(), resume_dir=config.run_dir)  # from the checkpoint after step 5: paused
     resumed = run_dir.read_steps()
@@ -450,17 +456,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, changes):
     master_dtype = "float32" if changes.get("model", {}).get("dtype") == "bfloat16" else "float64"
     assert all(str(weight.dtype) == f"torch.{master_dtype}" for weight in final.values())
     config = _config(tmp_path, "broken", num_steps=4, checkpoint_every=2, **changes)
-
-    class Crash(Exception):
-        pass
-
-    def crash_after_step_2(record):
-        if record.step == 2:
-            raise Crash
-
-    with pytest.raises(Crash):
-        run(config, on_step=crash_after_step_2)
-    run_dir = RunDirectory(config.run_dir)
+    run_dir = _crash_after(config, step=2)
     assert [s.step for s in run_dir.read_steps()] == [0, 1, 2]  # step 2 was logged, not checkpointed
     run(run_dir.load_config(), resume_dir=config.run_dir)
     resumed = run_dir.read_steps()
