@@ -72,10 +72,10 @@ class VirtualRankPool:
         self._head_bytes = 0
         """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
         self._keeps_hidden = False
+        """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
         self.head_wait_seconds = 0.0
         """Of the last :meth:`settle`'s wait, what the draft head's learning added: the wait beyond the late passes of
         the ranks that do not learn it (its own rank's drafting waits for it)."""
-        """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
 
     def update_weights(self, state_dict, version: int) -> float:
         """The new policy to every rank; a draft head learned since the last sync also goes from its rank to the
