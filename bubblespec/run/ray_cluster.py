@@ -59,8 +59,9 @@ def ray_session(config: RunConfig, num_cpus: int | None = None) -> Iterator[bool
         ray.shutdown()
 
 
-NODE_START_TIMED_OUT = "timed out during startup"
-"""Ray's error where a new node did not register with its GCS within Ray's fixed 30 s (``ray._private.node``)."""
+NODE_START_TIMED_OUT = ("timed out during startup", "Timed out waiting for file")
+"""Ray's errors where a new node did not register with its GCS within Ray's fixed 30 s, or its GCS did not write its
+port file in time (``ray._private.node``): both a busy machine's."""
 
 
 def _start_local_ray(num_cpus: int | None) -> None:
@@ -81,7 +82,7 @@ def _start_local_ray(num_cpus: int | None) -> None:
             )
             return
         except Exception as error:  # Ray raises a bare Exception for a node that did not register
-            if attempt == 2 or NODE_START_TIMED_OUT not in str(error):
+            if attempt == 2 or not any(timed_out in str(error) for timed_out in NODE_START_TIMED_OUT):
                 raise
             logger.warning("the local Ray's node did not register within Ray's 30 s (a busy machine?): starting again")
             ray.shutdown()
