@@ -21,6 +21,7 @@ hidden states too and a sequence keeps all its pairs, not the window's: at its e
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, get_args
@@ -41,6 +42,7 @@ from bubblespec.models.draft_head import (
     learn_online,
     sample_key,
 )
+from bubblespec.verify.sampling import keyed_sample
 from bubblespec.verify.sequence import keyed_samples
 
 if TYPE_CHECKING:
@@ -72,6 +74,9 @@ class HeadDrafting:
         computed them, so learning from them costs no pass of the policy again. They take H values of the model's
         dtype per response token."""
         self._kept: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        self.head_call_seconds = 0.0
+        """Wall seconds of every draft-head call so far, summed: a wall-clock rank reads it around its passes (the
+        head's share of a pass's time, ``rollout.speculation_effect.TimedPasses``)."""
 
     @property
     def draft_head(self) -> DraftHead | None:
@@ -106,13 +111,16 @@ class HeadDrafting:
         self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
         self._head_early = position == "after-request"
 
-    def learn_draft_head(self, samples: Seq[Sample], learning: HeadLearning) -> HeadLearningReport:
+    def learn_draft_head(
+        self, samples: Seq[Sample], learning: HeadLearning, until: float | None = None
+    ) -> HeadLearningReport:
         """One round of online learning (docs/design.md §14): the draft head learns from ``samples``, responses of
         the policy this engine holds ((prompt ids, response ids, temperature) each), by
         :func:`~bubblespec.models.draft_head.learn_online`, and drafts from the next ``generate`` on. The first round
         starts a head from ``learning.seed`` (as does a round after :meth:`set_draft_head`); later rounds go on
         training it, its optimizer state kept. The hidden states of the samples ``generate`` kept
-        (:attr:`keep_hidden`) are not computed again; the round uses them up."""
+        (:attr:`keep_hidden`) are not computed again; the round uses them up. ``until``: a ``time.perf_counter()``
+        reading after which it starts no further AdamW step (the wall clock's budget; the first step always runs)."""
         if self._head_trainer is None:
             if not any(len(response) for _, response, _ in samples):  # nothing to learn from: no untrained head
                 self._kept = {}
@@ -120,7 +128,7 @@ class HeadDrafting:
             head = DraftHead(self.model, seed=learning.seed, window=learning.window)
             self._head_trainer = DraftHeadTrainer(head, learning_rate=learning.learning_rate)
         kept, self._kept = self._kept, {}
-        report = learn_online(self._head_trainer, samples, learning, kept)
+        report = learn_online(self._head_trainer, samples, learning, kept, until)
         self._install_learned(self._head_trainer, learning)
         return report
 
@@ -139,6 +147,45 @@ class HeadDrafting:
             self._head_sizing.new_round()
         self._head_trainer, self._head, self._head_max_tokens = trainer, trainer.head, max_tokens
         self._head_early = learning.position == "after-request"
+
+    def measure_head_step_cost(self, window: int, context_tokens: int = 1024, repeats: int = 5) -> float:
+        """A draft-head step's measured seconds over a decode pass's on this engine's device: one row, a head of the
+        run's ``window`` (untrained: the cost does not depend on what it learned) drafting 4 tokens against one
+        token fed at ``context_tokens`` cached positions, each with its keyed sample (medians of ``repeats``, after a
+        warm-up). What sizes a head's proposals on the wall clock (:class:`HeadSizing`), where no cost model
+        charges them."""
+        from bubblespec.models.decoder import KVCache
+
+        config, dtype, steps = self.model_config, self.model.dtype, 4
+        context_tokens = min(context_tokens, self.context_length - 1)
+        head = DraftHead(self.model, window=window)
+        seeds_B2 = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        ones = torch.ones(1, dtype=torch.float64, device=self.device)
+        settings = (ones, torch.zeros(1, dtype=torch.int64, device=self.device), ones)
+
+        def sample(logits_B1V: torch.Tensor, positions_B1: torch.Tensor) -> torch.Tensor:
+            return keyed_sample(logits_B1V.float(), seeds_B2, positions_B1, *settings)[0]
+
+        cache = KVCache(config, 1, context_tokens + 1, dtype, self.device)
+        token_B1 = torch.full((1, 1), 3, device=self.device)
+        position_B1 = torch.full((1, 1), context_tokens, device=self.device)
+        hidden_BTH = torch.zeros(1, window, config.hidden_size, dtype=dtype, device=self.device)
+        tokens_BT = torch.full((1, window), 3, device=self.device)
+        length_B, first_B = torch.tensor([window]), torch.tensor([context_tokens])
+
+        def timed(call) -> float:
+            call()  # warm-up
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            return sorted(seconds)[len(seconds) // 2]
+
+        with torch.inference_mode():
+            decode = timed(lambda: sample(self.model.forward(token_B1, position_B1, cache), position_B1))
+            drafting = timed(lambda: head.draft(hidden_BTH, tokens_BT, length_B, first_B, steps, sample))
+        return drafting / steps / decode
 
     def pause_draft_head(self) -> None:
         """Drafts without the learned head until its next round of learning (:meth:`learn_draft_head`), which it
@@ -206,6 +253,7 @@ class HeadDrafting:
         ]
         if not rows:
             return drafts
+        started = time.perf_counter()
         chosen = [active[row] for row in rows]
         num_tokens = max(room[row] for row in rows)
         drafted_BN = self._head.draft(
@@ -223,6 +271,7 @@ class HeadDrafting:
         contexts = [len(s.head_tokens) for s in chosen]
         self._head_call = drafting_call_counts(contexts, [0] * len(chosen), num_tokens, self._head.window,
                                                self.vocab_size)  # fmt: skip
+        self.head_call_seconds += time.perf_counter() - started
         return proposed
 
     def _after_head_pass(

@@ -98,7 +98,7 @@ class _Call:
 
     def resolve(self) -> None:
         results = self.engine.generate(self.requests, stop=_PassesThenStop(self.passes))
-        self.future.set_result(results if self.step is not None else (results, self.passes, 0.0))
+        self.future.set_result(results if self.step is not None else (results, self.passes, 0.0, 0.0))
 
 
 class SimulatedRanks:

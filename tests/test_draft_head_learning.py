@@ -233,6 +233,13 @@ def test_a_drafting_calls_counts_by_hand():
     assert drafting_call_counts([5], [2], 2, 64, 10)["head_sampled_logits"] == 0  # every token given
 
 
+def _learned(pool, *args, **kwargs) -> tuple:
+    """A round of ``pool``'s head learning (``learn_head``, then ``learned_head``): its seconds, start and report."""
+    pool.learn_head(*args, **kwargs)
+    learned = pool.learned_head()
+    return learned.seconds, learned.started, learned.report
+
+
 def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_budget(checkpoint):
     """The virtual pool fits a round in its budget (the last training phase's seconds): of all the responses, the
     first half, and so on down to one step's, the set with the most AdamW steps that fit after its hidden-state
@@ -256,16 +263,16 @@ def test_a_round_learns_from_fewer_responses_where_all_of_them_do_not_fit_its_bu
     budget = cost(samples[:6], 2)
     # all 12: not one step; the first 6: 2 steps; the first 3: all 4 steps
     assert cost(samples, 1) > budget and cost(samples[:6], 3) > budget and cost(samples[:3], 4) <= budget
-    seconds, started, report = pool.learn_head(samples, learning, budget=budget)
+    seconds, started, report = _learned(pool, samples, learning, budget=budget)
     assert (report.responses, report.steps) == (3, 4) and started == 0.0
     assert seconds == pytest.approx(cost(samples[:3], 4))
     budget = cost(samples[:6], 4)  # 6 and 3 responses both take every step: the 6
     assert cost(samples, 1) > budget
-    seconds, _, report = pool.learn_head(samples, learning, budget=budget)
+    seconds, _, report = _learned(pool, samples, learning, budget=budget)
     assert (report.responses, report.steps) == (6, 4) and seconds == pytest.approx(budget)
-    seconds, _, report = pool.learn_head(samples, learning, budget=None)  # no budget: every response, every step
+    seconds, _, report = _learned(pool, samples, learning, budget=None)  # no budget: every response, every step
     assert (report.responses, report.steps) == (12, 4) and seconds == pytest.approx(cost(samples, 4))
-    seconds, _, report = pool.learn_head(samples, learning, budget=budget / 100)  # not even one step of 3
+    seconds, _, report = _learned(pool, samples, learning, budget=budget / 100)  # not even one step of 3
     assert (seconds, report.steps) == (0.0, 0)
 
 
@@ -347,7 +354,7 @@ def test_a_head_learned_from_kept_hidden_states_is_the_one_learned_from_passes(c
     engine.keep_hidden = True
     engine.generate(requests[:2])  # as the learning rank: its own two responses
     engine.keep_hidden = False
-    seconds, _, report = pool.learn_head(samples, LEARNING)
+    seconds, _, report = _learned(pool, samples, LEARNING)
     assert report.kept_responses == 2 and report.responses == len(samples)
     assert [p.num_sequences for p in report.hidden_passes] == [4]  # the other four
     passes = sum(pool.profile.forward_seconds(p) for p in report.hidden_passes)

@@ -59,21 +59,24 @@ def _our_ray_processes(prefix: str) -> list:
 
 
 def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
-    """Real Ray Serve ranks drafting in real bubbles and a real Ray Train trainer give exactly the rollouts and
-    weights of the in-process simulation: keyed sampling makes where and when a token is computed irrelevant."""
+    """Real Ray Serve ranks drafting in real bubbles (and with a draft head they learn) and a real Ray Train trainer
+    give exactly the rollouts and weights of the in-process simulation: keyed sampling makes where and when a token is
+    computed irrelevant."""
     # PPO-style updates (two epochs of two mini-batches, a KL term): the workers' shares of every mini-batch, the
     # old and reference logprobs and the statistics must add up across the gloo all-reduce as in one learner.
     trainer = {"optimizer": {"learning_rate": 1e-3}, "ppo_epochs": 2, "mini_batch_size": 4, "kl": {"coef": 0.01}}
     base = _small_run(tmp_path, checkpoint_every=1, metrics={"port": 0}, trainer=trainer)
-    # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store and drafting while the
-    # trainer runs on Ray; one in-process learner and the in-memory store in the simulation.
+    # Two data-parallel trainer workers (gloo all-reduce), the Ray-actor draft store, drafting while the trainer runs
+    # and a draft head learned on the last rank beside the trainer (proposing its most tokens every pass) on Ray; one
+    # in-process learner, the in-memory store and no head in the simulation.
+    head = {"enabled": True, "window": 16, "steps_per_rollout": 4, "sizing": "fixed"}
     wall = validate(
         base
         | {
             "name": "wall",
             "clock": {"kind": "wall"},
             "trainer": trainer | {"num_workers": 2},
-            "speculation": {"draft_store": "ray", "draft_during_training": True},
+            "speculation": {"draft_store": "ray", "draft_during_training": True, "draft_head": head},
         }
     )
     virtual = validate(base | {"name": "virtual", "clock": {"kind": "virtual"}})
@@ -95,6 +98,9 @@ def test_wall_clock_run_on_ray_equals_the_virtual_simulation(tmp_path):
             assert wall_step.train["kl"] == pytest.approx(virtual_step.train["kl"], rel=1e-6, abs=1e-12)
     assert any(not step.train["skipped"] for step in virtual_steps)
     assert summary["clock"] == "wall" and summary["rollout_seconds"] > 0
+    # the head learned after every rollout on the last rank, and from the second step on every rank drafted with it
+    assert all(s.draft_head.rank == 1 and s.draft_head.steps > 0 for s in wall_steps)
+    assert all(sum(rank.head_tokens_proposed for rank in s.ranks) > 0 for s in wall_steps[1:])
     for step in wall_steps:
         assert all(rank.generation_seconds > 0 for rank in step.ranks)
         # bubbles are measured from the barrier: the last rank to finish has none, the others are idle or drafting
@@ -294,16 +300,19 @@ def test_a_killed_wall_clock_run_resumes_on_a_new_ray_to_an_identical_run(tmp_pa
     from tests.crash import kill_after_steps, resume
 
     base = _small_run(tmp_path, num_steps=4, checkpoint_every=2, metrics={"enabled": False})
-    wall = validate(base | {"name": "killed", "clock": {"kind": "wall"}})
+    head = {"draft_head": {"enabled": True, "window": 16, "steps_per_rollout": 4}}  # its state in the checkpoint
+    wall = validate(base | {"name": "killed", "clock": {"kind": "wall"}, "speculation": head})
     virtual = validate(base | {"name": "reference", "clock": {"kind": "virtual"}})
     kill_after_steps(wall, 3)
     run_dir = RunDirectory(wall.run_dir)
     assert len(run_dir.read_steps()) == 3  # steps 0-2 logged; the checkpoint of step 1 is the newest
+    assert (run_dir.latest_checkpoint() / "draft_head.pt").exists()
     resume(wall)
     run(virtual)
     wall_steps = run_dir.read_steps()
     virtual_steps = RunDirectory(virtual.run_dir).read_steps()
     assert [s.step for s in wall_steps] == [0, 1, 2, 3]
+    assert all(s.draft_head is not None and s.draft_head.steps > 0 for s in wall_steps)  # also after the resume
     assert [s.rollout_digest for s in wall_steps] == [s.rollout_digest for s in virtual_steps]
     wall_weights = load_file(str(run_dir.latest_checkpoint() / "weights.safetensors"))
     virtual_weights = load_file(str(RunDirectory(virtual.run_dir).latest_checkpoint() / "weights.safetensors"))

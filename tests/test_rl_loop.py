@@ -190,12 +190,10 @@ def test_a_head_that_does_not_pay_pauses_under_auto_and_a_resumed_run_pauses_ali
     assert _same_weights(load_file(str(run_dir.latest_checkpoint() / "weights.safetensors")), final)
 
 
-def test_a_draft_head_without_its_backend_or_clock_is_refused_by_name(tmp_path):
+def test_a_draft_head_without_its_backend_or_schedule_is_refused_by_name(tmp_path):
     head = {"enabled": True, "draft_head": {"enabled": True}}
     with pytest.raises(ConfigError, match="does not draft with a draft head"):
         run(_config(tmp_path, "sglang", speculation=head, rollout={"backend": "sglang"}))
-    with pytest.raises(ConfigError, match="virtual clock only"):
-        run(_config(tmp_path, "wall", speculation=head, clock={"kind": "wall"}))
     with pytest.raises(ConfigError, match="the head learns while the trainer trains"):
         _config(tmp_path, "async", speculation=head, schedule={"kind": "async"})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from bubblespec.backends.torch_engine import TorchEngine
 from bubblespec.core.interfaces import (
@@ -136,7 +137,6 @@ class _WatchedLock:
 def test_a_rank_takes_new_weights_once_its_drafting_pass_in_flight_has_ended():
     """The step goes on at the barrier while a rank's drafting pass still runs (a late chunk); the new weights the
     rank gets meanwhile wait for that pass on the rank (the replica's engine lock), so no pass mixes two policies."""
-    import torch
 
     from bubblespec.rollout.serve_ranks import RankReplica
     from bubblespec.rollout.weights import PackedWeights
@@ -218,7 +218,6 @@ def test_a_replica_refuses_a_call_for_a_policy_version_it_does_not_hold():
 def test_a_call_that_waited_for_new_weights_is_refused_for_the_policy_it_expected():
     """A drafting call for version 0 arrives while version 1's weights are loading (the engine lock held): it reads
     the version once it has the lock, so it is refused, never run with the new weights as the old policy's drafts."""
-    import torch
 
     from bubblespec.rollout.serve_ranks import RankReplica, StalePolicy
     from bubblespec.rollout.weights import PackedWeights
@@ -279,7 +278,7 @@ class _FakeReplica:
     def generate(self, requests, version):
         if self.fails_in == "generate":
             return self._fail(requests)
-        return [self._result(r, 3, "stop") for r in requests], 1, 0.0
+        return [self._result(r, 3, "stop") for r in requests], 1, 0.0, 0.0
 
     def draft(self, requests, step, version):
         import time
@@ -363,4 +362,72 @@ def test_an_engine_error_stops_every_rank_and_is_raised_with_its_message(phase):
     finally:
         for replica in replicas:
             replica.max_passes = 0
+            replica.threads.shutdown(wait=True)
+
+
+def test_serve_ranks_learn_a_draft_head_on_the_last_rank_and_every_rank_drafts_with_it(tmp_path, monkeypatch):
+    """On Ray Serve ranks (wall clock; here the replicas' own code behind in-process handles) the last rank learns the
+    head from the rollout's responses, its own kept hidden states included, while the caller goes on; the weight sync
+    after it gives every rank that head, which then drafts without changing an output; a pause reaches every rank, a
+    checkpoint's head comes back on every rank, and a replaced replica gets the head the ranks hold."""
+    import concurrent.futures
+
+    import ray
+
+    from bubblespec.models.draft_head import HeadLearning
+    from bubblespec.rollout.serve_ranks import RankReplica, ServeRankPool
+    from bubblespec.testing.random_checkpoints import write_random_checkpoint
+
+    monkeypatch.setattr(ray, "put", lambda value: value)  # the weights go to the in-process replicas as they are
+    path = str(write_random_checkpoint(tmp_path / "llama", "llama", vocab_size=32_000))
+    settings = {"model_path": path, "dtype": "float64", "max_batch_size": 8, "num_threads": 1}
+    threads = torch.get_num_threads()
+    replicas = [RankReplica(rank, "torch", settings) for rank in range(2)]
+    torch.set_num_threads(threads)  # a replica sets its process's threads: this one is the test's
+    for replica in replicas:
+        replica.threads = concurrent.futures.ThreadPoolExecutor(4)
+    pool = ServeRankPool([_FakeHandle(replica) for replica in replicas])
+
+    def requests(step: int) -> list[GenerationRequest]:
+        sampling = [SamplingParams(max_new_tokens=16 + 2 * i, ignore_eos=True, top_k=40 * (i % 2)) for i in range(4)]
+        return [GenerationRequest((1, 5 + i, 9), RolloutKey(0, step, f"p{i}", 0), s) for i, s in enumerate(sampling)]
+
+    learning = HeadLearning(window=8, max_tokens=3, steps=4, rows_per_step=2)
+    try:
+        assert pool.head_step_cost(learning.window) > 0  # measured on the last rank
+        pool.keep_hidden_states(True)
+        assert [replica.engine.keep_hidden for replica in replicas] == [False, True]
+        first = requests(1)
+        outcome = pool.rollout([first[:2], first[2:]], DraftPlan([]))
+        samples = [(r.prompt_token_ids, x.token_ids, 1.0) for r, x in zip(first, outcome.results, strict=True)]
+        pool.learn_head(samples, learning, beside=True)
+        learned = pool.learned_head()
+        assert (learned.report.steps, learned.report.responses, learned.report.kept_responses) == (4, 4, 2)
+        assert learned.waited is not None and learned.waited >= 0 and learned.seconds > 0
+        assert replicas[1].engine.draft_head is not None and replicas[0].engine.draft_head is None
+        weights = {name: tensor.clone() for name, tensor in replicas[0].engine.model.weights.items()}
+        pool.update_weights(weights, version=1)  # the same policy: the same outputs for the same keys
+        assert pool.head_sync_seconds() > 0
+        state = pool.draft_head_state()
+        for replica in replicas:
+            assert all(torch.equal(t, state["head"][n]) for n, t in replica.engine.draft_head.state_dict().items())
+        later = requests(2)
+        plain = [x.token_ids for x in replicas[0].engine.generate(later)]  # drafts change no output
+        outcome = pool.rollout([later[:2], later[2:]], DraftPlan([]))
+        assert [x.token_ids for x in outcome.results] == plain
+        assert all(x.stats.head_tokens_proposed > 0 for x in outcome.results)
+        assert all(rank.head_call_seconds > 0 for rank in outcome.ranks)
+        pool.pause_head()
+        assert all(replica.engine.draft_head is None for replica in replicas)
+        pool.load_draft_head_state(state, learning)  # a checkpoint's head, not paused
+        assert all(replica.engine.draft_head is not None for replica in replicas)
+        replicas[0] = RankReplica(0, "torch", settings)  # Serve replaced rank 0's replica: the initial model, no head
+        torch.set_num_threads(threads)
+        replicas[0].threads = concurrent.futures.ThreadPoolExecutor(4)
+        pool.handles[0] = _FakeHandle(replicas[0])
+        outcome = pool.rollout([later[:2], later[2:]], DraftPlan([]))  # refused for its policy version: restored
+        assert replicas[0].version == 1 and replicas[0].engine.draft_head is not None
+        assert [x.token_ids for x in outcome.results] == plain
+    finally:
+        for replica in replicas:
             replica.threads.shutdown(wait=True)

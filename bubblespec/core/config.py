@@ -254,8 +254,7 @@ class SpeculationConfig(Section):
     """Which near-ties get a branch first (a tries policy plugin; ``tail-margin``: the smallest margins on the
     longest responses, :mod:`bubblespec.policies.tries`)."""
     draft_head: DraftHeadConfig = DraftHeadConfig()
-    """A draft head learned online (:class:`DraftHeadConfig`); needs a backend that drafts with one (torch) and the
-    virtual clock for now."""
+    """A draft head learned online (:class:`DraftHeadConfig`); needs a backend that drafts with one (torch)."""
 
     @model_validator(mode="before")
     @classmethod

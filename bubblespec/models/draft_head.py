@@ -486,15 +486,20 @@ class DraftHeadTrainer:
     def load_state_dict(self, state: Mapping) -> None:
         self.optimizer.load_state_dict(state)
 
-    def train(self, batch: HeadBatch, steps: int, rows_per_step: int) -> tuple[list[float], int]:
+    def train(
+        self, batch: HeadBatch, steps: int, rows_per_step: int, until: float | None = None
+    ) -> tuple[list[float], int]:
         """``steps`` optimizer steps on ``batch``'s responses, ``rows_per_step`` a step in turn (the responses in
         order, around again where they run out), each step's rows cut to its longest; returns each step's loss and
-        the pairs the steps trained on (summed over steps: what their cost grows with)."""
+        the pairs the steps trained on (summed over steps: what their cost grows with). ``until``: a
+        ``time.perf_counter()`` reading after which no further step starts (the first always runs)."""
         num_rows = len(batch.lengths_B)
         if num_rows == 0 or steps < 1:
             return [], 0
         losses, trained = [], 0
         for step in range(steps):
+            if step and until is not None and time.perf_counter() > until:
+                break
             rows = step_rows(step, rows_per_step, num_rows)
             longest = int(batch.lengths_B[rows].max())
             chunk = HeadBatch(batch.hidden_BTH[rows, :longest], batch.tokens_BT[rows, :longest],
@@ -695,11 +700,16 @@ def _hidden_rows(policy: DecoderModel, samples: Sequence[Sample], rows_per_pass:
 
 
 def learn_online(
-    trainer: DraftHeadTrainer, samples: Sequence[Sample], learning: HeadLearning, kept_hidden: KeptHidden | None = None
+    trainer: DraftHeadTrainer,
+    samples: Sequence[Sample],
+    learning: HeadLearning,
+    kept_hidden: KeptHidden | None = None,
+    until: float | None = None,
 ) -> HeadLearningReport:
     """One round of online learning: the hidden states of ``samples`` under the policy the trainer's head reads,
     ``kept_hidden``'s where the rollout kept them and :func:`hidden_pairs`' passes for the rest, then
-    ``learning.steps`` optimizer steps on them (:meth:`DraftHeadTrainer.train`)."""
+    ``learning.steps`` optimizer steps on them (:meth:`DraftHeadTrainer.train`; none started after ``until``, a
+    ``time.perf_counter()`` reading, but the first: the wall clock's budget)."""
     clock = time.perf_counter()
     kept = [sample for sample in samples if len(sample[1])]
     if not kept:
@@ -711,7 +721,7 @@ def learn_online(
     computed = iter(_hidden_rows(trainer.head.policy, missing, rows_per_pass))
     hidden = [next(computed) if rows is None else rows for rows in found]
     batch = _batch(kept, hidden)
-    losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step)
+    losses, trained = trainer.train(batch, learning.steps, learning.rows_per_step, until)
     return HeadLearningReport(
         responses=len(kept),
         pairs=int(batch.lengths_B.sum()),

@@ -306,18 +306,21 @@ class RankPool(Protocol):
         """Sends weights to every rank; returns the seconds it took (virtual or wall)."""
         ...
 
-    def learn_head(
-        self, samples, learning, beside: bool = True, budget: float | None = None
-    ) -> tuple[float, float, Any]:
-        """The draft head's online learning on a rollout's responses (``speculation.draft_head``), on the last rank
-        as the trainer starts; returns its seconds, when it started (seconds from the trainer's start) and the
-        engine's ``HeadLearningReport``. ``beside`` the trainer, :meth:`settle` waits for it where it outlasts the
-        trainer. ``budget``: the most seconds it may take (fewer AdamW steps, or none). The virtual pool only for now:
-        the config refuses a head on Ray Serve ranks."""
+    def learn_head(self, samples, learning, beside: bool = True, budget: float | None = None) -> None:
+        """Starts the draft head's online learning on a rollout's responses (``speculation.draft_head``), on the last
+        rank, as the trainer starts. ``beside`` the trainer (ranks on hardware of their own) it runs while the trainer
+        trains; otherwise before, on the step. ``budget``: the most seconds it may take (fewer AdamW steps; on the
+        virtual clock, none where not one fits)."""
+        ...
+
+    def learned_head(self) -> Any:
+        """The round :meth:`learn_head` started, once the trainer is done (``rollout.step.HeadRound``): the wall
+        clock waits for it here, the virtual clock's :meth:`settle` where it outlasts the trainer."""
         ...
 
     def head_sync_seconds(self) -> float:
-        """What the next weight sync spends sending the draft head learned since the last one to the other ranks."""
+        """What the next weight sync spends sending the draft head learned since the last one to the other ranks (the
+        wall clock: what the last one spent)."""
         ...
 
     def pause_head(self) -> None:

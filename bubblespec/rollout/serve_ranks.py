@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from bubblespec.core import fault_gates
-from bubblespec.core.errors import ConfigError
 from bubblespec.core.interfaces import GenerationRequest, GenerationResult
 from bubblespec.rollout.bubble_scheduler import (
     REPLACED,
@@ -36,15 +35,10 @@ from bubblespec.rollout.bubble_scheduler import (
     ignore_activity,
 )
 from bubblespec.rollout.speculation_effect import PassCostFit, TimedPasses, seconds_saved
-from bubblespec.rollout.step import DraftPlan, RolloutOutcome
+from bubblespec.rollout.step import DraftPlan, HeadRound, RolloutOutcome
 from bubblespec.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
-
-_NO_HEAD = (
-    "speculation.draft_head: Ray Serve ranks do not learn a draft head yet (the virtual clock's ranks do); use "
-    "clock.kind: virtual, or speculation.draft_head.enabled: false"
-)
 
 
 class StalePolicy(RuntimeError):
@@ -79,45 +73,91 @@ class RankReplica:
         if engine is not None:
             engine.close()
 
-    def generate(self, requests: list[GenerationRequest], version: int) -> tuple[list[GenerationResult], int, float]:
-        """The shard's results, its forward passes and the seconds its drafts saved (negative: cost), estimated
-        from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`)."""
-        passes = TimedPasses()
+    def generate(
+        self, requests: list[GenerationRequest], version: int
+    ) -> tuple[list[GenerationResult], int, float, float]:
+        """The shard's results, its forward passes, the seconds its drafts saved (negative: cost), estimated
+        from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`), and the seconds of its
+        draft-head calls (0 without a head)."""
+        head_clock = getattr(self.engine, "head_call_seconds", None)
+        passes = TimedPasses(None if head_clock is None else lambda: self.engine.head_call_seconds)
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
         results = self._engine_call(self.engine.generate, requests, version, on_forward=passes, stop=hold)
         cost = self._pass_cost(passes.passes)
         ran = sum(cost(forward) for forward, _ in passes.passes)
         padded = any(forward.padded_tokens for forward, _ in passes.passes)
         saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost, padded)
-        return results, len(passes.passes), saved
+        return results, len(passes.passes), saved, passes.head_seconds
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
         return self._engine_call(self.engine.generate, requests, version, stop=_StepStop(self, step))
 
-    def _engine_call(self, method, requests, version: int, **kwargs) -> list[GenerationResult]:
-        """``method(requests, **kwargs)`` under the engine lock, if the engine holds policy ``version`` then (read
-        under the lock: new weights may be loading meanwhile). An engine failure names this rank and backend; a
-        result list that does not match the requests is one."""
-        from bubblespec.core.errors import BubblespecError, EngineError
+    def learn_head(self, samples: list, learning, budget: float | None, version: int) -> tuple:
+        """One round of the draft head's online learning on this rank's engine (``learn_draft_head``) from the
+        responses ``samples``, AdamW steps after the first only while the round is within ``budget`` seconds (None:
+        all of them); its ``HeadLearningReport`` and wall seconds."""
 
+        def learn():
+            start = time.perf_counter()
+            until = None if budget is None else start + budget
+            report = self.engine.learn_draft_head(samples, learning, until)
+            return report, time.perf_counter() - start
+
+        return self._locked(version, "learning its draft head", learn)
+
+    def keep_hidden(self, keep: bool) -> None:
+        """Whether the engine keeps its responses' hidden states for the head's next round (``keep_hidden``)."""
         with self._engine_lock:
-            if version != self.version:
-                raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
-            try:
-                results = method(requests, **kwargs)
-            except BubblespecError:
-                raise
-            except Exception as error:
-                raise EngineError(
-                    f"rank {self.rank} (backend {self.backend!r}) failed on {len(requests)} requests: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
+            self.engine.keep_hidden = keep
+
+    def draft_head_state(self) -> dict | None:
+        with self._engine_lock:
+            return self.engine.draft_head_state()
+
+    def load_draft_head(self, state: dict | None, learning) -> None:
+        """The learned head of another rank (or a checkpoint's; None: none), to draft with from the next call."""
+        with self._engine_lock:
+            self.engine.load_draft_head_state(state, learning)
+
+    def pause_head(self) -> None:
+        with self._engine_lock:
+            self.engine.pause_draft_head()
+
+    def head_step_cost(self, window: int) -> float:
+        """A draft-head step's measured cost over a decode pass's on this rank (``measure_head_step_cost``)."""
+        with self._engine_lock:
+            return self.engine.measure_head_step_cost(window)
+
+    def _engine_call(self, method, requests, version: int, **kwargs) -> list[GenerationResult]:
+        """``method(requests, **kwargs)`` under the engine lock (:meth:`_locked`); a result list that does not match
+        the requests is an engine failure too."""
+        from bubblespec.core.errors import EngineError
+
+        results = self._locked(version, f"on {len(requests)} requests", lambda: method(requests, **kwargs))
         if len(results) != len(requests) or [r.key for r in results] != [r.key for r in requests]:
             raise EngineError(
                 f"rank {self.rank} (backend {self.backend!r}) returned {len(results)} results for {len(requests)} "
                 "requests, or in another order: the GenerationEngine contract asks for one per request, in order"
             )
         return results
+
+    def _locked(self, version: int, doing: str, call):
+        """``call()`` under the engine lock, if the engine holds policy ``version`` then (read under the lock: new
+        weights may be loading meanwhile). An engine failure names this rank, its backend and what it was
+        ``doing``."""
+        from bubblespec.core.errors import BubblespecError, EngineError
+
+        with self._engine_lock:
+            if version != self.version:
+                raise StalePolicy(f"rank {self.rank} holds policy version {self.version}, the call expects {version}")
+            try:
+                return call()
+            except BubblespecError:
+                raise
+            except Exception as error:
+                raise EngineError(
+                    f"rank {self.rank} (backend {self.backend!r}) failed {doing}: {type(error).__name__}: {error}"
+                ) from error
 
     def stop(self, step: int) -> None:
         self.stopped_step = max(self.stopped_step, step)
@@ -200,11 +240,15 @@ def _why_a_rank_failed_to_start(num_ranks: int, backend: str) -> str | None:
 
 
 class ServeRankPool:
-    head_wait_seconds = 0.0
-    """No draft head learns on these ranks (the config refuses it)."""
-
     """All ranks for real, in wall-clock time: a driver of :class:`~bubblespec.rollout.bubble_scheduler.PhaseScheduler`
-    whose calls are DeploymentHandle calls, reported as they return."""
+    whose calls are DeploymentHandle calls, reported as they return.
+
+    A draft head (``speculation.draft_head``) learns on the last rank while the trainer trains (its engine lock keeps
+    its drafting until after); :meth:`learned_head` waits for it once the trainer is done, and the weight sync after
+    it sends its state from that rank to the others, as a replaced replica gets it again."""
+
+    head_wait_seconds = 0.0
+    """:meth:`settle` never waits for the draft head's learning here: :meth:`learned_head` does, and says how long."""
 
     def __init__(self, handles: Sequence, retry: RetryPolicy | None = None) -> None:
         self.handles = list(handles)
@@ -223,6 +267,14 @@ class ServeRankPool:
         self._late: list[asyncio.Future] = []
         """Calls of ended phases still running on the pool's loop: late drafting chunks, stop calls."""
         self._drafting = None
+        self._learning: concurrent.futures.Future | HeadRound | None = None
+        """The draft head's round of learning that :meth:`learn_head` started, until :meth:`learned_head`."""
+        self._head_learning = None
+        """How the head learns (``models.draft_head.HeadLearning``), for the ranks that load it."""
+        self._head_state: dict | None = None
+        """The head the ranks hold since the last sync or restore: what a replaced replica gets."""
+        self._head_unsynced = False
+        self._head_sync_seconds = 0.0
 
     restore_timeout_s = 120.0
 
@@ -245,7 +297,19 @@ class ServeRankPool:
         reference = ray.put(PackedWeights.pack(state_dict))
         self.version, self._weights = version, reference  # a replica restored meanwhile gets these
         self._on_every_rank(lambda handle: handle.update_weights.remote(reference, version))
+        if self._head_unsynced:
+            self._sync_head()
         return time.perf_counter() - start
+
+    def _sync_head(self) -> None:
+        """The head the last rank learned since the last sync, to the other ranks (its parameters, optimizer state
+        and sizing: each rank then holds the same head, and goes on measuring its own acceptance)."""
+        start, last = time.perf_counter(), self.num_ranks - 1
+        self._head_state = state = self._call(self._resilient(last, lambda handle: handle.draft_head_state.remote()))
+        learning = self._head_learning
+        self._on_ranks(range(last), lambda handle: handle.load_draft_head.remote(state, learning))
+        self._head_unsynced = False
+        self._head_sync_seconds = time.perf_counter() - start
 
     def release(self) -> None:
         """Every rank frees its generation memory for the trainer (colocated hardware)."""
@@ -254,34 +318,68 @@ class ServeRankPool:
     def resume(self) -> None:
         self._on_every_rank(lambda handle: handle.resume.remote())
 
-    def learn_head(self, samples, learning, beside: bool = True, budget: float | None = None):
-        raise ConfigError(_NO_HEAD)
+    def learn_head(self, samples, learning, beside: bool = True, budget: float | None = None) -> None:
+        """Starts the draft head's round of learning on the last rank (:meth:`RankReplica.learn_head`); ``beside``
+        the trainer it runs meanwhile, otherwise this waits for it (before the trainer, on the step)."""
+        self._head_learning, self._head_unsynced = learning, True
+        rank, samples = self.num_ranks - 1, list(samples)
+        self._learning = self._submit(
+            self._resilient(rank, lambda handle: handle.learn_head.remote(samples, learning, budget, self.version))
+        )
+        if not beside:
+            self._learning = self._head_round(self._learning, measured=False)
+
+    def learned_head(self) -> HeadRound:
+        """The round :meth:`learn_head` started, waited for (the wait measured, from the trainer's end)."""
+        learning, self._learning = self._learning, None
+        return learning if isinstance(learning, HeadRound) else self._head_round(learning, measured=True)
+
+    def _head_round(self, future: concurrent.futures.Future, measured: bool) -> HeadRound:
+        pending, start = not future.done(), time.perf_counter()
+        try:
+            report, seconds = future.result()
+        except Exception as error:
+            raise _engine_error(error) from None
+        waited = (time.perf_counter() - start if pending else 0.0) if measured else None
+        return HeadRound(seconds, 0.0, report, waited)
 
     def head_step_cost(self, window: int) -> float:
-        raise ConfigError(_NO_HEAD)
+        """A draft-head step's cost over a decode pass's, measured on the last rank."""
+        return self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.head_step_cost.remote(window)))
 
     def keep_hidden_states(self, keep: bool) -> None:
-        raise ConfigError(_NO_HEAD)
+        self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.keep_hidden.remote(keep)))
 
     def head_sync_seconds(self) -> float:
-        raise ConfigError(_NO_HEAD)
+        """What the last sync of a learned head took (the next one's estimate; 0 before the first)."""
+        return self._head_sync_seconds
 
     def pause_head(self) -> None:
-        raise ConfigError(_NO_HEAD)
+        self._on_every_rank(lambda handle: handle.pause_head.remote())
+        self._head_unsynced = False
+        if self._head_state is not None:  # a replaced replica gets it paused too
+            self._head_state = self._head_state | {"paused": True}
 
     def draft_head_state(self) -> dict | None:
-        raise ConfigError(_NO_HEAD)
+        return self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.draft_head_state.remote()))
 
     def load_draft_head_state(self, state, learning) -> None:
-        raise ConfigError(_NO_HEAD)
+        """Every rank back to ``state`` (a checkpoint's; None: no head), once a round still running has ended."""
+        if isinstance(self._learning, concurrent.futures.Future):
+            concurrent.futures.wait([self._learning])
+        self._learning, self._head_state, self._head_learning, self._head_unsynced = None, state, learning, False
+        self._on_every_rank(lambda handle: handle.load_draft_head.remote(state, learning))
 
     def placement(self) -> list[dict]:
         """Each rank's node, GPUs and releases (:meth:`RankReplica.placement`)."""
         return self._on_every_rank(lambda handle: handle.placement.remote())
 
     def _on_every_rank(self, call) -> list:
+        return self._on_ranks(range(self.num_ranks), call)
+
+    def _on_ranks(self, ranks: Sequence[int], call) -> list:
         async def on_all():
-            return await asyncio.gather(*[self._resilient(rank, call) for rank in range(self.num_ranks)])
+            return await asyncio.gather(*[self._resilient(rank, call) for rank in ranks])
 
         return self._call(on_all())
 
@@ -312,6 +410,8 @@ class ServeRankPool:
                     await self.handles[rank].update_weights.remote(self._weights, self.version)
                 else:  # version 0: a new replica loads the initial weights itself
                     await self.handles[rank].stop.remote(-1)  # waits until the rank has a replica again
+                if self._head_state is not None:  # the head the ranks hold (the last rank's latest round is lost)
+                    await self.handles[rank].load_draft_head.remote(self._head_state, self._head_learning)
                 return
             except _replica_lost_errors():
                 if time.perf_counter() > deadline:
@@ -402,8 +502,8 @@ class ServeRankPool:
         async def report(future: asyncio.Future, now: float) -> None:
             command = running.pop(future)
             if isinstance(command, Generate):
-                results, passes, saved = future.result()
-                await run(scheduler.shard_done(command.rank, now, results, passes, saved))
+                results, passes, saved, head = future.result()
+                await run(scheduler.shard_done(command.rank, now, results, passes, saved, head or None))
                 return
             try:
                 results = future.result()

@@ -40,7 +40,7 @@ from bubblespec.core.interfaces import (
     ShardingPolicyBase,
     TriesPolicyBase,
 )
-from bubblespec.models.draft_head import HeadLearning, HeadLearningReport, Sample
+from bubblespec.models.draft_head import HeadLearning, Sample
 from bubblespec.rollout.bubble_scheduler import RankPool
 from bubblespec.rollout.predictions import ResponseLengths, predicted_lengths
 from bubblespec.rollout.speculation_gate import HeadGate, SpeculationGate, head_saving
@@ -131,7 +131,8 @@ class RolloutService:
         self.head_record: HeadLearningRecord | None = None
         """The draft head's last round of learning (the last step's), for the step record."""
         self._head_samples: list[Sample] = []
-        self._head_learned: tuple[float, float, HeadLearningReport] | None = None
+        self._head_learning = False
+        """Whether the ranks learn the head while the trainer trains (:meth:`training_starts` started a round)."""
         self._head_wait = 0.0
         self.head_gate = HeadGate(auto=speculation.draft_head.enabled == "auto")
         """Whether the head learns after a rollout and drafts in the next (``draft_head.enabled: auto`` pauses a head
@@ -250,13 +251,11 @@ class RolloutService:
         hardware of their own go on drafting the rest of the last step's plan (``draft_during_training``). The draft
         head (``speculation.draft_head``) learns from the last rollout's responses on the last rank first."""
         self._drafting = False
-        self.head_record, self._head_learned = None, None
+        self.head_record, self._head_learning = None, False
         if self._head_samples and self.head_gate.drafting(self._outcome_step):
             beside = self.draft_during_training > 0 and not self.colocated
-            self._head_learned = self.ranks.learn_head(
-                self._head_samples, self.head_learning, beside, self._last_train_seconds
-            )
-            self._head_active = self._head_active or self._head_learned[2].steps > 0
+            self.ranks.learn_head(self._head_samples, self.head_learning, beside, self._last_train_seconds)
+            self._head_learning = True
         elif self._head_samples:  # paused: it neither learns nor drafts in the next rollout
             self.ranks.pause_head()
             self._head_active = False
@@ -277,7 +276,7 @@ class RolloutService:
         if self._released:
             self.ranks.resume()
             self._released = False
-        if self._head_learned is not None:
+        if self._head_learning:
             self._record_head_learning(train_seconds)
         if train_seconds > 0:  # not a failed trainer's
             self._last_train_seconds = train_seconds
@@ -310,10 +309,17 @@ class RolloutService:
         that do not draft while it trains share it, :meth:`ServiceConfig.training_drafting`), the weight sync
         (:meth:`update_weights`) waits for all of it after the trainer; beside the trainer, the rank pool's
         ``settle`` waits for what of it outlasted the trainer, as for a late drafting pass (the record says how much of
-        that wait was the head's: beyond the other ranks' late passes, once :meth:`update_weights` has waited)."""
-        seconds, started, report = self._head_learned  # type: ignore[misc]
+        that wait was the head's: beyond the other ranks' late passes, once :meth:`update_weights` has waited). A pool
+        that waited for it itself (the wall clock's, once the trainer was done) says how long: that wait is charged
+        with the weight sync's."""
+        self._head_learning = False
+        learned = self.ranks.learned_head()
+        seconds, started, report = learned.seconds, learned.started, learned.report
+        self._head_active = self._head_active or report.steps > 0
         if self.draft_during_training == 0 or self.colocated:
             self._head_wait = waited = seconds
+        elif learned.waited is not None:  # the pool waited for it after the trainer: measured
+            self._head_wait = waited = learned.waited
         else:  # beside the trainer: an estimate until the sync's wait says what it added (update_weights)
             waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
         sync = self.ranks.head_sync_seconds()
@@ -322,7 +328,6 @@ class RolloutService:
             self.num_ranks - 1, report.responses, report.pairs, report.steps, report.first_loss, report.final_loss,
             seconds, waited, report.kept_responses, sync,
         )  # fmt: skip
-        self._head_learned = None
 
     def evaluate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generates held-out requests with the current weights (no drafts, not timed)."""
@@ -353,7 +358,7 @@ class RolloutService:
         self._outcome, self._judged = None, True
         if self.head_learning is not None:
             self.ranks.load_draft_head_state(draft_head, self.head_learning)
-        self._head_samples, self._head_learned, self._head_wait, self.head_record = [], None, 0.0, None
+        self._head_samples, self._head_learning, self._head_wait, self.head_record = [], False, 0.0, None
         head_gate = head_gate or {}
         self.head_gate.restore(head_gate)
         self._head_active = head_gate.get("active", draft_head is not None and not draft_head.get("paused", False))

@@ -74,16 +74,23 @@ def plain_decode_passes(
 
 class TimedPasses:
     """An ``on_forward`` listener that keeps each forward pass of a call with the wall seconds since the previous
-    one (the first: since the listener was made, just before the call)."""
+    one (the first: since the listener was made, just before the call), less the seconds of the draft-head call
+    that ran before it, which :attr:`head_seconds` sums (``head_clock``: the engine's running total of its head
+    calls' seconds, ``TorchEngine.head_call_seconds``; None: an engine without a head)."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_clock: Callable[[], float] | None = None) -> None:
         self.passes: list[tuple[ForwardPass, float]] = []
+        self.head_seconds = 0.0
+        self._head_clock = head_clock
         self._last = time.perf_counter()
+        self._last_head = head_clock() if head_clock else 0.0
 
     def __call__(self, forward: ForwardPass) -> None:
         now = time.perf_counter()
-        self.passes.append((forward, now - self._last))
-        self._last = now
+        head = self._head_clock() - self._last_head if self._head_clock else 0.0
+        self.passes.append((forward, now - self._last - head))
+        self.head_seconds += head
+        self._last, self._last_head = now, self._last_head + head
 
 
 class PassCostFit:

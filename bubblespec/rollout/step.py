@@ -25,6 +25,7 @@ from bubblespec.core.interfaces import (
 )
 
 if TYPE_CHECKING:
+    from bubblespec.models.draft_head import HeadLearningReport
     from bubblespec.rollout.tries_plan import TriesPlan
 
 
@@ -169,6 +170,20 @@ class HeadLearningRecord:
     again; the others' passes are in ``seconds``)."""
     sync_seconds: float = 0.0
     """What the weight sync after it spent sending the head to the other ranks."""
+
+
+@dataclass(frozen=True)
+class HeadRound:
+    """A round of the draft head's online learning as the rank pool ran it (``RankPool.learn_head``, collected by
+    ``RankPool.learned_head``): its seconds on the pool's clock, when it started (seconds from the trainer's start),
+    the engine's report (``models.draft_head.HeadLearningReport``), and where the pool waited for it itself (the wall
+    clock: once the trainer is done) the seconds of that wait, None where the caller estimates it (the virtual clock,
+    whose ``settle`` waits for it)."""
+
+    seconds: float
+    started: float
+    report: HeadLearningReport
+    waited: float | None = None
 
 
 def bubble_use(ranks: Iterable[RankRecord]) -> float:

@@ -41,7 +41,7 @@ from bubblespec.rollout.bubble_scheduler import (
 )
 from bubblespec.rollout.clocks import CostProfile, DeadlineStop, VirtualClock
 from bubblespec.rollout.speculation_effect import seconds_saved
-from bubblespec.rollout.step import DraftPlan, RolloutOutcome
+from bubblespec.rollout.step import DraftPlan, HeadRound, RolloutOutcome
 
 _SHARD, _CHUNK = 0, 1
 """Calls that return at the same simulated time are reported shards first (the barrier before a chunk's end)."""
@@ -73,6 +73,8 @@ class VirtualRankPool:
         """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
         self._keeps_hidden = False
         """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
+        self._learned: HeadRound | None = None
+        """The round :meth:`learn_head` ran, until :meth:`learned_head` collects it."""
         self.head_wait_seconds = 0.0
         """Of the last :meth:`settle`'s wait, what the draft head's learning added: the wait beyond the late passes of
         the ranks that do not learn it (its own rank's drafting waits for it)."""
@@ -98,10 +100,10 @@ class VirtualRankPool:
 
     def learn_head(
         self, samples: Sequence[Sample], learning: HeadLearning, beside: bool = True, budget: float | None = None
-    ) -> tuple[float, float, HeadLearningReport]:
+    ) -> None:
         """The draft head's online learning on ``samples`` (docs/design.md §14), on the last rank, as the trainer
-        starts: returns its simulated seconds (the policy's passes over the responses whose hidden states it did not
-        keep, :meth:`keep_hidden_states`, on the profile, then the AdamW steps,
+        starts; :meth:`learned_head` says its simulated seconds (the policy's passes over the responses whose hidden
+        states it did not keep, :meth:`keep_hidden_states`, on the profile, then the AdamW steps,
         :meth:`CostProfile.head_learning_seconds`), when it started (seconds from the trainer's start: after
         the rank's late drafting pass, if any) and the engine's report. ``beside`` the trainer (the ranks have
         hardware of their own), that rank's drafting while the trainer trains starts once it is done, and the next
@@ -111,7 +113,8 @@ class VirtualRankPool:
         learning = dataclasses.replace(learning, steps=steps)
         started = self._busy_until[-1]
         if learning.steps == 0:  # not one step fits: no learning this round
-            return 0.0, started, HeadLearningReport.nothing()
+            self._learned = HeadRound(0.0, started, HeadLearningReport.nothing())
+            return
         report = self.engine.learn_draft_head(samples, learning)
         seconds = sum(self.profile.forward_seconds(p) for p in report.hidden_passes)
         seconds += self.profile.head_learning_seconds(report.trained_pairs, report.steps, learning.window)
@@ -119,7 +122,12 @@ class VirtualRankPool:
             self._busy_until[-1] += seconds
             self._head_until = started + seconds
         self._head_bytes = 0 if self.engine.draft_head is None else 2 * self.engine.draft_head.num_parameters
-        return seconds, started, report
+        self._learned = HeadRound(seconds, started, report)
+
+    def learned_head(self) -> HeadRound:
+        """The round :meth:`learn_head` ran (on this clock it is done when that returns)."""
+        learned, self._learned = self._learned, None
+        return learned
 
     def keep_hidden_states(self, keep: bool) -> None:
         """Whether in the next rollouts the rank that learns the head (the last) keeps the hidden states of the

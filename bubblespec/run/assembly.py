@@ -198,11 +198,6 @@ def load_backend(config: RunConfig | ServiceConfig):
             f"speculation.draft_head.enabled: rollout.backend {config.rollout.backend!r} does not draft with a draft "
             "head (it exposes no hidden states to one; docs/plugins.md); use false with it, or the torch backend"
         )
-    if speculation.uses_draft_head and config.clock.kind != "virtual":
-        raise ConfigError(
-            "speculation.draft_head.enabled: a draft head learns online on the virtual clock only for now (Ray Serve "
-            "ranks do not learn one yet); use clock.kind: virtual, or false"
-        )
     if trees and not backend.supports_draft_trees:
         logger.warning(
             "speculation.draft_candidates %d: rollout.backend %r verifies the first candidate of each pass only "
