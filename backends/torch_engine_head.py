@@ -173,12 +173,17 @@ class HeadDrafting:
         tokens_BT = torch.full((1, window), 3, device=self.device)
         length_B, first_B = torch.tensor([window]), torch.tensor([context_tokens])
 
+        def synchronized(call) -> None:
+            call()
+            if self.device.type == "cuda":  # the decode pass syncs nowhere: its kernels may still run
+                torch.cuda.synchronize(self.device)
+
         def timed(call) -> float:
-            call()  # warm-up
+            synchronized(call)  # warm-up
             seconds = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                call()
+                synchronized(call)
                 seconds.append(time.perf_counter() - start)
             return sorted(seconds)[len(seconds) // 2]
 

@@ -54,13 +54,12 @@ DEFAULT_VARIANTS = (
 
 
 def default_variants(config: RunConfig) -> list[str]:
-    """:data:`DEFAULT_VARIANTS`, and ``head`` where the config can run a draft head (the virtual clock and a backend
-    that drafts with one)."""
+    """:data:`DEFAULT_VARIANTS`, and ``head`` where the config's backend drafts with a draft head."""
     from bubblespec.core import plugins
     from bubblespec.core.interfaces import Engine
 
     backend = plugins.load_subclass("backends", config.rollout.backend, Engine)
-    head = config.clock.kind == "virtual" and getattr(backend, "supports_draft_head", False)
+    head = getattr(backend, "supports_draft_head", False)
     return [*DEFAULT_VARIANTS, *([HEAD] if head else [])]
 
 
@@ -165,7 +164,7 @@ def run_peers(config: RunConfig, variants: list[str], output_dir: Path | None = 
     variants = with_baselines(variants)
     configs = {v: _variant(config, v, Path(".")) for v in variants}  # fail before any run
     for variant_config in configs.values():
-        load_backend(variant_config)  # what a backend or clock cannot run (a head on the wall clock), too
+        load_backend(variant_config)  # what a backend cannot run (a head on vLLM), too
     scratch = output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="bubblespec-peers-")) if scratch else output_dir
     steps: dict[str, list[StepRecord]] = {}

@@ -297,6 +297,9 @@ class RankPool(Protocol):
     """Told (rank, activity, detail) as the scheduler decides: the live display. :func:`ignore_activity` by default."""
     head_wait_seconds: float
     """Of the last :meth:`settle`'s wait, what a draft head's learning beside the trainer added (0 without one)."""
+    head_synced_seconds: float | None
+    """What the last :meth:`update_weights` spent sending a learned draft head to the other ranks, where the pool
+    measures it (the wall clock); None where :meth:`head_sync_seconds` charges it beforehand (the virtual clock)."""
 
     def rollout(self, shards: Sequence[Sequence[GenerationRequest]], plan: DraftPlan) -> RolloutOutcome:
         """A step's rollout phase: every rank generates its shard, idle ranks draft ``plan`` until the barrier."""

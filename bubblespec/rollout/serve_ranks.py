@@ -77,8 +77,8 @@ class RankReplica:
         self, requests: list[GenerationRequest], version: int
     ) -> tuple[list[GenerationResult], int, float, float]:
         """The shard's results, its forward passes, the seconds its drafts saved (negative: cost), estimated
-        from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`), and the seconds of its
-        draft-head calls (0 without a head)."""
+        from the passes' measured times (:mod:`bubblespec.rollout.speculation_effect`) less its draft-head calls, and
+        the seconds of those calls (0 without a head)."""
         head_clock = getattr(self.engine, "head_call_seconds", None)
         passes = TimedPasses(None if head_clock is None else lambda: self.engine.head_call_seconds)
         hold = fault_gates.armed(f"rank {self.rank} generate")  # a testing seam: None unless a fault test armed it
@@ -87,7 +87,8 @@ class RankReplica:
         ran = sum(cost(forward) for forward, _ in passes.passes)
         padded = any(forward.padded_tokens for forward, _ in passes.passes)
         saved = seconds_saved(requests, results, ran, self.max_batch_size, self.engine.vocab_size, cost, padded)
-        return results, len(passes.passes), saved, passes.head_seconds
+        # its passes' times leave the head's calls out: the saving is net of them, as the virtual clock's
+        return results, len(passes.passes), saved - passes.head_seconds, passes.head_seconds
 
     def draft(self, requests: list[GenerationRequest], step: int, version: int) -> list[GenerationResult]:
         return self._engine_call(self.engine.generate, requests, version, stop=_StepStop(self, step))
@@ -111,8 +112,10 @@ class RankReplica:
             self.engine.keep_hidden = keep
 
     def draft_head_state(self) -> dict | None:
+        """The engine's learned head (``draft_head_state``), its tensors on the CPU: what another rank or a checkpoint
+        loads, whatever device it has."""
         with self._engine_lock:
-            return self.engine.draft_head_state()
+            return _on_cpu(self.engine.draft_head_state())
 
     def load_draft_head(self, state: dict | None, learning) -> None:
         """The learned head of another rank (or a checkpoint's; None: none), to draft with from the next call."""
@@ -194,6 +197,19 @@ class RankReplica:
                 "releases": self.releases}  # fmt: skip
 
 
+def _on_cpu(state):
+    """``state`` (nested dicts and lists of tensors and numbers) with every tensor on the CPU."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: _on_cpu(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(value) for value in state)
+    return state
+
+
 class _StepStop:
     def __init__(self, replica: RankReplica, step: int) -> None:
         self.replica, self.step = replica, step
@@ -249,6 +265,8 @@ class ServeRankPool:
 
     head_wait_seconds = 0.0
     """:meth:`settle` never waits for the draft head's learning here: :meth:`learned_head` does, and says how long."""
+    head_synced_seconds: float | None = 0.0
+    """What the last :meth:`update_weights` spent sending a learned head to the other ranks (measured; 0: none)."""
 
     def __init__(self, handles: Sequence, retry: RetryPolicy | None = None) -> None:
         self.handles = list(handles)
@@ -274,7 +292,8 @@ class ServeRankPool:
         self._head_state: dict | None = None
         """The head the ranks hold since the last sync or restore: what a replaced replica gets."""
         self._head_unsynced = False
-        self._head_sync_seconds = 0.0
+        self._keeps_hidden = False
+        """Whether the last rank keeps its responses' hidden states (a replaced replica is told again)."""
 
     restore_timeout_s = 120.0
 
@@ -297,19 +316,20 @@ class ServeRankPool:
         reference = ray.put(PackedWeights.pack(state_dict))
         self.version, self._weights = version, reference  # a replica restored meanwhile gets these
         self._on_every_rank(lambda handle: handle.update_weights.remote(reference, version))
-        if self._head_unsynced:
-            self._sync_head()
+        self.head_synced_seconds = self._sync_head() if self._head_unsynced else 0.0
         return time.perf_counter() - start
 
-    def _sync_head(self) -> None:
+    def _sync_head(self) -> float:
         """The head the last rank learned since the last sync, to the other ranks (its parameters, optimizer state
-        and sizing: each rank then holds the same head, and goes on measuring its own acceptance)."""
+        and sizing: each rank then holds the same head, and goes on measuring its own acceptance); its seconds."""
+        import ray
+
         start, last = time.perf_counter(), self.num_ranks - 1
         self._head_state = state = self._call(self._resilient(last, lambda handle: handle.draft_head_state.remote()))
-        learning = self._head_learning
-        self._on_ranks(range(last), lambda handle: handle.load_draft_head.remote(state, learning))
+        reference, learning = ray.put(state), self._head_learning  # one copy for every rank
+        self._on_ranks(range(last), lambda handle: handle.load_draft_head.remote(reference, learning))
         self._head_unsynced = False
-        self._head_sync_seconds = time.perf_counter() - start
+        return time.perf_counter() - start
 
     def release(self) -> None:
         """Every rank frees its generation memory for the trainer (colocated hardware)."""
@@ -327,32 +347,35 @@ class ServeRankPool:
             self._resilient(rank, lambda handle: handle.learn_head.remote(samples, learning, budget, self.version))
         )
         if not beside:
-            self._learning = self._head_round(self._learning, measured=False)
+            self._learning = self._head_round(self._learning)
 
     def learned_head(self) -> HeadRound:
-        """The round :meth:`learn_head` started, waited for (the wait measured, from the trainer's end)."""
+        """The round :meth:`learn_head` started, waited for: its ``waited`` is what waiting for it took here (from
+        the trainer's end; not beside the trainer, all of it, before the trainer)."""
         learning, self._learning = self._learning, None
-        return learning if isinstance(learning, HeadRound) else self._head_round(learning, measured=True)
+        return learning if isinstance(learning, HeadRound) else self._head_round(learning)
 
-    def _head_round(self, future: concurrent.futures.Future, measured: bool) -> HeadRound:
+    @staticmethod
+    def _head_round(future: concurrent.futures.Future) -> HeadRound:
         pending, start = not future.done(), time.perf_counter()
         try:
             report, seconds = future.result()
         except Exception as error:
             raise _engine_error(error) from None
-        waited = (time.perf_counter() - start if pending else 0.0) if measured else None
-        return HeadRound(seconds, 0.0, report, waited)
+        return HeadRound(seconds, 0.0, report, time.perf_counter() - start if pending else 0.0)
 
     def head_step_cost(self, window: int) -> float:
         """A draft-head step's cost over a decode pass's, measured on the last rank."""
         return self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.head_step_cost.remote(window)))
 
     def keep_hidden_states(self, keep: bool) -> None:
+        self._keeps_hidden = keep
         self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.keep_hidden.remote(keep)))
 
     def head_sync_seconds(self) -> float:
-        """What the last sync of a learned head took (the next one's estimate; 0 before the first)."""
-        return self._head_sync_seconds
+        """What the last sync of a learned head took: the next one's estimate until that sync measures its own
+        (:attr:`head_synced_seconds`)."""
+        return self.head_synced_seconds or 0.0
 
     def pause_head(self) -> None:
         self._on_every_rank(lambda handle: handle.pause_head.remote())
@@ -412,6 +435,8 @@ class ServeRankPool:
                     await self.handles[rank].stop.remote(-1)  # waits until the rank has a replica again
                 if self._head_state is not None:  # the head the ranks hold (the last rank's latest round is lost)
                     await self.handles[rank].load_draft_head.remote(self._head_state, self._head_learning)
+                if self._keeps_hidden and rank == self.num_ranks - 1:
+                    await self.handles[rank].keep_hidden.remote(True)
                 return
             except _replica_lost_errors():
                 if time.perf_counter() > deadline:
@@ -450,7 +475,10 @@ class ServeRankPool:
 
     def start_drafting(self, plan: DraftPlan, ranks: int | None = None) -> None:
         """Ranks (the first ``ranks``; None: all) draft the rest of ``plan`` in the background (on the pool's loop)
-        until :meth:`stop_drafting`."""
+        until :meth:`stop_drafting`; not the last while it learns the draft head (its drafting would wait for that
+        behind its engine lock, counted as drafting)."""
+        if isinstance(self._learning, concurrent.futures.Future) and not self._learning.done():
+            ranks = min(ranks or self.num_ranks, self.num_ranks - 1)
         self._step += 1
         scheduler = PhaseScheduler(self.num_ranks, plan, self.version, on_activity=self.on_activity,
                                    drafting_ranks=ranks)  # fmt: skip

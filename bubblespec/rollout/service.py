@@ -276,18 +276,25 @@ class RolloutService:
         if self._released:
             self.ranks.resume()
             self._released = False
+        outcome = None
+        if self._drafting:  # first: the ranks draft no longer than the trainer trained, nor wait for the head
+            self._drafting = False
+            outcome = self.ranks.stop_drafting(train_seconds)  # at once: passes in flight end late
+            self._since_phase_end = 0.0
+            self._store(outcome.drafts)
+        else:
+            self._since_phase_end += train_seconds
         if self._head_learning:
-            self._record_head_learning(train_seconds)
+            try:
+                self._record_head_learning(train_seconds)
+            except Exception as error:
+                if train_seconds > 0:
+                    raise
+                # the trainer failed: its error is the one to raise (the run rewinds; the head is restored with it)
+                logger.warning("the draft head's learning failed too: %s: %s", type(error).__name__, error)
         if train_seconds > 0:  # not a failed trainer's
             self._last_train_seconds = train_seconds
-        if not self._drafting:
-            self._since_phase_end += train_seconds
-            return None
-        self._drafting = False
-        outcome = self.ranks.stop_drafting(train_seconds)  # at once: passes in flight end late
-        self._since_phase_end = 0.0
-        self._store(outcome.drafts)
-        return TrainingDrafting(outcome)
+        return None if outcome is None else TrainingDrafting(outcome)
 
     def update_weights(self, state_dict, version: int) -> float:
         """The new policy to every rank, once their late drafting passes have ended; returns the seconds it took,
@@ -302,7 +309,12 @@ class RolloutService:
             self._head_round_cost = head + self.head_record.sync_seconds
         self._judge()  # the last rollout's outcome is complete: the gate judges it before a checkpoint keeps its state
         waited, self._head_wait = waited + self._head_wait, 0.0
-        return waited + self.ranks.update_weights(state_dict, version=version)
+        seconds = waited + self.ranks.update_weights(state_dict, version=version)
+        synced = self.ranks.head_synced_seconds
+        if synced is not None and self.head_record is not None:  # measured in the sync (the wall clock)
+            self.head_record = dataclasses.replace(self.head_record, sync_seconds=synced)
+            self._head_round_cost = self.head_record.wait_seconds + synced
+        return seconds
 
     def _record_head_learning(self, train_seconds: float) -> None:
         """The head's round of learning, once the trainer is done. Where it ran on hardware the trainer used (ranks
@@ -310,16 +322,16 @@ class RolloutService:
         (:meth:`update_weights`) waits for all of it after the trainer; beside the trainer, the rank pool's
         ``settle`` waits for what of it outlasted the trainer, as for a late drafting pass (the record says how much of
         that wait was the head's: beyond the other ranks' late passes, once :meth:`update_weights` has waited). A pool
-        that waited for it itself (the wall clock's, once the trainer was done) says how long: that wait is charged
-        with the weight sync's."""
+        that waited for it itself (the wall clock's: before the trainer, or once it was done) says how long: that wait
+        is charged with the weight sync's, and so is the head's sync, which such a pool measures in it."""
         self._head_learning = False
         learned = self.ranks.learned_head()
         seconds, started, report = learned.seconds, learned.started, learned.report
         self._head_active = self._head_active or report.steps > 0
-        if self.draft_during_training == 0 or self.colocated:
-            self._head_wait = waited = seconds
-        elif learned.waited is not None:  # the pool waited for it after the trainer: measured
+        if learned.waited is not None:  # the pool waited for it itself (before or after the trainer): measured
             self._head_wait = waited = learned.waited
+        elif self.draft_during_training == 0 or self.colocated:
+            self._head_wait = waited = seconds
         else:  # beside the trainer: an estimate until the sync's wait says what it added (update_weights)
             waited = max(started + seconds - train_seconds, 0.0) - max(started - train_seconds, 0.0)
         sync = self.ranks.head_sync_seconds()

@@ -90,7 +90,8 @@ class RankRecord:
     head_tokens_accepted: int = 0
     """Of the draft tokens proposed and accepted, those the draft head drafted (``speculation.draft_head``)."""
     head_call_seconds: float | None = None
-    """Of ``generation_seconds``, the draft head's calls' (virtual clock; None without a head call, or elsewhere)."""
+    """Of ``generation_seconds``, the draft head's calls' (charged by the virtual clock, timed by the torch engine on
+    the wall clock; None without a head call)."""
     preemption_latency_seconds: float = 0.0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
     """Verify steps of this rank's shard by acceptance length."""

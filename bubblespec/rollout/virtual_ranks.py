@@ -73,6 +73,8 @@ class VirtualRankPool:
         """The draft head learned since the last weight sync (its own parameters, bfloat16): the sync sends it."""
         self._keeps_hidden = False
         """Whether the rank that learns the head keeps its responses' hidden states (:meth:`keep_hidden_states`)."""
+        self.head_synced_seconds: float | None = None
+        """None: the head's sync is charged from the profile (:meth:`head_sync_seconds`), not measured."""
         self._learned: HeadRound | None = None
         """The round :meth:`learn_head` ran, until :meth:`learned_head` collects it."""
         self.head_wait_seconds = 0.0
