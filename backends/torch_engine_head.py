@@ -59,6 +59,8 @@ class HeadDrafting:
     def _init_head(self) -> None:
         self._head: DraftHead | None = None
         self._head_max_tokens = 0
+        self._head_max_live: int | None = None
+        """The head drafts only in passes of at most this many sequences (the tail); None: in every pass."""
         self._head_early = False
         """Whether the head proposes where the request's draft has nothing, before the dynamic sources
         (:data:`~bubblespec.models.draft_head.HeadPosition` ``after-request``); else where the chain has nothing."""
@@ -107,7 +109,7 @@ class HeadDrafting:
             raise ValueError(f"position must be 'last' or 'after-request', got {position!r}")
         head = DraftHead(self.model, window=window)
         head.load_state_dict(state)
-        self._head, self._head_trainer, self._head_sizing = head, None, None
+        self._head, self._head_trainer, self._head_sizing, self._head_max_live = head, None, None, None
         self._head_max_tokens = max_tokens or self._proposal.max_draft_tokens_per_step
         self._head_early = position == "after-request"
 
@@ -147,6 +149,7 @@ class HeadDrafting:
             self._head_sizing.new_round()
         self._head_trainer, self._head, self._head_max_tokens = trainer, trainer.head, max_tokens
         self._head_early = learning.position == "after-request"
+        self._head_max_live = learning.max_live_sequences
 
     def measure_head_step_cost(self, window: int, context_tokens: int = 1024, repeats: int = 5) -> float:
         """A draft-head step's measured seconds over a decode pass's on this engine's device: one row, a head of the
@@ -247,7 +250,10 @@ class HeadDrafting:
     def _head_drafts(self, active: list[_Slot], drafts: list[list[int]]) -> list[list[int]]:
         """Each sequence's proposal, the draft head's where it has none of its own (up to the head's tokens for the
         pass, within the draft room): one head call for every such sequence that holds pairs (a sequence's first pass
-        has none), each token the keyed sample of the head's logits at its response position."""
+        has none), each token the keyed sample of the head's logits at its response position; none in a pass of more
+        sequences than the head's ``max_live_sequences`` (it drafts the tail only)."""
+        if self._head_max_live is not None and len(active) > self._head_max_live:
+            return drafts
         budget = self._head_max_tokens if self._head_sizing is None else self._head_sizing.tokens()
         room = [min(budget, s.proposal_length(self._proposal) - len(d)) for s, d in
                 zip(active, drafts, strict=True)]  # fmt: skip

@@ -156,6 +156,30 @@ def test_the_configs_position_reaches_the_learned_head(checkpoint):
     assert proposed["last"] == 0 and proposed["after-request"] > 0, proposed
 
 
+def test_the_head_drafts_only_in_passes_of_at_most_its_live_sequences(checkpoint):
+    """``speculation.draft_head.max_live_sequences`` through the run's ``HeadLearning`` to the engine: the head
+    proposes (and its call is reported) only in passes of at most that many sequences, the tail of a batch of
+    responses of 4-24 tokens; without it, in fuller passes too; the outputs are those without a head either way."""
+    from bubblespec.core.config import validate
+    from bubblespec.rollout.service import head_learning
+
+    requests, later = requests_of(16), requests_of(17)
+    plain = [x.token_ids for x in TorchEngine.from_pretrained(checkpoint, dtype="float64").generate(later)]
+    batches = {}
+    for live in (None, 3):
+        head = {"enabled": True, "sizing": "fixed", "max_tokens": 3, "max_live_sequences": live}
+        learning = head_learning(validate({"speculation": {"draft_head": head}}).speculation, ranks=None)
+        assert learning.max_live_sequences == live
+        engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
+        engine.learn_draft_head(samples_of(requests, engine.generate(requests)), learning)
+        passes = []
+        results = engine.generate(later, on_forward=passes.append)
+        assert [x.token_ids for x in results] == plain
+        assert 0 < sum(x.stats.head_tokens_proposed for x in results) <= sum(p.head_tokens for p in passes)
+        batches[live] = {p.num_sequences for p in passes if p.head_steps}
+    assert max(batches[None]) > 3 and max(batches[3]) <= 3, batches
+
+
 def test_nothing_to_learn_from_installs_no_head(checkpoint):
     engine = TorchEngine.from_pretrained(checkpoint, dtype="float64")
     requests = requests_of(6, num=2)

@@ -185,6 +185,11 @@ class DraftHeadConfig(Section):
     draft, then ``suffix``, ``ngram`` and the other dynamic sources first); ``after-request``, where the request's
     own draft (the bubble's) proposes nothing, before the dynamic sources (in a token tree its proposal is the first
     candidate, theirs after it)."""
+    max_live_sequences: int | None = Field(None, ge=1)
+    """The head proposes only in a rank's passes of at most this many sequences: its tail, where the few responses
+    left are the long ones that set the step's end (TLT drafts only there); None: in every pass. Its calls cost the
+    same for one sequence as for many, so in a full batch they are paid where most of the sequences it drafts for are
+    not the slowest."""
     sizing: Literal["acceptance", "fixed"] = "acceptance"
     """How many tokens it proposes a pass: ``acceptance``, as many as its measured acceptance pays for at the clock's
     cost of a head step against a decode pass (none where one token does not pay, but one every 16 passes to measure

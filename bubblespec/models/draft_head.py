@@ -556,6 +556,8 @@ class HeadLearning:
     its measured acceptance pays for (:class:`HeadSizing`); None: ``max_tokens`` every pass."""
     position: HeadPosition = "last"
     """Where in the draft chain the head proposes (:data:`HeadPosition`)."""
+    max_live_sequences: int | None = None
+    """The head proposes only in passes of at most this many sequences (a rank's tail); None: in every pass."""
 
 
 @dataclass(frozen=True)

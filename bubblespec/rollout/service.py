@@ -516,6 +516,7 @@ def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearni
         seed=head.seed,
         step_cost=step_cost,
         position=head.position,
+        max_live_sequences=head.max_live_sequences,
     )
 
 
