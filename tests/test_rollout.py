@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -272,7 +273,8 @@ class _FakeReplica:
         from concurrent.futures import ThreadPoolExecutor
 
         self.rank, self.fails_in, self.max_passes = rank, fails_in, max_passes
-        self.stopped_step, self.drafting = -1, 0
+        self.stopped_step, self.drafting, self.draft_calls = -1, 0, 0
+        self.learning_may_end = threading.Event()
         self.threads = ThreadPoolExecutor(4)
 
     def generate(self, requests, version):
@@ -285,6 +287,7 @@ class _FakeReplica:
 
         if self.fails_in == "draft":
             return self._fail(requests)
+        self.draft_calls += 1
         self.drafting += 1
         try:
             passes = 0
@@ -297,6 +300,13 @@ class _FakeReplica:
 
     def stop(self, step):
         self.stopped_step = max(self.stopped_step, step)
+
+    def learn_head(self, samples, learning, budget, version):
+        """A round of the draft head's learning that ends once the test sets :attr:`learning_may_end`."""
+        from bubblespec.models.draft_head import HeadLearningReport
+
+        self.learning_may_end.wait(timeout=60)
+        return HeadLearningReport.nothing(), 0.5
 
     def _fail(self, requests):
         import time
@@ -403,11 +413,12 @@ def test_serve_ranks_learn_a_draft_head_on_the_last_rank_and_every_rank_drafts_w
         pool.learn_head(samples, learning, beside=True)
         learned = pool.learned_head()
         assert (learned.report.steps, learned.report.responses, learned.report.kept_responses) == (4, 4, 2)
-        assert learned.waited is not None and learned.seconds > 0  # the pool waited for it itself: measured
+        assert learned.waited > 0 and learned.seconds > 0  # collected at once: the pool waited for it, measured
         assert replicas[1].engine.draft_head is not None and replicas[0].engine.draft_head is None
         weights = {name: tensor.clone() for name, tensor in replicas[0].engine.model.weights.items()}
         pool.update_weights(weights, version=1)  # the same policy: the same outputs for the same keys
-        assert pool.head_synced_seconds > 0 and pool.head_sync_seconds() == pool.head_synced_seconds
+        synced = pool.head_synced_seconds
+        assert synced > 0 and pool.head_sync_seconds() == synced
         state = pool.draft_head_state()
 
         def holds(replica) -> bool:
@@ -423,15 +434,44 @@ def test_serve_ranks_learn_a_draft_head_on_the_last_rank_and_every_rank_drafts_w
         assert all(rank.head_call_seconds > 0 for rank in outcome.ranks)
         pool.pause_head()
         assert all(replica.engine.draft_head is None for replica in replicas)
+        pool.update_weights(weights, version=1)  # a paused head is not sent; the next sync's estimate stays
+        assert pool.head_synced_seconds == 0.0 and pool.head_sync_seconds() == synced
         pool.load_draft_head_state(state, learning)  # a checkpoint's head, not paused
         assert all(holds(replica) for replica in replicas)
-        replicas[0] = RankReplica(0, "torch", settings)  # Serve replaced rank 0's replica: the initial model, no head
+        replicas[1] = RankReplica(1, "torch", settings)  # Serve replaced the last rank's replica: the initial model
         torch.set_num_threads(threads)
-        replicas[0].threads = concurrent.futures.ThreadPoolExecutor(4)
-        pool.handles[0] = _FakeHandle(replicas[0])
+        replicas[1].threads = concurrent.futures.ThreadPoolExecutor(4)
+        pool.handles[1] = _FakeHandle(replicas[1])
         outcome = pool.rollout([later[:2], later[2:]], DraftPlan([]))  # refused for its policy version: restored
-        assert replicas[0].version == 1 and holds(replicas[0])
+        assert replicas[1].version == 1 and holds(replicas[1]) and replicas[1].engine.keep_hidden
         assert [x.token_ids for x in outcome.results] == plain
     finally:
         for replica in replicas:
+            replica.threads.shutdown(wait=True)
+
+
+def test_the_last_rank_does_not_draft_while_training_while_it_learns_the_draft_head():
+    """On Serve ranks a round of the head's learning holds the last rank's engine: a training phase that starts while
+    it runs has only the other ranks draft (the last one's drafting would wait for the round, counted as drafting);
+    the round is collected once the trainer is done, with the wait measured."""
+    from bubblespec.models.draft_head import HeadLearning
+    from bubblespec.rollout.serve_ranks import ServeRankPool
+
+    replicas = [_FakeReplica(0), _FakeReplica(1)]
+    pool = ServeRankPool([_FakeHandle(r) for r in replicas])
+    try:
+        pool.learn_head([((1,), (2, 3), 1.0)], HeadLearning(), beside=True)
+        pool.start_drafting(DraftPlan([_request(str(i)) for i in range(8)], num_ranks=2))  # every rank, but the last
+        deadline = time.monotonic() + 30
+        while replicas[0].draft_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pool.stop_drafting(train_seconds=1.0)
+        replicas[1].learning_may_end.set()
+        learned = pool.learned_head()
+        assert replicas[0].draft_calls > 0 and replicas[1].draft_calls == 0
+        assert learned.seconds == 0.5 and learned.waited >= 0
+    finally:
+        for replica in replicas:
+            replica.learning_may_end.set()
+            replica.max_passes = 0
             replica.threads.shutdown(wait=True)

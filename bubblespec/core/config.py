@@ -156,8 +156,9 @@ class DraftHeadConfig(Section):
     AdamW steps) while the trainer trains, and drafts with it from the next rollout on, after every other source of a
     pass (its proposals extend what the others leave of a pass's draft room). Its learning costs the step nothing
     where the ranks draft while the trainer trains (``draft_during_training``) and it ends before the trainer; the
-    rest is charged on the step. Every rank drafts with it (the next weight sync sends it). Measured on bench-virtual
-    and SmolLM2 (BENCHMARKS.md, *A keyed draft head*), where it does not pay yet: off by default."""
+    rest is charged on the step. Every rank drafts with it (the next weight sync sends it). Measured on bench-virtual,
+    bench-long and SmolLM2 on the virtual clock, and on the README's main job and bench-wall on the wall clock of 2 CPU
+    cores (BENCHMARKS.md, *A keyed draft head*), where it does not pay yet: off by default."""
 
     enabled: bool | Literal["auto"] = False
     """``auto`` learns and drafts like true, but pauses the head (no learning, no drafting) where the run's own

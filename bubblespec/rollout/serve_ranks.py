@@ -259,9 +259,9 @@ class ServeRankPool:
     """All ranks for real, in wall-clock time: a driver of :class:`~bubblespec.rollout.bubble_scheduler.PhaseScheduler`
     whose calls are DeploymentHandle calls, reported as they return.
 
-    A draft head (``speculation.draft_head``) learns on the last rank while the trainer trains (its engine lock keeps
-    its drafting until after); :meth:`learned_head` waits for it once the trainer is done, and the weight sync after
-    it sends its state from that rank to the others, as a replaced replica gets it again."""
+    A draft head (``speculation.draft_head``) learns on the last rank while the trainer trains (that rank does not
+    draft then, :meth:`start_drafting`); :meth:`learned_head` waits for it once the trainer is done, and the weight
+    sync after it sends its state from that rank to the others, as a replaced replica gets it again."""
 
     head_wait_seconds = 0.0
     """:meth:`settle` never waits for the draft head's learning here: :meth:`learned_head` does, and says how long."""
@@ -292,6 +292,8 @@ class ServeRankPool:
         self._head_state: dict | None = None
         """The head the ranks hold since the last sync or restore: what a replaced replica gets."""
         self._head_unsynced = False
+        self._last_head_sync = 0.0
+        """What the last sync that sent a learned head took (:meth:`head_sync_seconds`)."""
         self._keeps_hidden = False
         """Whether the last rank keeps its responses' hidden states (a replaced replica is told again)."""
 
@@ -329,7 +331,8 @@ class ServeRankPool:
         reference, learning = ray.put(state), self._head_learning  # one copy for every rank
         self._on_ranks(range(last), lambda handle: handle.load_draft_head.remote(reference, learning))
         self._head_unsynced = False
-        return time.perf_counter() - start
+        self._last_head_sync = time.perf_counter() - start
+        return self._last_head_sync
 
     def release(self) -> None:
         """Every rank frees its generation memory for the trainer (colocated hardware)."""
@@ -373,9 +376,9 @@ class ServeRankPool:
         self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.keep_hidden.remote(keep)))
 
     def head_sync_seconds(self) -> float:
-        """What the last sync of a learned head took: the next one's estimate until that sync measures its own
-        (:attr:`head_synced_seconds`)."""
-        return self.head_synced_seconds or 0.0
+        """What the last sync that sent a learned head took: the next one's estimate until that sync measures its
+        own (:attr:`head_synced_seconds`)."""
+        return self._last_head_sync
 
     def pause_head(self) -> None:
         self._on_every_rank(lambda handle: handle.pause_head.remote())

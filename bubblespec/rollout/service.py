@@ -20,6 +20,7 @@ version: where and whether a draft was used changes only the time it took (invar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -279,19 +280,15 @@ class RolloutService:
         outcome = None
         if self._drafting:  # first: the ranks draft no longer than the trainer trained, nor wait for the head
             self._drafting = False
-            outcome = self.ranks.stop_drafting(train_seconds)  # at once: passes in flight end late
-            self._since_phase_end = 0.0
-            self._store(outcome.drafts)
+            with _unless_the_trainer_failed(train_seconds, "drafting while the trainer trained"):
+                outcome = self.ranks.stop_drafting(train_seconds)  # at once: passes in flight end late
+                self._since_phase_end = 0.0
+                self._store(outcome.drafts)
         else:
             self._since_phase_end += train_seconds
         if self._head_learning:
-            try:
+            with _unless_the_trainer_failed(train_seconds, "the draft head's learning"):
                 self._record_head_learning(train_seconds)
-            except Exception as error:
-                if train_seconds > 0:
-                    raise
-                # the trainer failed: its error is the one to raise (the run rewinds; the head is restored with it)
-                logger.warning("the draft head's learning failed too: %s: %s", type(error).__name__, error)
         if train_seconds > 0:  # not a failed trainer's
             self._last_train_seconds = train_seconds
         return None if outcome is None else TrainingDrafting(outcome)
@@ -498,6 +495,18 @@ class RolloutService:
         self.store.put(
             [d for d in drafts if d.finished or d.key not in stored or len(d.token_ids) >= len(stored[d.key].token_ids)]
         )
+
+
+@contextlib.contextmanager
+def _unless_the_trainer_failed(train_seconds: float, what: str):
+    """Raises an error of the block, unless the trainer failed (``train_seconds`` 0): its error is the one the run
+    raises (and rewinds from), so this one is logged."""
+    try:
+        yield
+    except Exception as error:
+        if train_seconds > 0:
+            raise
+        logger.warning("%s failed too: %s: %s", what, type(error).__name__, error)
 
 
 def head_learning(speculation: SpeculationConfig, ranks: RankPool) -> HeadLearning | None:

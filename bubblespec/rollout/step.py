@@ -178,8 +178,8 @@ class HeadRound:
     """A round of the draft head's online learning as the rank pool ran it (``RankPool.learn_head``, collected by
     ``RankPool.learned_head``): its seconds on the pool's clock, when it started (seconds from the trainer's start),
     the engine's report (``models.draft_head.HeadLearningReport``), and where the pool waited for it itself (the wall
-    clock: once the trainer is done) the seconds of that wait, None where the caller estimates it (the virtual clock,
-    whose ``settle`` waits for it)."""
+    clock: once the trainer is done, or before it where the round does not run beside it) the seconds of that wait,
+    None where the caller estimates it (the virtual clock, whose ``settle`` waits for it)."""
 
     seconds: float
     started: float
