@@ -13,12 +13,12 @@ from bubblespec.tasks import ArithmeticTask
 SAMPLES = 2
 
 
-def _service_config(enabled: bool) -> ServiceConfig:
+def _service_config(enabled: bool, **speculation) -> ServiceConfig:
     return ServiceConfig(
         seed=3,
         model={"dtype": "float64"},
         rollout={"num_ranks": 2},
-        speculation={"enabled": enabled},
+        speculation={"enabled": enabled} | speculation,
         clock={"kind": "virtual", "profile": "h100-7b"},
     )
 
@@ -204,3 +204,34 @@ def test_gpus_per_worker_defaults_to_one_on_cuda_and_bad_draft_store_options_are
     ):
         with start_service(config, path, SamplingParams(max_new_tokens=8), 1):
             pass
+
+
+def test_a_failed_trainers_error_is_not_replaced_by_the_ranks_errors_after_it(caplog):
+    """The trainer failed (``training_ended(0.0)``, its error on its way to the caller): an error stopping the ranks'
+    drafting or collecting the draft head's round is logged, not raised over it; after a trainer that did not fail,
+    the same error is raised."""
+    import logging
+
+    from bubblespec.core.interfaces import SamplingParams
+
+    task = ArithmeticTask(seed=0, prompts_per_step=4)
+    config = _service_config(True, draft_head={"enabled": True})
+    path = str(ArithmeticTask.model_path())
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("rank 1 lost")
+
+    with start_service(config, path, SamplingParams(max_new_tokens=24), SAMPLES, peek=task.peek) as service:
+        for train_seconds in (0.0, 1.0):
+            service.generate(0, task.batch(0), SAMPLES)
+            service.training_starts()
+            service._drafting = True  # as where the ranks draft while the trainer trains
+            service.ranks.stop_drafting = service.ranks.learned_head = fails
+            if train_seconds:
+                with pytest.raises(RuntimeError, match="rank 1 lost"):
+                    service.training_ended(train_seconds)
+                continue
+            with caplog.at_level(logging.WARNING, logger="bubblespec.rollout.service"):
+                assert service.training_ended(train_seconds) is None
+            assert "drafting while the trainer trained failed too: RuntimeError: rank 1 lost" in caplog.text
+            assert "the draft head's learning failed too: RuntimeError: rank 1 lost" in caplog.text
