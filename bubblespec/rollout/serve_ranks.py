@@ -327,7 +327,7 @@ class ServeRankPool:
         import ray
 
         start, last = time.perf_counter(), self.num_ranks - 1
-        self._head_state = state = self._call(self._resilient(last, lambda handle: handle.draft_head_state.remote()))
+        self._head_state = state = self.draft_head_state()
         reference, learning = ray.put(state), self._head_learning  # one copy for every rank
         self._on_ranks(range(last), lambda handle: handle.load_draft_head.remote(reference, learning))
         self._head_unsynced = False
@@ -369,11 +369,11 @@ class ServeRankPool:
 
     def head_step_cost(self, window: int) -> float:
         """A draft-head step's cost over a decode pass's, measured on the last rank."""
-        return self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.head_step_cost.remote(window)))
+        return self._on_last_rank(lambda handle: handle.head_step_cost.remote(window))
 
     def keep_hidden_states(self, keep: bool) -> None:
         self._keeps_hidden = keep
-        self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.keep_hidden.remote(keep)))
+        self._on_last_rank(lambda handle: handle.keep_hidden.remote(keep))
 
     def head_sync_seconds(self) -> float:
         """What the last sync that sent a learned head took: the next one's estimate until that sync measures its
@@ -387,7 +387,7 @@ class ServeRankPool:
             self._head_state = self._head_state | {"paused": True}
 
     def draft_head_state(self) -> dict | None:
-        return self._call(self._resilient(self.num_ranks - 1, lambda handle: handle.draft_head_state.remote()))
+        return self._on_last_rank(lambda handle: handle.draft_head_state.remote())
 
     def load_draft_head_state(self, state, learning) -> None:
         """Every rank back to ``state`` (a checkpoint's; None: no head), once a round still running has ended."""
@@ -399,6 +399,10 @@ class ServeRankPool:
     def placement(self) -> list[dict]:
         """Each rank's node, GPUs and releases (:meth:`RankReplica.placement`)."""
         return self._on_every_rank(lambda handle: handle.placement.remote())
+
+    def _on_last_rank(self, call):
+        """``call(handle)`` on the last rank (the one that learns the draft head), resilient as every call is."""
+        return self._call(self._resilient(self.num_ranks - 1, call))
 
     def _on_every_rank(self, call) -> list:
         return self._on_ranks(range(self.num_ranks), call)
